@@ -1,0 +1,168 @@
+"""Image references as users type them, and skopeo-style transport locations.
+
+Public API:
+    ImageReference(registry, repository, tag, digest)  -- a registry image, normalised
+        .ref -> str             the tag or digest to ask the registry for (digest wins)
+        .pinned(digest) -> ImageReference   the same image addressed by digest
+        str(ref)                canonical form, e.g. ``docker.io/vllm/vllm-openai:v0.20.1``
+    parse_reference(text) -> ImageReference
+    RegistryLocation(reference) / OciLayoutLocation(path, tag) / DockerArchiveLocation(path)
+    Location                    the union of the three
+    parse_location(text) -> Location   ``docker://REF``, ``oci:DIR[:TAG]``, ``docker-archive:FILE``;
+                                       a bare reference means ``docker://``
+
+Normalisation follows Docker's rules so a reference means the same image it means to
+``docker pull``: a first path component is a registry host only if it contains ``.`` or ``:``
+or is ``localhost``; otherwise the registry is ``docker.io`` and one-component names get the
+``library/`` prefix; no tag and no digest means ``latest``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from kiln.errors import KilnError
+
+DOCKER_HUB = "docker.io"
+_HUB_ALIASES = {"docker.io", "index.docker.io", "registry-1.docker.io"}
+
+# Grammar from the distribution reference spec (lower-case path components joined by
+# '.', '_', '__' or runs of '-'; tags up to 128 word characters, '.' and '-').
+_COMPONENT = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*")
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+_HOST = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*(?::[0-9]+)?|\[[0-9A-Fa-f:]+\](?::[0-9]+)?")
+
+
+@dataclass(frozen=True)
+class ImageReference:
+    registry: str  # "docker.io", "ghcr.io", "127.0.0.1:5000"
+    repository: str  # "vllm/vllm-openai", "library/ubuntu"
+    tag: str | None = None
+    digest: str | None = None  # "sha256:<64 hex>"
+
+    @property
+    def ref(self) -> str:
+        """What the manifest endpoint is asked for: the digest when known, else the tag."""
+        return self.digest or self.tag or "latest"
+
+    def pinned(self, digest: str) -> ImageReference:
+        """This image addressed by ``digest`` (the tag is kept for display)."""
+        if not _DIGEST.fullmatch(digest):
+            raise KilnError(f"{self}: {digest!r} is not a sha256 digest")
+        return replace(self, digest=digest)
+
+    def with_repository(self, repository: str) -> ImageReference:
+        return replace(self, repository=repository)
+
+    @property
+    def name(self) -> str:
+        """``registry/repository`` without tag or digest."""
+        return f"{self.registry}/{self.repository}"
+
+    def __str__(self) -> str:
+        text = self.name
+        if self.tag:
+            text += f":{self.tag}"
+        if self.digest:
+            text += f"@{self.digest}"
+        return text
+
+
+def parse_reference(text: str) -> ImageReference:
+    """Parse ``[host[:port]/]path[:tag][@sha256:hex]`` with Docker's normalisation."""
+    original = text
+    text = text.strip()
+    if not text or any(c.isspace() for c in text):
+        raise KilnError(f"image reference {original!r}: empty or contains whitespace")
+    digest = None
+    if "@" in text:
+        text, digest = text.rsplit("@", 1)
+        if not _DIGEST.fullmatch(digest):
+            raise KilnError(f"image reference {original!r}: {digest!r} is not a sha256:<64 hex> digest")
+    tag = None
+    last_slash = text.rfind("/")
+    colon = text.rfind(":")
+    if colon > last_slash:  # a colon after the last slash is a tag, not a port
+        text, tag = text[:colon], text[colon + 1 :]
+        if not _TAG.fullmatch(tag):
+            raise KilnError(f"image reference {original!r}: {tag!r} is not a valid tag")
+    parts = text.split("/")
+    first = parts[0]
+    if len(parts) > 1 and ("." in first or ":" in first or first == "localhost" or first.startswith("[")):
+        registry, path = first, parts[1:]
+        if not _HOST.fullmatch(registry):
+            raise KilnError(f"image reference {original!r}: {registry!r} is not a registry host")
+    else:
+        registry, path = DOCKER_HUB, parts
+    if registry.lower() in _HUB_ALIASES:
+        registry = DOCKER_HUB
+        if len(path) == 1:
+            path = ["library", *path]
+    for component in path:
+        if not _COMPONENT.fullmatch(component):
+            raise KilnError(
+                f"image reference {original!r}: repository component {component!r} must be "
+                "lower-case letters, digits and single separators"
+            )
+    if not tag and not digest:
+        tag = "latest"
+    return ImageReference(registry=registry, repository="/".join(path), tag=tag, digest=digest)
+
+
+@dataclass(frozen=True)
+class RegistryLocation:
+    reference: ImageReference
+
+    def __str__(self) -> str:
+        return f"docker://{self.reference}"
+
+
+@dataclass(frozen=True)
+class OciLayoutLocation:
+    path: Path
+    tag: str | None = None  # the ``org.opencontainers.image.ref.name`` annotation
+
+    def __str__(self) -> str:
+        return f"oci:{self.path}" + (f":{self.tag}" if self.tag else "")
+
+
+@dataclass(frozen=True)
+class DockerArchiveLocation:
+    path: Path
+
+    def __str__(self) -> str:
+        return f"docker-archive:{self.path}"
+
+
+Location = RegistryLocation | OciLayoutLocation | DockerArchiveLocation
+
+
+def parse_location(text: str) -> Location:
+    """Parse a skopeo-style ``transport:details`` string; a bare reference is ``docker://``."""
+    if text.startswith("docker://"):
+        return RegistryLocation(parse_reference(text[len("docker://") :]))
+    if text.startswith("oci:"):
+        rest = text[len("oci:") :]
+        if not rest:
+            raise KilnError(f"{text!r}: oci: needs a directory, e.g. oci:out/layout:tag")
+        # skopeo's rule: the last ':' separates the tag, unless what follows looks like a path.
+        directory, tag = rest, None
+        if ":" in rest:
+            head, tail = rest.rsplit(":", 1)
+            if tail and "/" not in tail:
+                if not _TAG.fullmatch(tail):
+                    raise KilnError(f"{text!r}: {tail!r} is not a valid tag")
+                directory, tag = head, tail
+        return OciLayoutLocation(Path(directory), tag)
+    if text.startswith("docker-archive:"):
+        rest = text[len("docker-archive:") :]
+        if not rest:
+            raise KilnError(f"{text!r}: docker-archive: needs a file path")
+        return DockerArchiveLocation(Path(rest))
+    transport = text.split(":", 1)[0]
+    if "://" in text or (transport and transport.isalpha() and transport.endswith("-archive")):
+        raise KilnError(f"{text!r}: unknown transport; use docker://, oci: or docker-archive:")
+    return RegistryLocation(parse_reference(text))

@@ -1,0 +1,124 @@
+"""Anchors: paths of libcst matchers that locate one node by code shape.
+
+An anchor is a tuple ``(outer, ..., inner)``: each matcher is searched inside every node the
+previous one found (e.g. class ``X`` → method ``forward`` → the ``torch.zeros`` assignment).
+The anchor holds when the last level finds exactly one node. Line numbers and regexes are
+never used to locate code; positions are only computed to *report* where a drift is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import libcst as cst
+import libcst.matchers as m
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+Anchor = tuple[m.BaseMatcherNode, ...]
+
+# Matchers for these node types are searched by walking statement blocks only, which is an
+# order of magnitude faster than a full-tree ``m.findall`` on the 7,000-line files of vLLM.
+_STATEMENT_MATCHERS = (m.ClassDef, m.FunctionDef, m.SimpleStatementLine, m.If, m.For, m.While, m.Try, m.With)
+
+
+def _child_statements(node: cst.CSTNode) -> list[cst.CSTNode]:
+    out: list[cst.CSTNode] = []
+    for attr in ("body", "orelse", "handlers", "finalbody"):
+        value = getattr(node, attr, None)
+        if value is None:
+            continue
+        if isinstance(value, cst.BaseSuite):
+            value = value.body
+        if isinstance(value, (list, tuple)):
+            out.extend(v for v in value if isinstance(v, cst.CSTNode))
+        elif isinstance(value, cst.CSTNode):
+            out.append(value)
+    return out
+
+
+def _walk_statements(root: cst.CSTNode):
+    stack = list(reversed(_child_statements(root)))
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, cst.BaseCompoundStatement) or isinstance(node, (cst.Else, cst.ExceptHandler, cst.Finally, cst.If)):
+            stack.extend(reversed(_child_statements(node)))
+
+
+def find(root: cst.CSTNode, matcher: m.BaseMatcherNode) -> list[cst.CSTNode]:
+    """All nodes under ``root`` (not ``root`` itself) matching ``matcher``, in source order."""
+    if isinstance(matcher, _STATEMENT_MATCHERS):
+        return [n for n in _walk_statements(root) if m.matches(n, matcher)]
+    return [n for n in m.findall(root, matcher) if n is not root]
+
+
+def describe(matcher: m.BaseMatcherNode) -> str:
+    """A short human name for a matcher level: ``class TurboQuantMetadataBuilder``."""
+    name = getattr(matcher, "name", None)
+    value = getattr(name, "value", None)
+    kind = type(matcher).__name__
+    if isinstance(value, str):
+        label = {"ClassDef": "class", "FunctionDef": "def"}.get(kind, kind)
+        return f"{label} {value}"
+    return kind
+
+
+def symbol_of(anchor: Anchor) -> str | None:
+    """The first class/function name an anchor names, for "where did it move?" searches."""
+    for matcher in anchor:
+        if isinstance(matcher, (m.ClassDef, m.FunctionDef)):
+            value = getattr(getattr(matcher, "name", None), "value", None)
+            if isinstance(value, str):
+                return value
+    return None
+
+
+@dataclass
+class AnchorResult:
+    """Outcome of resolving an anchor: the unique node, or where resolution stopped."""
+
+    nodes: list[cst.CSTNode]
+    level: int  # index of the level that decided the outcome
+    anchor: Anchor
+    lines: list[int] = field(default_factory=list)  # positions of ambiguous matches
+
+    @property
+    def unique(self) -> cst.CSTNode | None:
+        return self.nodes[0] if len(self.nodes) == 1 and self.level == len(self.anchor) - 1 else None
+
+    def explain(self) -> str:
+        path = " > ".join(describe(x) for x in self.anchor[: self.level + 1])
+        count = len(self.nodes)
+        where = f" (lines {', '.join(map(str, self.lines))})" if self.lines else ""
+        return f"{path}: matched {count} times{where}, expected exactly once"
+
+
+def resolve(module: cst.Module, anchor: Anchor) -> AnchorResult:
+    """Resolve ``anchor`` level by level; stop at the first level that is not unique."""
+    scopes: list[cst.CSTNode] = [module]
+    last = len(anchor) - 1
+    for level, matcher in enumerate(anchor):
+        found = [node for scope in scopes for node in find(scope, matcher)]
+        if not found:
+            return AnchorResult(found, level, anchor)
+        if level == last and len(found) > 1:
+            return AnchorResult(found, level, anchor, _lines(module, found))
+        scopes = found
+    return AnchorResult(scopes, last, anchor)
+
+
+def count(module: cst.Module, anchor: Anchor) -> int:
+    """How many nodes the full anchor path reaches (0 if any level finds nothing)."""
+    scopes: list[cst.CSTNode] = [module]
+    for matcher in anchor:
+        scopes = [node for scope in scopes for node in find(scope, matcher)]
+        if not scopes:
+            return 0
+    return len(scopes)
+
+
+def _lines(module: cst.Module, nodes: list[cst.CSTNode]) -> list[int]:
+    """Start lines of ``nodes``; needs a metadata pass, so only used to report ambiguity."""
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    positions = wrapper.resolve(PositionProvider)
+    return sorted(positions[n].start.line for n in nodes if n in positions)

@@ -1,0 +1,191 @@
+"""Load the patch catalogue from ``patchsets/<family>/<patch>.py`` and validate its metadata.
+
+Every problem is reported as one line naming the file and the field at fault, before any
+source is read: a malformed catalogue never produces a verdict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import libcst.matchers as m
+
+from kiln.errors import KilnError
+from kiln.patch.model import Codemod, Gates, Patch
+
+_ID = re.compile(r"^P\d+[a-z]?$")
+_FAMILY = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def patch_sort_key(patch_id: str) -> tuple[int, str]:
+    """Natural order: P4 < P5 < P5b < P22 < P65."""
+    match = re.match(r"P(\d+)(.*)", patch_id)
+    return (int(match.group(1)), match.group(2)) if match else (1 << 30, patch_id)
+
+
+@dataclass
+class Catalogue:
+    root: Path
+    patches: dict[str, Patch]  # id -> instance, natural order
+    digests: dict[str, str]  # id -> sha256 of the patch module file
+
+    def get(self, patch_id: str) -> Patch:
+        try:
+            return self.patches[patch_id]
+        except KeyError:
+            raise KilnError(f"unknown patch {patch_id!r} (not in {self.root})") from None
+
+    def default_selection(self) -> list[str]:
+        """Every patch that is not a variant an image has to opt into."""
+        return [pid for pid, p in self.patches.items() if not p.variant]
+
+    def closure(self, ids: list[str]) -> list[str]:
+        """``ids`` plus everything they require, in dependency order."""
+        wanted: set[str] = set()
+
+        def add(pid: str) -> None:
+            if pid in wanted:
+                return
+            wanted.add(pid)
+            for dep in self.get(pid).requires:
+                add(dep)
+
+        for pid in ids:
+            add(pid)
+        return self.order(wanted)
+
+    def order(self, ids) -> list[str]:
+        """Topological order by ``requires``; natural id order among independent patches."""
+        ids = set(ids)
+        done: list[str] = []
+        placed: set[str] = set()
+        visiting: set[str] = set()
+
+        def visit(pid: str) -> None:
+            if pid in placed:
+                return
+            if pid in visiting:
+                raise KilnError(f"{self.patches[pid].source_file}: requires cycle through {pid}")
+            visiting.add(pid)
+            for dep in sorted(self.patches[pid].requires, key=patch_sort_key):
+                if dep in ids:
+                    visit(dep)
+            visiting.discard(pid)
+            placed.add(pid)
+            done.append(pid)
+
+        for pid in sorted(ids, key=patch_sort_key):
+            visit(pid)
+        return done
+
+    def digest_with_requires(self, patch_id: str) -> str:
+        """A digest of the patch module and the modules of everything it requires."""
+        h = hashlib.sha256()
+        for pid in self.closure([patch_id]):
+            h.update(f"{pid}:{self.digests[pid]}\n".encode())
+        return h.hexdigest()
+
+
+def load_catalogue(root: Path) -> Catalogue:
+    if not root.is_dir():
+        raise KilnError(f"{root}: patchsets directory not found")
+    found: dict[str, Patch] = {}
+    digests: dict[str, str] = {}
+    for path in sorted(root.glob("*/*.py")):
+        if path.name.startswith("_") or path.parent.name.startswith(("_", ".")):
+            continue
+        patch = _load_module(path, root)
+        if patch.id in found:
+            raise KilnError(f"{path}: id {patch.id!r} already defined in {found[patch.id].source_file}")
+        found[patch.id] = patch
+        digests[patch.id] = hashlib.sha256(path.read_bytes()).hexdigest()
+    for patch in found.values():
+        for field in ("requires", "conflicts"):
+            for other in getattr(patch, field):
+                if other not in found and not (field == "conflicts"):
+                    raise KilnError(f"{patch.source_file}: {field} names unknown patch {other!r}")
+    ordered = {pid: found[pid] for pid in sorted(found, key=patch_sort_key)}
+    catalogue = Catalogue(root, ordered, digests)
+    catalogue.order(ordered)  # detects requires cycles
+    return catalogue
+
+
+def _load_module(path: Path, root: Path) -> Patch:
+    name = f"kiln_patchsets.{path.parent.name}.{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise KilnError(f"{path}: cannot be loaded as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:  # any failure inside a patch module is that module's fault
+        sys.modules.pop(name, None)
+        raise KilnError(f"{path}: patch module failed to import: {err.__class__.__name__}: {err}") from None
+    classes = [
+        obj
+        for obj in vars(module).values()
+        if isinstance(obj, type) and issubclass(obj, Patch) and obj is not Patch and obj.__module__ == name
+    ]
+    if len(classes) != 1:
+        raise KilnError(f"{path}: must define exactly one Patch subclass (found {len(classes)})")
+    cls = classes[0]
+    cls.source_file = str(path)
+    _validate(cls, path)
+    return cls()
+
+
+def _validate(cls: type[Patch], path: Path) -> None:
+    def fail(field: str, why: str) -> None:
+        raise KilnError(f"{path}: {cls.__name__}.{field}: {why}")
+
+    for field in ("id", "family", "title", "why"):
+        value = getattr(cls, field, None)
+        if not isinstance(value, str) or not value.strip():
+            fail(field, "missing or not a non-empty string")
+    if not _ID.match(cls.id):
+        fail("id", f"{cls.id!r} is not like 'P65' or 'P5b'")
+    if path.stem.lower() != cls.id.lower() and not path.stem.lower().startswith(cls.id.lower() + "_"):
+        fail("id", f"{cls.id!r} does not match the file name {path.name!r} (expected {cls.id.lower()}_*.py)")
+    if not _FAMILY.match(cls.family) or cls.family != path.parent.name:
+        fail("family", f"{cls.family!r} must equal its directory name {path.parent.name!r}")
+    for field in ("upstream_refs", "requires", "conflicts"):
+        value = getattr(cls, field)
+        if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
+            fail(field, "must be a tuple of non-empty strings")
+    if cls.id in cls.requires or cls.id in cls.conflicts:
+        fail("requires", "a patch cannot require or conflict with itself")
+    if set(cls.requires) & set(cls.conflicts):
+        fail("conflicts", f"{sorted(set(cls.requires) & set(cls.conflicts))[0]} is both required and conflicting")
+    if not isinstance(cls.gates, Gates):
+        fail("gates", "must be a Gates(...)")
+    try:
+        cls.gates.specifier()
+    except ValueError as err:
+        fail("gates", str(err))
+    for field in ("perf_critical", "variant"):
+        if not isinstance(getattr(cls, field), bool):
+            fail(field, "must be True or False")
+    edits = getattr(cls, "edits", None)
+    if not isinstance(edits, tuple) or not edits:
+        fail("edits", "must be a non-empty tuple of Codemod classes")
+    for edit in edits:
+        if not (isinstance(edit, type) and issubclass(edit, Codemod)):
+            fail("edits", f"{edit!r} is not a Codemod subclass")
+        where = f"edits[{edit.__name__}]"
+        target = getattr(edit, "target", None)
+        if not isinstance(target, str) or not target.endswith(".py") or target.startswith(("/", "vllm/")) or ".." in target:
+            fail(where + ".target", f"{target!r} must be a .py path relative to the vllm package")
+        for attr, required in (("anchor", True), ("patched", True), ("upstream", False)):
+            value = getattr(edit, attr, None)
+            if value is None and not required:
+                continue
+            if not isinstance(value, tuple) or not value or not all(isinstance(x, m.BaseMatcherNode) for x in value):
+                fail(f"{where}.{attr}", "must be a non-empty tuple of libcst matchers")
+        if edit.rewrite is Codemod.rewrite:
+            fail(f"{where}.rewrite", "not implemented")

@@ -1,0 +1,252 @@
+"""The one path that decides verdicts and produces patched source.
+
+``Session`` parses each target file of a pristine tree at most once and keeps the parsed
+modules immutable, so every evaluation starts from the same objects. Evaluating a patch *is*
+applying it to a copy of the current state: ``verify`` and ``apply`` run the same code and
+differ only in whether the result is written.
+
+Two modes:
+- ``isolated`` (catalogue verify, golden diffs): each patch on pristine + its ``requires``.
+- ``cumulative`` (an image's or a user's selection): patches in dependency order on one
+  shared state; conflicts are verdicts, and an edit that only drifts because an earlier patch
+  touched the same code is reported as ``CONFLICT`` with that patch named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import libcst as cst
+
+from kiln.errors import KilnError
+from kiln.patch.anchor import resolve, symbol_of
+from kiln.patch.catalog import Catalogue
+from kiln.patch.model import BuildTarget, Codemod, Outcome, Patch, Verdict
+from kiln.source.tree import SourceTree
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+class _Replace(cst.CSTTransformer):
+    """Replace one node, by identity; supports statement flattening and removal."""
+
+    def __init__(self, old: cst.CSTNode, new):
+        self.old, self.new, self.hits = old, new, 0
+
+    def on_leave(self, original_node, updated_node):
+        if original_node is self.old:
+            self.hits += 1
+            return self.new
+        return updated_node
+
+
+def replace_node(module: cst.Module, old: cst.CSTNode, new) -> cst.Module:
+    transformer = _Replace(old, new)
+    result = module.visit(transformer)
+    if transformer.hits != 1:
+        raise RuntimeError("anchored node not found during replacement")
+    return result
+
+
+class Session:
+    """Parsed pristine modules of one source tree (each file parsed at most once)."""
+
+    def __init__(self, tree: SourceTree):
+        self.tree = tree
+        self._modules: dict[str, cst.Module | None] = {}
+
+    def module(self, rel: str) -> cst.Module | None:
+        if rel not in self._modules:
+            if not self.tree.exists(rel):
+                self._modules[rel] = None
+            else:
+                try:
+                    self._modules[rel] = cst.parse_module(self.tree.read(rel))
+                except cst.ParserSyntaxError as err:
+                    raise KilnError(f"{self.tree.file(rel)}: libcst cannot parse it: {err.message}") from None
+        return self._modules[rel]
+
+    def overlay(self, modules: dict[str, cst.Module]) -> Session:
+        """A session over the same tree where ``modules`` replace the pristine files.
+
+        Used to re-run patches on their own output (idempotence: the verdict must then be
+        ``ALREADY_PATCHED`` and nothing may change).
+        """
+        other = Session(self.tree)
+        other._modules = {**self._modules, **modules}
+        return other
+
+    def where_is(self, symbol: str) -> list[str]:
+        """Files (and lines) defining ``symbol`` elsewhere in the tree: a hint for TARGET_GONE."""
+        hits = []
+        needles = (f"def {symbol}(", f"class {symbol}(", f"class {symbol}:")
+        for rel in self.tree.python_files():
+            text = self.tree.read(rel)
+            if not any(n in text for n in needles):
+                continue
+            for number, line in enumerate(text.splitlines(), 1):
+                if any(line.lstrip().startswith(n) for n in needles):
+                    hits.append(f"{rel}:{number}")
+        return hits
+
+
+@dataclass
+class State:
+    """The current modules of a run: pristine unless a patch changed them."""
+
+    session: Session
+    changed: dict[str, cst.Module] = field(default_factory=dict)
+    touched_by: dict[str, list[str]] = field(default_factory=dict)  # rel -> patch ids
+
+    def module(self, rel: str) -> cst.Module | None:
+        if rel in self.changed:
+            return self.changed[rel]
+        return self.session.module(rel)
+
+    def fork(self) -> State:
+        return State(self.session, dict(self.changed), {k: list(v) for k, v in self.touched_by.items()})
+
+
+@dataclass
+class RunResult:
+    outcomes: dict[str, Outcome]
+    state: State
+
+    def changed_text(self) -> dict[str, str]:
+        return {rel: mod.code for rel, mod in sorted(self.state.changed.items())}
+
+
+def _evaluate_edits(patch: Patch, state: State) -> tuple[Outcome, dict[str, cst.Module]]:
+    """Dry-run every edit of ``patch`` on ``state``; return the verdict and the new modules."""
+    session = state.session
+    working: dict[str, cst.Module] = {}
+    statuses: list[tuple[type[Codemod], str, str]] = []  # (edit, status, detail)
+    for edit_cls in patch.edits:
+        edit = edit_cls()
+        module = working.get(edit.target) or state.module(edit.target)
+        if module is None:
+            symbol = symbol_of(edit.anchor)
+            hint = ""
+            if symbol:
+                places = session.where_is(symbol)
+                hint = f"; {symbol} is now in {', '.join(places[:3])}" if places else f"; {symbol} not found anywhere"
+            return Outcome(patch.id, Verdict.TARGET_GONE, f"{edit.target} does not exist{hint}"), {}
+        if edit.is_patched(module):
+            statuses.append((edit_cls, "patched", ""))
+            continue
+        if edit.is_upstream(module):
+            statuses.append((edit_cls, "upstream", f"{edit_cls.name()}: upstream shape present in {edit.target}"))
+            continue
+        found = resolve(module, edit.anchor)
+        node = found.unique
+        if node is None:
+            statuses.append((edit_cls, "drifted", f"{edit.target}: {found.explain()}"))
+            continue
+        try:
+            new_module = replace_node(module, node, edit.rewrite(node))
+        except KilnError:
+            raise
+        except Exception as err:
+            raise KilnError(f"patch {patch.id}: codemod {edit_cls.name()} failed: {err.__class__.__name__}: {err}") from None
+        if not edit.is_patched(new_module):
+            raise KilnError(
+                f"patch {patch.id}: codemod {edit_cls.name()} ran but its `patched` matcher does not find the result"
+            )
+        working[edit.target] = new_module
+        statuses.append((edit_cls, "applies", ""))
+
+    kinds = {status for _, status, _ in statuses}
+    if kinds == {"patched"}:
+        return Outcome(patch.id, Verdict.ALREADY_PATCHED, "patched shape already present"), {}
+    if kinds == {"upstream"}:
+        return Outcome(patch.id, Verdict.UPSTREAM, "; ".join(d for _, _, d in statuses)), {}
+    if kinds == {"applies"}:
+        return Outcome(patch.id, Verdict.APPLIES), working
+    details = [f"{e.name()}: {d}" if s == "drifted" else d or f"{e.name()}: {s}" for e, s, d in statuses if s != "applies"]
+    if "drifted" not in kinds:
+        details.insert(0, "edits disagree (" + ", ".join(sorted(kinds)) + ")")
+    return Outcome(patch.id, Verdict.DRIFTED, "; ".join(details)), {}
+
+
+def _check_compiles(patch: Patch, modules: dict[str, cst.Module]) -> None:
+    for rel, module in modules.items():
+        code = module.code
+        try:
+            compile(code, f"vllm/{rel}", "exec", dont_inherit=True)
+        except SyntaxError as err:
+            raise KilnError(f"patch {patch.id}: output of {rel} does not compile: {err.msg} (line {err.lineno})") from None
+
+
+def evaluate(patch: Patch, state: State, target: BuildTarget, verdicts: dict[str, Outcome]) -> Outcome:
+    """Decide ``patch``'s verdict on ``state`` and, when it applies, commit its edits to it."""
+    gate = patch.gates.blocks(target)
+    if gate:
+        return Outcome(patch.id, Verdict.GATED, gate)
+    for dep in patch.requires:
+        dep_outcome = verdicts.get(dep)
+        if dep_outcome is None or not dep_outcome.verdict.ok:
+            shown = dep_outcome.verdict if dep_outcome else "not selected"
+            return Outcome(patch.id, Verdict.GATED, f"requires {dep}, which is {shown}")
+    upstream = patch.upstream_fix(state.module)
+    if upstream:
+        return Outcome(patch.id, Verdict.UPSTREAM, upstream)
+    outcome, modules = _evaluate_edits(patch, state)
+    if outcome.verdict is Verdict.APPLIES:
+        _check_compiles(patch, modules)
+        outcome.files = {}
+        for rel, module in modules.items():
+            before = state.module(rel)
+            outcome.files[rel] = (sha256_text(before.code), sha256_text(module.code))
+            state.changed[rel] = module
+            state.touched_by.setdefault(rel, []).append(patch.id)
+    return outcome
+
+
+def run_isolated(catalogue: Catalogue, session: Session, target: BuildTarget, ids: list[str]) -> dict[str, Outcome]:
+    """Catalogue mode: each patch on pristine + its requires closure, independently."""
+    outcomes: dict[str, Outcome] = {}
+    for pid in ids:
+        outcomes[pid] = isolated_run(catalogue, session, target, pid).outcomes[pid]
+    return outcomes
+
+
+def isolated_run(catalogue: Catalogue, session: Session, target: BuildTarget, patch_id: str) -> RunResult:
+    """Apply ``patch_id``'s requires closure cumulatively, then the patch itself."""
+    state = State(session)
+    outcomes: dict[str, Outcome] = {}
+    chain = catalogue.closure([patch_id])
+    for pid in chain:
+        outcomes[pid] = evaluate(catalogue.get(pid), state, target, outcomes)
+    return RunResult(outcomes, state)
+
+
+def run_selection(catalogue: Catalogue, session: Session, target: BuildTarget, ids: list[str]) -> RunResult:
+    """Cumulative mode: the selection (plus requires) applied in dependency order on one state."""
+    order = catalogue.closure(ids)
+    selected = set(order)
+    outcomes: dict[str, Outcome] = {}
+    state = State(session)
+    # conflicts are symmetric: declared on either side, they block both
+    conflicted: dict[str, set[str]] = {pid: set() for pid in order}
+    for pid in order:
+        for other in catalogue.get(pid).conflicts:
+            if other in selected:
+                conflicted[pid].add(other)
+                conflicted[other].add(pid)
+    for pid in order:
+        patch = catalogue.get(pid)
+        if conflicted.get(pid):
+            outcomes[pid] = Outcome(pid, Verdict.CONFLICT, f"conflicts with {', '.join(sorted(conflicted[pid]))} (select one)")
+            continue
+        before = state.fork()
+        outcome = evaluate(patch, state, target, outcomes)
+        if outcome.verdict is Verdict.DRIFTED and any(before.touched_by.get(t) for t in patch.targets):
+            alone = isolated_run(catalogue, session, target, pid).outcomes[pid]
+            if alone.verdict.ok:
+                culprits = sorted({p for t in patch.targets for p in before.touched_by.get(t, [])})
+                outcome = Outcome(pid, Verdict.CONFLICT, f"applies alone but not after {', '.join(culprits)}: {outcome.detail}")
+        outcomes[pid] = outcome
+    return RunResult(outcomes, state)

@@ -1,0 +1,174 @@
+"""The patch model: what a patch declares, and the verdict it gets on a pin.
+
+A patch is one module in ``patchsets/<family>/`` defining one ``Patch`` subclass. Its source
+edits are ``Codemod`` subclasses, one class per transform: a matcher *anchor* saying where,
+a ``rewrite`` saying what, a *patched* matcher saying how the result looks (so a re-run is
+recognised), and optionally an *upstream* matcher saying how the fix looks once vLLM ships it
+(so a retired patch is told apart from a drifted one).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import ClassVar
+
+import libcst as cst
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
+
+from kiln.patch.anchor import Anchor, count
+
+
+class Verdict(StrEnum):
+    APPLIES = "APPLIES"  # anchors found once each: the patch will be applied
+    ALREADY_PATCHED = "ALREADY_PATCHED"  # the patched shape is already there (idempotent re-run)
+    UPSTREAM = "UPSTREAM"  # vLLM ships the fix: retire the patch for this pin
+    DRIFTED = "DRIFTED"  # an anchor matched 0 or >1 times: re-anchor the patch
+    TARGET_GONE = "TARGET_GONE"  # a target file does not exist in this pin
+    GATED = "GATED"  # excluded by a version/SM/dtype/architecture gate or an unmet `requires`
+    CONFLICT = "CONFLICT"  # selected together with a patch it conflicts with
+
+    @property
+    def ok(self) -> bool:
+        """Verdicts under which the patch's effect is present in the output."""
+        return self in (Verdict.APPLIES, Verdict.ALREADY_PATCHED)
+
+
+@dataclass(frozen=True)
+class BuildTarget:
+    """What the build decides: the pin's vLLM version, and optionally the SM and model preset."""
+
+    vllm_version: Version
+    sm: int | None = None  # e.g. 86, 89, 90, 120; None = not decided (pin-level verify)
+    kv_cache_dtype: str | None = None  # from the image's model preset
+    architectures: tuple[str, ...] = ()  # from the image's model preset
+
+
+@dataclass(frozen=True)
+class Gates:
+    """Build-time applicability. Model-dependent behaviour stays a runtime guard in the code."""
+
+    vllm: str = ""  # PEP 440 specifier set on the vLLM version, "" = any
+    sm_min: int | None = None  # inclusive, e.g. 80
+    sm_max: int | None = None  # inclusive, e.g. 120
+    kv_cache_dtypes: tuple[str, ...] = ()  # fnmatch patterns, e.g. ("turboquant_*",); () = any
+    architectures: tuple[str, ...] = ()  # model architectures, e.g. ("Qwen3_5ForCausalLM",); () = any
+
+    def specifier(self) -> SpecifierSet:
+        try:
+            return SpecifierSet(self.vllm)
+        except InvalidSpecifier as err:
+            raise ValueError(f"gates.vllm {self.vllm!r} is not a version specifier") from err
+
+    def blocks(self, target: BuildTarget) -> str | None:
+        """Why this target is gated off, or None when every decided gate passes."""
+        spec = self.specifier()
+        if self.vllm and not spec.contains(target.vllm_version, prereleases=True):
+            return f"vllm {target.vllm_version} not in {self.vllm}"
+        if target.sm is not None:
+            if self.sm_min is not None and target.sm < self.sm_min:
+                return f"sm_{target.sm} below sm_{self.sm_min}"
+            if self.sm_max is not None and target.sm > self.sm_max:
+                return f"sm_{target.sm} above sm_{self.sm_max}"
+        if target.kv_cache_dtype is not None and self.kv_cache_dtypes:
+            if not any(fnmatch.fnmatchcase(target.kv_cache_dtype, p) for p in self.kv_cache_dtypes):
+                return f"kv-cache dtype {target.kv_cache_dtype} not in {', '.join(self.kv_cache_dtypes)}"
+        if target.architectures and self.architectures:
+            if not set(target.architectures) & set(self.architectures):
+                return f"architecture {', '.join(target.architectures)} not in {', '.join(self.architectures)}"
+        return None
+
+    def describe(self) -> str:
+        parts = []
+        if self.vllm:
+            parts.append(f"vllm{self.vllm}")
+        if self.sm_min is not None or self.sm_max is not None:
+            parts.append(f"sm {self.sm_min or ''}..{self.sm_max or ''}")
+        if self.kv_cache_dtypes:
+            parts.append("kv " + "|".join(self.kv_cache_dtypes))
+        if self.architectures:
+            parts.append("arch " + "|".join(self.architectures))
+        return ", ".join(parts) or "-"
+
+
+class Codemod:
+    """One anchored rewrite of one target file. Subclass once per transform.
+
+    Subclasses set ``target`` (path relative to the ``vllm`` package), ``anchor`` (matcher
+    path reaching exactly one node), ``patched`` (matcher path that finds the rewritten shape)
+    and optionally ``upstream`` (matcher path that finds vLLM's own fix), and implement
+    ``rewrite``. Override ``is_upstream``/``is_patched`` only when a matcher path cannot say it.
+    """
+
+    target: ClassVar[str]
+    anchor: ClassVar[Anchor]
+    patched: ClassVar[Anchor]
+    upstream: ClassVar[Anchor | None] = None
+
+    def rewrite(self, node: cst.CSTNode) -> cst.CSTNode | cst.FlattenSentinel | cst.RemovalSentinel:
+        """Return the replacement for the anchored node."""
+        raise NotImplementedError
+
+    def is_patched(self, module: cst.Module) -> bool:
+        return count(module, self.patched) > 0
+
+    def is_upstream(self, module: cst.Module) -> bool:
+        return self.upstream is not None and count(module, self.upstream) > 0
+
+    @classmethod
+    def name(cls) -> str:
+        return cls.__name__
+
+
+class Patch:
+    """A fix for vLLM, declared as data plus its codemods. Subclass once per patch module."""
+
+    id: ClassVar[str]  # "P65"
+    family: ClassVar[str]  # must equal the patchsets/ directory it lives in
+    title: ClassVar[str]
+    why: ClassVar[str]  # the failure it fixes, 1-3 sentences
+    upstream_refs: ClassVar[tuple[str, ...]] = ()  # "vllm#40880", ...
+    requires: ClassVar[tuple[str, ...]] = ()
+    conflicts: ClassVar[tuple[str, ...]] = ()
+    gates: ClassVar[Gates] = Gates()
+    perf_critical: ClassVar[bool] = False  # a pin bump that loses it must stop
+    variant: ClassVar[bool] = False  # an alternative an image opts into; not in the default set
+    edits: ClassVar[tuple[type[Codemod], ...]]
+
+    # Set by the catalogue loader: the module file, for reports and the verdict memo.
+    source_file: ClassVar[str] = ""
+
+    def upstream_fix(self, module_of) -> str | None:
+        """Patch-level upstream detection for fixes that landed in another shape.
+
+        ``module_of(rel)`` returns the parsed module for a path (or None if absent). Return a
+        one-line explanation when vLLM already carries the fix, else None. The default relies
+        on the codemods' ``upstream`` matchers only.
+        """
+        return None
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for edit in self.edits:
+            seen.setdefault(edit.target, None)
+        return tuple(seen)
+
+
+@dataclass
+class Outcome:
+    """The verdict of one patch on one source, with what it touched."""
+
+    patch_id: str
+    verdict: Verdict
+    detail: str = ""
+    # rel path -> (sha256 before, sha256 after); only for files this patch changed
+    files: dict[str, tuple[str, str]] | None = None
+
+    def to_json(self) -> dict:
+        out = {"patch": self.patch_id, "verdict": str(self.verdict), "detail": self.detail}
+        if self.files:
+            out["files"] = {k: {"before": a, "after": b} for k, (a, b) in sorted(self.files.items())}
+        return out

@@ -1,0 +1,76 @@
+"""The reviewed record of expected verdicts: ``patchsets/verdicts.toml``.
+
+One table per source label (a pin name such as ``v0.20.1``, or ``vllm-0.33.0`` for an
+unpinned candidate release), one ``PATCH = "VERDICT"`` line per patch. ``verify`` compares
+against it and fails on any difference; ``verify --accept`` rewrites one table (tomlkit keeps
+the file's comments and the order of the other tables).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomlkit
+
+from kiln.cache import write_file_atomic
+from kiln.errors import KilnError
+from kiln.patch.catalog import patch_sort_key
+from kiln.patch.model import Outcome, Verdict
+
+HEADER = (
+    "Expected verdict of every patch on every pin (and candidate release). Reviewed in PRs.\n"
+    "Rewritten per source by `python build.py verify --pin P --accept` (or `--vllm X --accept`)."
+)
+
+
+@dataclass
+class Difference:
+    patch_id: str
+    expected: str  # "" when not recorded
+    actual: str  # "" when the patch is no longer in the catalogue
+
+
+def load_record(path: Path) -> dict[str, dict[str, str]]:
+    if not path.exists():
+        return {}
+    try:
+        doc = tomlkit.parse(path.read_text())
+    except Exception as err:
+        raise KilnError(f"{path}: not valid TOML: {err}") from None
+    record: dict[str, dict[str, str]] = {}
+    for label, table in doc.items():
+        if not isinstance(table, dict):
+            raise KilnError(f"{path}: {label}: must be a table of PATCH = \"VERDICT\"")
+        record[label] = {}
+        for pid, verdict in table.items():
+            if str(verdict) not in Verdict.__members__:
+                raise KilnError(f"{path}: {label}.{pid}: {verdict!r} is not a verdict ({', '.join(Verdict)})")
+            record[label][pid] = str(verdict)
+    return record
+
+
+def compare(expected: dict[str, str], outcomes: dict[str, Outcome]) -> list[Difference]:
+    diffs = []
+    for pid in sorted(set(expected) | set(outcomes), key=patch_sort_key):
+        want = expected.get(pid, "")
+        got = str(outcomes[pid].verdict) if pid in outcomes else ""
+        if want != got:
+            diffs.append(Difference(pid, want, got))
+    return diffs
+
+
+def accept(path: Path, label: str, outcomes: dict[str, Outcome]) -> None:
+    doc = tomlkit.parse(path.read_text()) if path.exists() else tomlkit.document()
+    if not path.exists():
+        for line in HEADER.splitlines():
+            doc.add(tomlkit.comment(line))
+        doc.add(tomlkit.nl())
+    table = tomlkit.table()
+    for pid in sorted(outcomes, key=patch_sort_key):
+        table.add(pid, str(outcomes[pid].verdict))
+    if label in doc:
+        doc[label] = table
+    else:
+        doc.add(label, table)
+    write_file_atomic(path, tomlkit.dumps(doc).encode())

@@ -1,0 +1,83 @@
+"""`pins.toml`: the vLLM releases/images kiln builds against, each locked to a digest."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
+
+from kiln.errors import KilnError
+
+ROLES = ("current", "rollback")
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_CUDA = re.compile(r"^cu\d{3}$")
+_FIELDS = {"role", "image", "vllm", "cuda", "digest"}
+
+
+@dataclass(frozen=True)
+class Pin:
+    name: str  # e.g. "v0.20.1"; used in tags and in the verdict record
+    role: str  # "current" or "rollback"
+    image: str  # image reference as users know it, e.g. docker.io/vllm/vllm-openai:v0.20.1
+    vllm: Version  # the vLLM version the image carries
+    cuda: str  # CUDA flavour used in tags, e.g. "cu130"
+    digest: str  # "sha256:..." once locked, "" before
+
+    @property
+    def locked(self) -> bool:
+        return bool(self.digest)
+
+
+def load_pins(path: Path) -> dict[str, Pin]:
+    """Parse and validate `pins.toml`; every error names the file and the field."""
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise KilnError(f"{path}: file not found") from None
+    except tomllib.TOMLDecodeError as err:
+        raise KilnError(f"{path}: not valid TOML: {err}") from None
+    pins_table = raw.get("pins")
+    if not isinstance(pins_table, dict) or not pins_table:
+        raise KilnError(f"{path}: missing table [pins.<name>] (no pin defined)")
+    unknown_top = set(raw) - {"pins"}
+    if unknown_top:
+        raise KilnError(f"{path}: unknown top-level key {sorted(unknown_top)[0]!r}")
+    pins: dict[str, Pin] = {}
+    for name, entry in pins_table.items():
+        where = f"{path}: pins.{name}"
+        if not isinstance(entry, dict):
+            raise KilnError(f"{where}: must be a table")
+        extra = set(entry) - _FIELDS
+        if extra:
+            raise KilnError(f"{where}.{sorted(extra)[0]}: unknown field")
+        for field in ("role", "image", "vllm", "cuda"):
+            if not isinstance(entry.get(field), str) or not entry[field]:
+                raise KilnError(f"{where}.{field}: missing or not a non-empty string")
+        if entry["role"] not in ROLES:
+            raise KilnError(f"{where}.role: {entry['role']!r} is not one of {', '.join(ROLES)}")
+        try:
+            version = Version(entry["vllm"])
+        except InvalidVersion:
+            raise KilnError(f"{where}.vllm: {entry['vllm']!r} is not a version") from None
+        if not _CUDA.match(entry["cuda"]):
+            raise KilnError(f"{where}.cuda: {entry['cuda']!r} is not like 'cu130'")
+        digest = entry.get("digest", "")
+        if not isinstance(digest, str) or (digest and not _DIGEST.match(digest)):
+            raise KilnError(f"{where}.digest: {digest!r} is not 'sha256:<64 hex>' or empty")
+        pins[name] = Pin(name, entry["role"], entry["image"], version, entry["cuda"], digest)
+    roles = [p.role for p in pins.values()]
+    for role in ROLES:
+        if roles.count(role) > 1:
+            raise KilnError(f"{path}: more than one pin has role {role!r}")
+    return pins
+
+
+def get_pin(pins: dict[str, Pin], name: str, path: Path) -> Pin:
+    try:
+        return pins[name]
+    except KeyError:
+        known = ", ".join(sorted(pins)) or "none"
+        raise KilnError(f"unknown pin {name!r} (pins in {path}: {known})") from None

@@ -1,0 +1,198 @@
+"""Pristine source from the vLLM release wheel on PyPI, verified by its index sha256.
+
+The simple index (PEP 503/691) lists every file with its sha256; we stream the wheel through
+a hash, refuse it on mismatch, extract only ``vllm/**/*.py`` and keep the result under
+``<cache>/sources/sha256-<wheel digest>/`` (content-addressed). A small per-version pointer
+file lets a warm cache answer without touching the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import urldefrag, urljoin
+
+import requests
+from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+from packaging.version import Version
+
+from kiln import ui
+from kiln.cache import cache_root, file_lock, install_dir, write_file_atomic
+from kiln.errors import KilnError
+from kiln.source.tree import SourceTree
+
+DEFAULT_INDEX = "https://pypi.org/simple"
+_CHUNK = 1 << 20
+
+
+def index_url() -> str:
+    return os.environ.get("KILN_PYPI_INDEX", DEFAULT_INDEX).rstrip("/")
+
+
+@dataclass(frozen=True)
+class WheelFile:
+    filename: str
+    url: str
+    sha256: str
+
+
+class _Anchors(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: list[tuple[str, str]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "a":
+            href = dict(attrs).get("href")
+            if href:
+                self.links.append((href, ""))
+
+    def handle_data(self, data: str) -> None:
+        if self.links and not self.links[-1][1]:
+            self.links[-1] = (self.links[-1][0], data.strip())
+
+
+def list_release_files(version: Version, session: requests.Session | None = None) -> list[WheelFile]:
+    """Every wheel of ``vllm==version`` on the index, with its sha256 (JSON or HTML index)."""
+    session = session or requests.Session()
+    page = f"{index_url()}/vllm/"
+    try:
+        resp = session.get(
+            page,
+            headers={"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"},
+            timeout=60,
+        )
+    except requests.RequestException as err:
+        raise KilnError(f"cannot reach the package index {page}: {err.__class__.__name__}") from None
+    if resp.status_code != 200:
+        raise KilnError(f"package index {page} answered HTTP {resp.status_code}")
+    entries: list[tuple[str, str, str]] = []  # filename, url, sha256
+    if resp.headers.get("Content-Type", "").startswith("application/vnd.pypi.simple.v1+json"):
+        for item in resp.json().get("files", []):
+            entries.append((item["filename"], urljoin(page, item["url"]), item.get("hashes", {}).get("sha256", "")))
+    else:
+        parser = _Anchors()
+        parser.feed(resp.text)
+        for href, text in parser.links:
+            url, fragment = urldefrag(urljoin(page, href))
+            sha = fragment.split("=", 1)[1] if fragment.startswith("sha256=") else ""
+            entries.append((text or url.rsplit("/", 1)[-1], url, sha))
+    wheels = []
+    for filename, url, sha in entries:
+        if not filename.endswith(".whl"):
+            continue
+        try:
+            _, wheel_version, _, _ = parse_wheel_filename(filename)
+        except InvalidWheelFilename:
+            continue
+        if wheel_version == version:
+            wheels.append(WheelFile(filename, url, sha))
+    return wheels
+
+
+def choose_wheel(version: Version, wheels: list[WheelFile]) -> WheelFile:
+    """The x86_64 Linux wheel (the platform the images run); its ``.py`` files are the source."""
+    linux = sorted(
+        (w for w in wheels if re.search(r"linux.*x86_64\.whl$", w.filename)),
+        key=lambda w: w.filename,
+    )
+    if not linux:
+        raise KilnError(f"vllm=={version}: no x86_64 Linux wheel on {index_url()} (is it a release?)")
+    chosen = linux[0]
+    if not re.fullmatch(r"[0-9a-f]{64}", chosen.sha256):
+        raise KilnError(f"vllm=={version}: index gives no sha256 for {chosen.filename}; refusing an unverifiable download")
+    return chosen
+
+
+class WheelSource:
+    """`SourceProvider` for a vLLM release: the wheel from PyPI, verified and extracted."""
+
+    def __init__(self, version: Version | str, cache: Path | None = None):
+        self.version = Version(str(version))
+        self.cache = cache or cache_root()
+
+    def describe(self) -> str:
+        return f"vllm=={self.version} wheel from {index_url()}"
+
+    @property
+    def _pointer(self) -> Path:
+        return self.cache / "sources" / "index" / f"vllm-{self.version}.json"
+
+    def fetch(self) -> SourceTree:
+        pointer = self._pointer
+        if pointer.is_file():
+            meta = json.loads(pointer.read_text())
+            root = self.cache / "sources" / f"sha256-{meta['sha256']}"
+            if root.is_dir():
+                return self._tree(root, meta)
+        wheel = choose_wheel(self.version, list_release_files(self.version))
+        root = self.cache / "sources" / f"sha256-{wheel.sha256}"
+        install_dir(root, lambda tmp: self._download_and_extract(wheel, tmp))
+        meta = {"sha256": wheel.sha256, "filename": wheel.filename}
+        write_file_atomic(pointer, json.dumps(meta, indent=2).encode())
+        return self._tree(root, meta)
+
+    def _tree(self, root: Path, meta: dict) -> SourceTree:
+        return SourceTree(
+            root=root,
+            vllm_version=self.version,
+            identity=f"sha256:{meta['sha256']}",
+            origin=f"PyPI {meta['filename']} (sha256:{meta['sha256'][:12]})",
+        )
+
+    def _download_and_extract(self, wheel: WheelFile, dest: Path) -> None:
+        downloads = self.cache / "downloads"
+        downloads.mkdir(parents=True, exist_ok=True)
+        with file_lock(downloads / f".{wheel.filename}.lock"):
+            fd, tmp_name = tempfile.mkstemp(dir=downloads, prefix=".tmp-", suffix=".whl")
+            tmp = Path(tmp_name)
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    digest = _stream(wheel, out)
+                if digest != wheel.sha256:
+                    raise KilnError(
+                        f"{wheel.filename}: sha256 mismatch (index says {wheel.sha256}, downloaded {digest}); refusing it"
+                    )
+                _extract_python(tmp, dest)
+            finally:
+                tmp.unlink(missing_ok=True)
+
+
+def _stream(wheel: WheelFile, out) -> str:
+    sha = hashlib.sha256()
+    try:
+        with requests.get(wheel.url, stream=True, timeout=120) as resp:
+            if resp.status_code != 200:
+                raise KilnError(f"{wheel.url}: HTTP {resp.status_code}")
+            total = int(resp.headers.get("Content-Length") or 0) or None
+            with ui.transfer_progress() as progress:
+                task = progress.add_task(f"download {wheel.filename}", total=total)
+                for chunk in resp.iter_content(_CHUNK):
+                    sha.update(chunk)
+                    out.write(chunk)
+                    progress.advance(task, len(chunk))
+    except requests.RequestException as err:
+        raise KilnError(f"{wheel.url}: download failed: {err.__class__.__name__}") from None
+    return sha.hexdigest()
+
+
+def _extract_python(wheel_path: Path, dest: Path) -> None:
+    """Extract ``vllm/**.py`` only, refusing any member that would land outside ``dest``."""
+    with zipfile.ZipFile(wheel_path) as archive:
+        members = [n for n in archive.namelist() if n.startswith("vllm/") and n.endswith(".py")]
+        if not members:
+            raise KilnError(f"{wheel_path.name}: no vllm/*.py files in the wheel")
+        root = dest.resolve()
+        for name in members:
+            target = (dest / name).resolve()
+            if not target.is_relative_to(root):
+                raise KilnError(f"{wheel_path.name}: member {name!r} escapes the extraction root")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(archive.read(name))

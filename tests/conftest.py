@@ -1,0 +1,59 @@
+"""Shared fixtures: the real pristine vLLM trees of every pin and candidate, and the catalogue.
+
+The trees come from the release wheels on PyPI through kiln's own `WheelSource` (sha256
+checked against the index), cached under the kiln cache, so the first run downloads them.
+"""
+
+from __future__ import annotations
+
+import pytest
+from packaging.version import Version
+
+from kiln import paths
+from kiln.patch.catalog import load_catalogue
+from kiln.patch.engine import Session
+from kiln.source.wheel import WheelSource
+
+# Every source the record covers: label -> vLLM release whose wheel holds its pristine source.
+SOURCES = {"v0.20.1": "0.20.1", "vllm-0.33.0": "0.33.0"}
+
+
+@pytest.fixture(scope="session")
+def catalogue():
+    return load_catalogue(paths.PATCHSETS)
+
+
+@pytest.fixture(scope="session")
+def trees():
+    """label -> SourceTree, fetched lazily and once per test session."""
+    cache: dict = {}
+
+    def get(label: str):
+        if label not in cache:
+            cache[label] = WheelSource(Version(SOURCES[label])).fetch()
+        return cache[label]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def sessions(trees):
+    """label -> engine Session (parsed modules shared across tests)."""
+    cache: dict = {}
+
+    def get(label: str):
+        if label not in cache:
+            cache[label] = Session(trees(label))
+        return cache[label]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tree_0201(trees):
+    return trees("v0.20.1")
+
+
+@pytest.fixture(scope="session")
+def tree_0330(trees):
+    return trees("vllm-0.33.0")

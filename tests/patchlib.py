@@ -1,0 +1,46 @@
+"""Helpers for patch tests: run one patch on a real tree, and pull code out of the result.
+
+Behaviour tests execute the *patched* vLLM code. Where importing the real vLLM module on CPU
+is impractical (it needs torch, triton and CUDA extensions), a test extracts the patched
+function or class from the patched file with libcst and executes it against small stand-ins;
+each test says which of the two it does.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import libcst as cst
+from packaging.version import Version
+
+from kiln.patch.engine import isolated_run
+from kiln.patch.model import BuildTarget
+
+
+def patched_files(catalogue, session, patch_id: str, version: str | None = None) -> dict[str, str]:
+    """rel path -> patched text, for ``patch_id`` (with its requires) on ``session``'s tree."""
+    target = BuildTarget(Version(version) if version else session.tree.vllm_version)
+    result = isolated_run(catalogue, session, target, patch_id)
+    outcome = result.outcomes[patch_id]
+    assert outcome.verdict.ok, f"{patch_id}: {outcome.verdict} {outcome.detail}"
+    return result.changed_text()
+
+
+def _find(module: cst.Module, path: list[str]) -> cst.CSTNode:
+    body = module.body
+    node = None
+    for name in path:
+        matches = [
+            n for n in body if isinstance(n, (cst.ClassDef, cst.FunctionDef)) and n.name.value == name
+        ]
+        assert len(matches) == 1, f"{name}: {len(matches)} definitions"
+        node = matches[0]
+        body = node.body.body
+    return node
+
+
+def extract(source: str, dotted: str) -> str:
+    """Source of a top-level def/class, or a method (``Class.method``), dedented."""
+    module = cst.parse_module(source)
+    node = _find(module, dotted.split("."))
+    return textwrap.dedent(module.code_for_node(node))
