@@ -13,12 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
+from rich.markup import escape
 from rich.table import Table
 
 from kiln import paths, ui
 from kiln.errors import KilnError
+from kiln.images import image_pins, load_image
 from kiln.patch.catalog import Catalogue, load_catalogue
 from kiln.patch.engine import Session, run_isolated, run_selection
+from kiln.patch.memo import VerdictMemo
 from kiln.patch.model import BuildTarget, Outcome, Verdict
 from kiln.patch.output import unified_diff, write_tree
 from kiln.patch.record import accept, compare, load_record
@@ -98,18 +101,21 @@ def cmd_patches(args) -> int:
         table.add_column(column)
     for row in rows:
         rel = " ".join([*(f"+{r}" for r in row["requires"]), *(f"!{c}" for c in row["conflicts"])])
-        title = row["title"] + (" [variant]" if row["variant"] else "")
-        table.add_row(row["id"], row["family"], title, row["gates"], rel or "-")
+        title = row["title"] + (" (variant)" if row["variant"] else "")
+        table.add_row(row["id"], row["family"], escape(title), escape(row["gates"]), rel or "-")
     ui.stdout.print(table)
     return 0
 
 
 def cmd_verify(args) -> int:
     catalogue = load_catalogue(args.patchsets)
+    if args.image:
+        return _verify_image(args, catalogue)
     choice = _source(args)
     tree = choice.provider.fetch()
     session = Session(tree)
-    outcomes = run_isolated(catalogue, session, _target(args, choice.version), list(catalogue.patches))
+    memo = None if args.no_memo else VerdictMemo()
+    outcomes = run_isolated(catalogue, session, _target(args, choice.version), list(catalogue.patches), memo)
     record = load_record(args.record)
     expected = record.get(choice.label, {})
     if args.accept:
@@ -120,12 +126,42 @@ def cmd_verify(args) -> int:
     if differences:
         if not args.json:
             ui.stderr.print(
-                f"[red]{len(differences)} verdict(s) differ from {args.record} [{choice.label}][/]: "
+                f"[red]{len(differences)} verdict(s) differ from {escape(str(args.record))} ({choice.label})[/]: "
                 + ", ".join(f"{d.patch_id} {d.expected or 'unrecorded'} -> {d.actual or 'removed'}" for d in differences)
                 + " (review, then `verify --accept`)"
             )
         return 1
     return 0
+
+
+def _verify_image(args, catalogue: Catalogue) -> int:
+    """Every patch the image selects must APPLY on each of its pins (cumulatively, as built)."""
+    if args.pin or args.vllm or args.accept:
+        raise KilnError("verify --image takes no --pin/--vllm/--accept: it checks the image's own pins")
+    pins = load_pins(args.pins)
+    image = load_image(args.images, args.image, catalogue, pins)
+    failures: list[str] = []
+    report = []
+    for pin in image_pins(image, pins):
+        tree = WheelSource(pin.vllm).fetch()
+        result = run_selection(catalogue, Session(tree), image.target(pin), list(image.patches))
+        for pid, outcome in result.outcomes.items():
+            report.append({"pin": pin.name, **outcome.to_json()})
+            if outcome.verdict is not Verdict.APPLIES:
+                failures.append(f"{pid} on {pin.name}: {outcome.verdict} {outcome.detail}".strip())
+    if args.json:
+        print(json.dumps({"image": image.name, "patches": report, "failures": failures}, indent=2))
+    else:
+        table = Table(title=f"image {image.name}: {len(image.patches)} patches x {len(image_pins(image, pins))} pin(s)")
+        for column in ("pin", "patch", "verdict", "detail"):
+            table.add_column(column, overflow="fold")
+        for row in report:
+            style = VERDICT_STYLE[Verdict(row["verdict"])]
+            table.add_row(row["pin"], row["patch"], f"[{style}]{row['verdict']}[/]", escape(row["detail"]))
+        ui.stdout.print(table)
+        if failures:
+            ui.stderr.print(f"[red]{image.path}: {len(failures)} selected patch(es) do not apply:[/] " + escape("; ".join(failures)))
+    return 1 if failures else 0
 
 
 def _print_verdicts(args, choice, origin, catalogue, outcomes: dict[str, Outcome], expected, differences) -> None:
@@ -154,7 +190,7 @@ def _print_verdicts(args, choice, origin, catalogue, outcomes: dict[str, Outcome
         style = VERDICT_STYLE[outcome.verdict]
         recorded = expected.get(pid, "unrecorded")
         mark = f"[red]{recorded} ≠[/]" if pid in different else recorded
-        table.add_row(pid, catalogue.get(pid).family, f"[{style}]{outcome.verdict}[/]", mark, outcome.detail)
+        table.add_row(pid, catalogue.get(pid).family, f"[{style}]{outcome.verdict}[/]", mark, escape(outcome.detail))
     ui.stdout.print(table)
 
 
@@ -211,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pins", type=Path, default=paths.PINS, help="pins file (default: %(default)s)")
     parser.add_argument("--patchsets", type=Path, default=paths.PATCHSETS, help="patch catalogue directory")
     parser.add_argument("--record", type=Path, default=paths.RECORD, help="expected-verdict record")
+    parser.add_argument("--images", type=Path, default=paths.IMAGES, help="image definitions directory")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("patches", help="list the patch catalogue")
@@ -219,8 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="compute every patch's verdict on a pin and compare with the record")
     _add_source_args(p)
+    p.add_argument("--image", help="check that every patch this image selects applies on its pins")
     p.add_argument("--sm", type=int, help="also evaluate SM gates for this arch (e.g. 86)")
     p.add_argument("--accept", action="store_true", help="rewrite the record for this source")
+    p.add_argument("--no-memo", action="store_true", help="recompute every verdict (ignore the verdict cache)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)
 
@@ -248,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except KilnError as err:
-        ui.stderr.print(f"[red]error:[/] {err}", soft_wrap=True, markup=True, highlight=False)
+        ui.stderr.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True, highlight=False)
         return 2
     except KeyboardInterrupt:
         ui.stderr.print("interrupted")

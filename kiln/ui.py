@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -12,8 +14,9 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-stdout = Console(highlight=False, soft_wrap=True)
-stderr = Console(stderr=True, highlight=False)
+# Outside a terminal (CI logs, pipes) rich would fold tables at 80 columns; use a wide page.
+stdout = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+stderr = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 200)
 
 _quiet = False
 

@@ -205,11 +205,23 @@ def evaluate(patch: Patch, state: State, target: BuildTarget, verdicts: dict[str
     return outcome
 
 
-def run_isolated(catalogue: Catalogue, session: Session, target: BuildTarget, ids: list[str]) -> dict[str, Outcome]:
-    """Catalogue mode: each patch on pristine + its requires closure, independently."""
+def run_isolated(
+    catalogue: Catalogue, session: Session, target: BuildTarget, ids: list[str], memo=None
+) -> dict[str, Outcome]:
+    """Catalogue mode: each patch on pristine + its requires closure, independently.
+
+    ``memo`` (a ``VerdictMemo``) skips patches whose verdict on exactly these inputs is known.
+    """
     outcomes: dict[str, Outcome] = {}
     for pid in ids:
+        key = memo.key(session.tree, catalogue, pid, target) if memo else None
+        cached = memo.get(key) if memo else None
+        if cached is not None:
+            outcomes[pid] = cached
+            continue
         outcomes[pid] = isolated_run(catalogue, session, target, pid).outcomes[pid]
+        if memo:
+            memo.put(key, outcomes[pid])
     return outcomes
 
 

@@ -1,0 +1,73 @@
+"""Content-addressed blob cache: ``<cache>/blobs/sha256/<hex>``, written only once verified.
+
+Public API:
+    BlobCache(root=None)                   root defaults to ``cache_root()/"blobs"``
+        .path(digest) -> Path   .has(digest) -> bool
+        .open(digest, what, fetch, size=None) -> ctx[VerifyingReader]
+            yields a reader over the cached file, or over ``fetch()`` (a context manager giving
+            the raw remote stream) teed into a temporary file; on leaving the block the rest is
+            drained, size and sha256 checked, and only then the file is renamed into place.
+        .read_bytes(digest, what, fetch, size=None) -> bytes
+
+A cached file failing verification (disk corruption, a manual edit) is deleted and reported;
+it is never handed out. Concurrent fillers each write a private temp file; the renames of
+identical verified content are interchangeable, so no lock is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+
+from kiln.cache import cache_root
+from kiln.errors import KilnError
+from kiln.oci.digest import VerifyingReader, check_digest
+
+
+class BlobCache:
+    def __init__(self, root: Path | None = None):
+        self.root = root or cache_root() / "blobs"
+
+    def path(self, digest: str) -> Path:
+        algorithm, _, hexdigest = check_digest(digest, "blob cache").partition(":")
+        return self.root / algorithm / hexdigest
+
+    def has(self, digest: str) -> bool:
+        return self.path(digest).is_file()
+
+    @contextmanager
+    def open(self, digest: str, what: str, fetch: Callable[[], AbstractContextManager],
+             size: int | None = None) -> Iterator[VerifyingReader]:
+        final = self.path(digest)
+        if final.is_file():
+            with final.open("rb") as handle:
+                reader = VerifyingReader(handle, digest, f"cached {what}", size)
+                yield reader
+                try:
+                    reader.finish()
+                except KilnError:
+                    final.unlink(missing_ok=True)
+                    raise KilnError(f"cached {what} was corrupted and has been removed; run again") from None
+            return
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(dir=final.parent, prefix=f".tmp-{final.name[:16]}-")
+        tmp = Path(tmp_name)
+        try:
+            with os.fdopen(fd, "wb") as sink, fetch() as raw:
+                reader = VerifyingReader(raw, digest, what, size, sink=sink)
+                yield reader
+                reader.finish()
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def read_bytes(self, digest: str, what: str, fetch: Callable[[], AbstractContextManager],
+                   size: int | None = None) -> bytes:
+        chunks = []
+        with self.open(digest, what, fetch, size) as reader:
+            while chunk := reader.read(1 << 20):
+                chunks.append(chunk)
+        return b"".join(chunks)

@@ -1,0 +1,124 @@
+"""Where a registry name is actually contacted: mirrors, Docker Hub's API host, insecure hosts.
+
+Public API:
+    Endpoint(registry, host, insecure)   .url(path) -> "https://host/v2/..." (scheme settled later)
+    RegistryConfig(mirrors=None, insecure=None)
+        .endpoint(registry) -> Endpoint
+        RegistryConfig.load(mirror_options=(), insecure_options=(), path=None) -> RegistryConfig
+    parse_mirror(text) -> (registry, host, insecure)
+    default_config_path() -> Path        $KILN_REGISTRIES, else $XDG_CONFIG_HOME/kiln/registries.toml
+
+A mirror lets a local registry stand in for another one: ``docker.io=127.0.0.1:5000`` sends
+every ``docker.io/...`` request there, keeping the repository path. Without a mirror
+``docker.io`` is contacted as ``registry-1.docker.io`` (its API host).
+
+TLS is verified unless a host is explicitly insecure: listed in ``--insecure-registry`` /
+``insecure = [...]``, or a mirror written with ``http://``. An insecure host is tried over HTTPS
+without verification first and over plain HTTP if that fails (the registry client settles it).
+
+Config file (TOML)::
+
+    insecure = ["127.0.0.1:5000"]
+    [mirrors]
+    "docker.io" = "http://127.0.0.1:5000"
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.errors import KilnError
+
+DOCKER_HUB_API = "registry-1.docker.io"
+_HOSTPORT = re.compile(r"[A-Za-z0-9.-]+(?::[0-9]{1,5})?|\[[0-9A-Fa-f:]+\](?::[0-9]{1,5})?")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    registry: str  # the name in image references, e.g. "docker.io"
+    host: str  # host[:port] contacted, e.g. "registry-1.docker.io" or "127.0.0.1:5000"
+    insecure: bool = False
+
+
+@dataclass
+class RegistryConfig:
+    mirrors: dict[str, str] = field(default_factory=dict)
+    insecure: set[str] = field(default_factory=set)
+
+    def endpoint(self, registry: str) -> Endpoint:
+        host = self.mirrors.get(registry)
+        if host is None:
+            host = DOCKER_HUB_API if registry == "docker.io" else registry
+        return Endpoint(registry, host, host in self.insecure)
+
+    @classmethod
+    def load(cls, mirror_options: Iterable[str] = (), insecure_options: Iterable[str] = (),
+             path: Path | None = None) -> RegistryConfig:
+        """The config file (if present) overlaid with command-line options, which win."""
+        config = cls()
+        path = path or default_config_path()
+        if path.is_file():
+            config._merge_file(path)
+        for option in mirror_options:
+            registry, host, insecure = parse_mirror(option)
+            config.mirrors[registry] = host
+            if insecure:
+                config.insecure.add(host)
+        for host in insecure_options:
+            config.insecure.add(_check_host(host, f"--insecure-registry {host!r}"))
+        return config
+
+    def _merge_file(self, path: Path) -> None:
+        try:
+            data = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as err:
+            raise KilnError(f"{path}: not valid TOML ({err})") from None
+        mirrors = data.get("mirrors", {})
+        if not isinstance(mirrors, dict):
+            raise KilnError(f"{path}: 'mirrors' must be a table of registry = \"host:port\"")
+        for registry, target in mirrors.items():
+            if not isinstance(target, str):
+                raise KilnError(f"{path}: mirrors.{registry} must be a string")
+            _, host, insecure = parse_mirror(f"{registry}={target}", where=str(path))
+            self.mirrors[registry] = host
+            if insecure:
+                self.insecure.add(host)
+        insecure_hosts = data.get("insecure", [])
+        if not isinstance(insecure_hosts, list):
+            raise KilnError(f"{path}: 'insecure' must be a list of host:port strings")
+        for host in insecure_hosts:
+            self.insecure.add(_check_host(str(host), f"{path}: insecure"))
+
+
+def parse_mirror(text: str, where: str = "--mirror") -> tuple[str, str, bool]:
+    """``docker.io=127.0.0.1:5000`` -> ("docker.io", "127.0.0.1:5000", False); ``http://`` marks insecure."""
+    registry, sep, target = text.partition("=")
+    registry, target = registry.strip(), target.strip().rstrip("/")
+    if not sep or not registry or not target:
+        raise KilnError(f"{where} {text!r}: expected REGISTRY=HOST[:PORT], e.g. docker.io=127.0.0.1:5000")
+    insecure = target.startswith("http://")
+    target = target.removeprefix("http://").removeprefix("https://")
+    if registry in ("index.docker.io", "registry-1.docker.io"):
+        registry = "docker.io"
+    _check_host(registry, f"{where} {text!r}")
+    return registry, _check_host(target, f"{where} {text!r}"), insecure
+
+
+def default_config_path() -> Path:
+    explicit = os.environ.get("KILN_REGISTRIES")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CONFIG_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".config"
+    return base / "kiln" / "registries.toml"
+
+
+def _check_host(host: str, where: str) -> str:
+    if not _HOSTPORT.fullmatch(host):
+        raise KilnError(f"{where}: {host!r} is not a host[:port]")
+    return host
