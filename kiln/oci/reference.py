@@ -77,6 +77,8 @@ def parse_reference(text: str) -> ImageReference:
     text = text.strip()
     if not text or any(c.isspace() for c in text):
         raise KilnError(f"image reference {original!r}: empty or contains whitespace")
+    if "://" in text:
+        raise KilnError(f"image reference {original!r}: references carry no URL scheme (docker://REF is a transport)")
     digest = None
     if "@" in text:
         text, digest = text.rsplit("@", 1)
