@@ -8,7 +8,6 @@ import shutil
 import pytest
 
 from kiln import paths
-from kiln.cli import main
 from tests.test_cli_errors import P65_FILE, good_patch, one_line_error, run, write_patch
 
 IMAGE = """\
