@@ -6,6 +6,7 @@ Public API:
     audit_record(...) -> dict        what ``/opt/kiln/manifest.json`` holds
     bake_layer(changed, site_dir, base_files, audit, workdir) -> Layer
     kiln_revision(repo=paths.REPO) -> (commit | None, dirty: bool)
+    kiln_source_url(repo=paths.REPO) -> str | None
 
 The layer holds only what differs from the base: the patched (or added) modules under
 ``<site_dir>/vllm/``, a whiteout for each ``__pycache__`` entry the base holds for a changed
@@ -68,6 +69,20 @@ def kiln_revision(repo: Path = paths.REPO) -> tuple[str | None, bool]:
         return handle.head.commit.hexsha, handle.is_dirty(untracked_files=False)
     except Exception:  # no git binary, not a repository, no commit yet: provenance is best effort
         return None, False
+
+
+def kiln_source_url(repo: Path = paths.REPO) -> str | None:
+    """``origin``'s URL (credentials stripped), for ``org.opencontainers.image.source``; None without one."""
+    try:
+        import git
+
+        url = git.Repo(repo, search_parent_directories=False).remotes.origin.url
+    except Exception:
+        return None
+    if "://" in url and "@" in url.split("://", 1)[1].split("/", 1)[0]:
+        scheme, rest = url.split("://", 1)
+        url = f"{scheme}://{rest.split('@', 1)[1]}"
+    return url or None
 
 
 def audit_record(*, image: str, pin: dict, sm: int, base_reference: str, base_digest: str,

@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kiln import paths, ui
+from kiln.build import add_build_parser
 from kiln.errors import KilnError
 from kiln.images import image_pins, load_image
 from kiln.patch.catalog import Catalogue, load_catalogue
@@ -25,6 +26,7 @@ from kiln.patch.memo import VerdictMemo
 from kiln.patch.model import BuildTarget, Outcome, Verdict
 from kiln.patch.output import unified_diff, write_tree
 from kiln.patch.record import accept, compare, load_record
+from kiln.pinlock import add_pin_parser
 from kiln.pins import get_pin, load_pins
 from kiln.source.tree import SourceProvider
 from kiln.source.wheel import WheelSource
@@ -277,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_apply)
+    add_build_parser(sub)
+    add_pin_parser(sub)
     return parser
 
 

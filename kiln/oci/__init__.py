@@ -13,4 +13,5 @@ Modules, one job each:
     image       the Image abstraction: RemoteImage, OciLayoutImage, open_image()
     layerwalk   top-down overlay walk extracting vllm/**/*.py and dist-info metadata
     pull        ImageSource (SourceProvider) and read_vllm()
+    layer, mutate, sinks   the bake and publish side (see their own docstrings)
 """

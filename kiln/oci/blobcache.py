@@ -24,7 +24,7 @@ from pathlib import Path
 
 from kiln.cache import cache_root
 from kiln.errors import KilnError
-from kiln.oci.digest import VerifyingReader, check_digest
+from kiln.oci.digest import BlobVerificationError, VerifyingReader, check_digest
 
 
 class BlobCache:
@@ -45,10 +45,10 @@ class BlobCache:
         if final.is_file():
             with final.open("rb") as handle:
                 reader = VerifyingReader(handle, digest, f"cached {what}", size)
-                yield reader
                 try:
-                    reader.finish()
-                except KilnError:
+                    with _blame_corruption(reader):
+                        yield reader
+                except BlobVerificationError:
                     final.unlink(missing_ok=True)
                     raise KilnError(f"cached {what} was corrupted and has been removed; run again") from None
             return
@@ -58,8 +58,8 @@ class BlobCache:
         try:
             with os.fdopen(fd, "wb") as sink, fetch() as raw:
                 reader = VerifyingReader(raw, digest, what, size, sink=sink)
-                yield reader
-                reader.finish()
+                with _blame_corruption(reader):
+                    yield reader
             os.replace(tmp, final)
         finally:
             tmp.unlink(missing_ok=True)
@@ -71,3 +71,19 @@ class BlobCache:
             while chunk := reader.read(1 << 20):
                 chunks.append(chunk)
         return b"".join(chunks)
+
+
+@contextmanager
+def _blame_corruption(reader: VerifyingReader) -> Iterator[None]:
+    """Verify on leaving the block; if the consumer failed first, say whether the blob was bad.
+
+    A corrupted gzip layer usually breaks the tar reader before the digest is known; the
+    useful message is then "digest mismatch", not "not a gzip file".
+    """
+    try:
+        yield
+    except Exception:
+        if not reader.verified:
+            reader.finish()  # raises the mismatch when the bytes were bad
+        raise
+    reader.finish()

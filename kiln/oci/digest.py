@@ -6,7 +6,8 @@ Public API:
     VerifyingReader(raw, digest, what, size=None, sink=None)
         .read(n) -> bytes   hashes (and copies to ``sink``) every byte handed out
         .finish()           drains the rest, then raises KilnError unless size and digest match
-        .bytes_read
+        .bytes_read   .verified
+    BlobVerificationError(KilnError)    raised by VerifyingReader for a wrong size or digest
 
 A blob is trusted only after ``finish()``: tar readers stop at the end-of-archive marker,
 so callers must drain the remainder, or a corrupted tail would pass unnoticed.
@@ -35,6 +36,10 @@ def check_digest(digest: str, what: str) -> str:
     return digest
 
 
+class BlobVerificationError(KilnError):
+    """The bytes read are not the blob the descriptor names."""
+
+
 class _Readable(Protocol):
     def read(self, n: int = -1, /) -> bytes: ...
 
@@ -61,7 +66,7 @@ class VerifyingReader:
             if self._sink is not None:
                 self._sink.write(data)
             if self._size is not None and self.bytes_read > self._size:
-                raise KilnError(f"{self._what}: longer than the {self._size} bytes its descriptor declares")
+                raise BlobVerificationError(f"{self._what}: longer than the {self._size} bytes its descriptor declares")
         return data
 
     def finish(self) -> None:
@@ -69,7 +74,7 @@ class VerifyingReader:
             pass
         actual = "sha256:" + self._sha.hexdigest()
         if self._size is not None and self.bytes_read != self._size:
-            raise KilnError(f"{self._what}: got {self.bytes_read} bytes, descriptor says {self._size}; refusing it")
+            raise BlobVerificationError(f"{self._what}: got {self.bytes_read} bytes, descriptor says {self._size}; refusing it")
         if actual != self._digest:
-            raise KilnError(f"{self._what}: digest mismatch (expected {self._digest}, got {actual}); refusing the blob")
+            raise BlobVerificationError(f"{self._what}: digest mismatch (expected {self._digest}, got {actual}); refusing the blob")
         self.verified = True

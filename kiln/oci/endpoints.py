@@ -1,30 +1,34 @@
 """Where a registry name is actually contacted: mirrors, Docker Hub's API host, insecure hosts.
 
 Public API:
-    Endpoint(registry, host, insecure)   .url(path) -> "https://host/v2/..." (scheme settled later)
+    Endpoint(registry, host, insecure=False, tls=None)   .scheme -> "https" | "http"
     RegistryConfig(mirrors=None, insecure=None)
         .endpoint(registry) -> Endpoint
         RegistryConfig.load(mirror_options=(), insecure_options=(), path=None) -> RegistryConfig
     parse_mirror(text) -> (registry, host, insecure)
     default_config_path() -> Path        $KILN_REGISTRIES, else $XDG_CONFIG_HOME/kiln/registries.toml
+    add_registry_options(parser)         ``--mirror`` / ``--insecure-registry`` / ``--registries``
+    config_from_options(args) -> RegistryConfig   what those options (and the config file) say
 
 A mirror lets a local registry stand in for another one: ``docker.io=127.0.0.1:5000`` sends
 every ``docker.io/...`` request there, keeping the repository path. Without a mirror
 ``docker.io`` is contacted as ``registry-1.docker.io`` (its API host).
 
 TLS is verified unless a host is explicitly insecure: listed in ``--insecure-registry`` /
-``insecure = [...]``, or a mirror written with ``http://``. An insecure host is tried over HTTPS
-without verification first and over plain HTTP if that fails (the registry client settles it).
+``insecure = [...]``, or a mirror written with ``http://``. An insecure host is contacted over
+plain HTTP; written as ``https://host`` it is contacted over HTTPS without certificate
+verification (a self-signed registry). No probing: the scheme is what the user wrote.
 
 Config file (TOML)::
 
-    insecure = ["127.0.0.1:5000"]
+    insecure = ["127.0.0.1:5000", "https://selfsigned.local:443"]
     [mirrors]
     "docker.io" = "http://127.0.0.1:5000"
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import tomllib
@@ -42,19 +46,34 @@ _HOSTPORT = re.compile(r"[A-Za-z0-9.-]+(?::[0-9]{1,5})?|\[[0-9A-Fa-f:]+\](?::[0-
 class Endpoint:
     registry: str  # the name in image references, e.g. "docker.io"
     host: str  # host[:port] contacted, e.g. "registry-1.docker.io" or "127.0.0.1:5000"
-    insecure: bool = False
+    insecure: bool = False  # no certificate verification
+    tls: bool | None = None  # None: TLS unless insecure
+
+    @property
+    def scheme(self) -> str:
+        tls = (not self.insecure) if self.tls is None else self.tls
+        return "https" if tls else "http"
 
 
 @dataclass
 class RegistryConfig:
     mirrors: dict[str, str] = field(default_factory=dict)
-    insecure: set[str] = field(default_factory=set)
+    insecure: set[str] = field(default_factory=set)  # hosts spoken to over plain HTTP
+    unverified_tls: set[str] = field(default_factory=set)  # hosts over HTTPS, certificate unchecked
 
     def endpoint(self, registry: str) -> Endpoint:
         host = self.mirrors.get(registry)
         if host is None:
             host = DOCKER_HUB_API if registry == "docker.io" else registry
+        if host in self.unverified_tls:
+            return Endpoint(registry, host, insecure=True, tls=True)
         return Endpoint(registry, host, host in self.insecure)
+
+    def _add_insecure(self, text: str, where: str) -> None:
+        if text.startswith("https://"):
+            self.unverified_tls.add(_check_host(text.removeprefix("https://").rstrip("/"), where))
+        else:
+            self.insecure.add(_check_host(text.removeprefix("http://").rstrip("/"), where))
 
     @classmethod
     def load(cls, mirror_options: Iterable[str] = (), insecure_options: Iterable[str] = (),
@@ -70,7 +89,7 @@ class RegistryConfig:
             if insecure:
                 config.insecure.add(host)
         for host in insecure_options:
-            config.insecure.add(_check_host(host, f"--insecure-registry {host!r}"))
+            config._add_insecure(host, f"--insecure-registry {host!r}")
         return config
 
     def _merge_file(self, path: Path) -> None:
@@ -92,7 +111,19 @@ class RegistryConfig:
         if not isinstance(insecure_hosts, list):
             raise KilnError(f"{path}: 'insecure' must be a list of host:port strings")
         for host in insecure_hosts:
-            self.insecure.add(_check_host(str(host), f"{path}: insecure"))
+            self._add_insecure(str(host), f"{path}: insecure")
+
+
+def add_registry_options(parser: argparse.ArgumentParser) -> None:
+    """The options every command that talks to registries takes (``build``, ``pin lock``)."""
+    parser.add_argument("--mirror", action="append", metavar="REGISTRY=HOST", help="e.g. docker.io=127.0.0.1:5000")
+    parser.add_argument("--insecure-registry", action="append", metavar="HOST", help="no TLS verification / plain http")
+    parser.add_argument("--registries", type=Path, help="registries config file (mirrors, insecure hosts)")
+
+
+def config_from_options(args: argparse.Namespace) -> RegistryConfig:
+    """The registry config for a command registered with ``add_registry_options``."""
+    return RegistryConfig.load(args.mirror or (), args.insecure_registry or (), args.registries)
 
 
 def parse_mirror(text: str, where: str = "--mirror") -> tuple[str, str, bool]:

@@ -8,6 +8,7 @@ Public API:
         .manifest() -> Manifest    canonical JSON bytes, media type and digest
         .blobs() -> list[Descriptor]   config first, then the layers (what a sink must store)
     append_layer(image, digest, diff_id, size, created_by, comment="") -> ImageModel
+    to_oci(image) -> ImageModel     Docker v2 -> OCI media types (same blobs)
     with_labels(image, labels) / with_annotations(image, annotations) / with_env(image, env)
     canonical_json(value) -> bytes
 
@@ -15,9 +16,9 @@ Every step returns a new ``ImageModel`` and leaves its input untouched. Serialis
 canonical (sorted keys, no whitespace, UTF-8), and no step reads a clock: the same base and
 the same steps give byte-identical config and manifest, hence the same manifest digest.
 
-Flavour: the new image keeps its base's manifest type. An OCI manifest carries annotations;
-a Docker v2 manifest has no such field, so there the labels (always written to the config)
-are the only record.
+Flavour: a model keeps its base's manifest type until ``to_oci``. An OCI manifest carries
+annotations; a Docker v2 manifest has no such field, so there the labels (always written to
+the config) are the only record.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kiln.oci.digest import sha256_digest
 from kiln.oci.manifest import Descriptor, Manifest
 from kiln.oci.mediatypes import (
     DOCKER_CONFIG,
+    DOCKER_FOREIGN_LAYER,
     DOCKER_LAYER_GZIP,
     DOCKER_MANIFEST,
     OCI_CONFIG,
@@ -138,6 +140,25 @@ def append_layer(image: ImageModel, digest: str, diff_id: str, size: int, create
     config["history"] = history
     layer = Descriptor(image.layer_media_type, digest, size)
     return replace(image, config=config, layers=(*image.layers, layer))
+
+
+def to_oci(image: ImageModel) -> ImageModel:
+    """The same image as an OCI manifest: Docker v2 media types mapped, blobs untouched.
+
+    Layer and config bytes stay as they are (Docker v2 gzip layers *are* OCI gzip layers and
+    the config schema is shared), so only the manifest changes. skopeo's OCI layout reader
+    ignores Docker v2 manifests, so layouts need this; kiln applies it to every output so all
+    sinks hold one image with one digest.
+    """
+    if image.media_type == OCI_MANIFEST:
+        return image
+    layers = []
+    for layer in image.layers:
+        if layer.media_type == DOCKER_FOREIGN_LAYER:
+            raise KilnError(f"layer {layer.digest}: Docker foreign layers cannot be converted to OCI")
+        media_type = OCI_LAYER_GZIP if layer.media_type == DOCKER_LAYER_GZIP else layer.media_type
+        layers.append(replace(layer, media_type=media_type))
+    return replace(image, media_type=OCI_MANIFEST, layers=tuple(layers))
 
 
 def with_labels(image: ImageModel, labels: dict[str, str]) -> ImageModel:

@@ -139,6 +139,9 @@ class DockerArchiveLocation:
         return f"docker-archive:{self.path}"
 
 
+# skopeo transports kiln does not speak; named so they fail clearly instead of parsing as a repo.
+_OTHER_TRANSPORTS = {"containers-storage", "dir", "docker-daemon", "oci-archive", "ostree", "sif", "tarball"}
+
 Location = RegistryLocation | OciLayoutLocation | DockerArchiveLocation
 
 
@@ -165,6 +168,6 @@ def parse_location(text: str) -> Location:
             raise KilnError(f"{text!r}: docker-archive: needs a file path")
         return DockerArchiveLocation(Path(rest))
     transport = text.split(":", 1)[0]
-    if "://" in text or (transport and transport.isalpha() and transport.endswith("-archive")):
-        raise KilnError(f"{text!r}: unknown transport; use docker://, oci: or docker-archive:")
+    if "://" in text or transport in _OTHER_TRANSPORTS:
+        raise KilnError(f"{text!r}: unsupported transport; use docker://, oci: or docker-archive:")
     return RegistryLocation(parse_reference(text))

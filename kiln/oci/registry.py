@@ -64,7 +64,6 @@ class RegistryClient:
         self.auth = auth or RegistryAuth(endpoint.host, self.session, verify=self.verify)
         self.stats = stats or TransferStats()
         self.retries = retries
-        self._scheme: str | None = None if endpoint.insecure else "https"
 
     @classmethod
     def for_registry(cls, registry: str, config: RegistryConfig | None = None, **kw) -> RegistryClient:
@@ -215,14 +214,7 @@ class RegistryClient:
         return self._absolute(location)
 
     def _base(self) -> str:
-        if self._scheme is None:
-            # An insecure host may still speak TLS (self-signed); try it before plain HTTP.
-            try:
-                self.session.get(f"https://{self.endpoint.host}/v2/", verify=False, timeout=10)
-                self._scheme = "https"
-            except requests.RequestException:
-                self._scheme = "http"
-        return f"{self._scheme}://{self.endpoint.host}"
+        return f"{self.endpoint.scheme}://{self.endpoint.host}"
 
     def _request(self, method: str, url: str, scopes, *, headers: dict | None = None, body: Body = None,
                  ok: tuple[int, ...], what: str, stream: bool = False) -> requests.Response:
@@ -265,7 +257,8 @@ class RegistryClient:
                 if handle:
                     handle.close()
             if resp.status_code in _RETRY_STATUS and not last:
-                delay = _retry_after(resp) or _backoff(attempt)
+                delay = _retry_after(resp)
+                delay = _backoff(attempt) if delay is None else delay
                 resp.close()
                 time.sleep(delay)
                 continue

@@ -5,12 +5,13 @@ Public API:
         .path(descriptor) -> Path   new blobs as given; base blobs through the base's blob cache
         .is_new(digest) -> bool
         .bytes_fetched              base bytes read to complete a local output
-    write_oci_layout(model, blobs, dest, tag) -> Path
-    write_docker_archive(model, blobs, dest, repo_tags) -> Path
+    stage_oci_layout(model, blobs, dest, tag) -> Staged       .commit() -> Path, .discard()
+    stage_docker_archive(model, blobs, dest, repo_tags) -> Staged
+    write_oci_layout(...) / write_docker_archive(...) -> Path  stage + commit
     push_image(model, blobs, client, repository, tags, mount_from=None) -> PushReport
 
-Outputs are staged beside their destination and renamed into place only once complete, so
-a failure leaves no partial directory or file. A push uploads (or mounts, or finds) every
+Outputs are staged beside their destination and renamed into place only once complete (and,
+in a build, only after the push succeeded), so a failure leaves no partial directory or file. A push uploads (or mounts, or finds) every
 blob before it PUTs the manifest, byte-exact, once per tag: no tag can name an incomplete
 image.
 """
@@ -108,6 +109,28 @@ class _NullSink:
 # -- staging ---------------------------------------------------------------------------------
 
 
+@dataclass
+class Staged:
+    """A complete output written beside its destination, not yet visible there."""
+
+    path: Path  # the staged file or directory
+    dest: Path
+    is_dir: bool
+
+    def commit(self) -> Path:
+        if self.is_dir:
+            _replace_dir(self.path, self.dest)
+        else:
+            os.replace(self.path, self.dest)
+        return self.dest
+
+    def discard(self) -> None:
+        if self.is_dir:
+            shutil.rmtree(self.path, ignore_errors=True)
+        else:
+            self.path.unlink(missing_ok=True)
+
+
 def _stage_dir(dest: Path) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
@@ -116,14 +139,18 @@ def _stage_dir(dest: Path) -> Path:
 def _replace_dir(staged: Path, dest: Path) -> None:
     """Put ``staged`` at ``dest``; an existing ``dest`` (an OCI layout or empty) is replaced."""
     if dest.exists():
-        if not dest.is_dir() or (any(dest.iterdir()) and not (dest / "oci-layout").is_file()):
-            raise KilnError(f"{dest}: exists and is not an OCI layout; refusing to replace it")
+        _check_replaceable(dest)
         old = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.old-"))
         os.rename(dest, old / "x")
         os.rename(staged, dest)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(staged, dest)
+
+
+def _check_replaceable(dest: Path) -> None:
+    if dest.exists() and (not dest.is_dir() or (any(dest.iterdir()) and not (dest / "oci-layout").is_file())):
+        raise KilnError(f"{dest}: exists and is not an OCI layout; refusing to replace it")
 
 
 def _place(source: Path, target: Path) -> None:
@@ -138,10 +165,13 @@ def _place(source: Path, target: Path) -> None:
 
 
 def write_oci_layout(model: ImageModel, blobs: BlobStore, dest: Path, tag: str) -> Path:
-    """A complete OCI image layout at ``dest``: every blob, ``index.json`` naming ``tag``."""
+    return stage_oci_layout(model, blobs, dest, tag).commit()
+
+
+def stage_oci_layout(model: ImageModel, blobs: BlobStore, dest: Path, tag: str) -> Staged:
+    """A complete OCI image layout for ``dest``: every blob, ``index.json`` naming ``tag``."""
     dest = dest.resolve()
-    if dest.exists() and not dest.is_dir():
-        raise KilnError(f"{dest}: exists and is not a directory")
+    _check_replaceable(dest)
     manifest = model.manifest()
     staged = _stage_dir(dest)
     try:
@@ -156,17 +186,20 @@ def write_oci_layout(model: ImageModel, blobs: BlobStore, dest: Path, tag: str) 
         entry = Descriptor(manifest.media_type, manifest.digest, len(manifest.data), annotations={REF_NAME: tag})
         index = {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [entry.to_json()]}
         (staged / "index.json").write_bytes(canonical_json(index))
-        _replace_dir(staged, dest)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    return dest
+    return Staged(staged, dest, is_dir=True)
 
 
 # -- docker-archive --------------------------------------------------------------------------
 
 
 def write_docker_archive(model: ImageModel, blobs: BlobStore, dest: Path, repo_tags: list[str]) -> Path:
+    return stage_docker_archive(model, blobs, dest, repo_tags).commit()
+
+
+def stage_docker_archive(model: ImageModel, blobs: BlobStore, dest: Path, repo_tags: list[str]) -> Staged:
     """A ``docker save``-style tarball (``manifest.json``, config, gzip layers as they are)."""
     dest = dest.resolve()
     if dest.is_dir():
@@ -187,11 +220,10 @@ def write_docker_archive(model: ImageModel, blobs: BlobStore, dest: Path, repo_t
                     _tar_file(tar, name, blobs.path(layer))
                     written.add(name)
             _tar_bytes(tar, "manifest.json", json.dumps(index, separators=(",", ":")).encode())
-        os.replace(tmp, dest)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return dest
+    return Staged(tmp, dest, is_dir=False)
 
 
 def _info(name: str, size: int) -> tarfile.TarInfo:

@@ -55,7 +55,12 @@ def assign_to(name: str) -> m.SimpleStatementLine:
 def statements(source: str, *, indent: str = "") -> list[cst.BaseStatement]:
     """Parse a block of statements written as ordinary (dedented) source text."""
     module = cst.parse_module(textwrap.dedent(source).strip("\n") + "\n")
-    return list(module.body)
+    body = list(module.body)
+    if body and module.header:
+        # libcst files comments above the first statement under the module header; keep them
+        # with the statement they describe.
+        body[0] = body[0].with_changes(leading_lines=[*module.header, *body[0].leading_lines])
+    return body
 
 
 def with_marker(node: cst.BaseStatement, patch_id: str, why: str) -> cst.BaseStatement:

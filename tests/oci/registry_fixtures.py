@@ -22,6 +22,8 @@ Images, under the real Docker Hub name so a mirror ``docker.io=<host>`` stands i
     vllm/vllm-openai:v0.20.1-docker   ``base`` converted to Docker v2 schema 2 by skopeo
     vllm/vllm-openai:v0.20.1-index    OCI index: attestation (unknown/unknown), linux/arm64
                                       (no vLLM), linux/amd64 (= ``base``)
+    test/no-vllm:1                    rootfs + filler-cuda only (plain registry only)
+registry_basic and registry_token hold only ``vllm/vllm-openai:v0.20.1``.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def missing_tools() -> list[str]:
 def require_tools() -> None:
     missing = missing_tools()
     if missing:
-        pytest.skip(f"registry tools missing: {', '.join(missing)} (apt-get install -y docker-registry skopeo umoci busybox-static apache2-utils)")
+        # ci/test installs them; a missing tool is a broken environment, never a pass
+        pytest.fail(f"registry tools missing: {', '.join(missing)} (run ci/test, which installs them)")
 
 
 def free_port() -> int:
@@ -197,8 +200,11 @@ class RegistryServer:
         run("skopeo", "copy", "--quiet", *self.skopeo_creds("dest"), *extra, source, f"docker://{self.host}/{name}")
 
     def digest_of(self, name: str) -> str:
-        raw = run("skopeo", "inspect", "--raw", *self.skopeo_creds("src"), f"docker://{self.host}/{name}")
-        return "sha256:" + hashlib.sha256(raw.encode()).hexdigest()
+        """The manifest digest as skopeo (not kiln) sees it: sha256 of the raw manifest bytes."""
+        flags = ["--tls-verify=false"] + ([f"--creds={self.username}:{self.password}"] if self.username else [])
+        result = subprocess.run(["skopeo", "inspect", "--raw", *flags, f"docker://{self.host}/{name}"],
+                                capture_output=True, check=True)
+        return "sha256:" + hashlib.sha256(result.stdout).hexdigest()
 
     def stop(self) -> None:
         try:
@@ -289,14 +295,14 @@ def fetch_vllm_wheel() -> Path:
         os.replace(wheel, wheels / wheel.name)
         return wheels / wheel.name
     except (subprocess.CalledProcessError, StopIteration) as err:
-        pytest.skip(f"cannot download vllm=={VLLM_VERSION} with pip: {err}")
+        pytest.fail(f"cannot download vllm=={VLLM_VERSION} with pip: {err}")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
 @dataclass
 class BaseLayout:
-    path: Path  # OCI layout (umoci) holding tags base, overlay, arm64, index
+    path: Path  # OCI layout (umoci) holding tags stem, base, overlay, novllm, arm64, index
     layers: dict[str, str]  # role -> layer digest (compressed): rootfs, filler-cuda, filler-torch, vllm, app, overlay
     layer_sizes: dict[str, int]
     wheel_files: dict[str, bytes]  # "vllm/..." .py path relative to site dir -> bytes (from the wheel)
@@ -384,6 +390,11 @@ def build_base_layout(work: Path, wheel: Path) -> BaseLayout:
     for role, tag in (("app", "base"), ("overlay", "overlay")):
         run("umoci", "raw", "add-layer", "--image", f"{layout}:stem", "--tag", tag,
             "--history.created_by", f"fixture {role}", _tar(trees[role], work / f"{role}.tar"))
+    # an amd64 image without vLLM (rootfs + a filler), for the "base has no vLLM" error.
+    run("umoci", "new", "--image", f"{layout}:novllm")
+    run("umoci", "config", "--image", f"{layout}:novllm", "--architecture", "amd64", "--os", "linux")
+    for role in ("rootfs", "filler-cuda"):
+        run("umoci", "raw", "add-layer", "--image", f"{layout}:novllm", work / f"{role}.tar")
     # an arm64 image without vLLM: picking it instead of amd64 would fail loudly.
     run("umoci", "new", "--image", f"{layout}:arm64")
     run("umoci", "config", "--image", f"{layout}:arm64", "--architecture", "arm64", "--os", "linux")
@@ -461,6 +472,7 @@ def _push_all(server: RegistryServer, layout: BaseLayout, full: bool) -> None:
         server.push(layout.oci("overlay"), f"{REPO}:v{VLLM_VERSION}-overlay")
         server.push(layout.oci("base"), f"{REPO}:v{VLLM_VERSION}-docker", "--format", "v2s2")
         server.push(layout.oci("index"), f"{REPO}:v{VLLM_VERSION}-index", "--all")
+        server.push(layout.oci("novllm"), "test/no-vllm:1")
 
 
 @pytest.fixture(scope="session")

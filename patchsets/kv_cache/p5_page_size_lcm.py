@@ -1,0 +1,159 @@
+"""P5: unify KV page sizes of hybrid models at a common multiple of the attention pages.
+
+Without the patch, a hybrid model (attention + Mamba/GDN) with a TurboQuant KV cache does not
+start on vLLM 0.20.1: ``unify_kv_cache_spec_page_size`` (``v1/core/kv_cache_utils.py``) raises
+``NotImplementedError`` when the largest page is not a multiple of a smaller one. The platform
+(``Platform._align_hybrid_block_size``) pads the Mamba page to the attention page it *estimates*
+with the plain ``FullAttentionSpec`` formula (2 x head_size bytes per head and token for a uint8
+cache), but TurboQuant packs K+V into ``tq_slot_size`` bytes (388 for k8v4 at head_dim 256), so
+the real attention page (e.g. 388 x B x H) does not divide the Mamba page (512 x B x H). The same
+function also trips its assertion when a Mamba page is the smaller one, since a Mamba page does
+not grow with ``block_size``.
+
+The patch replaces the function: the common page is the smallest multiple of the LCM of the
+attention page sizes that is at least the largest page. Attention layers reach it by a whole
+block-size ratio (the upstream mechanism); Mamba layers are padded up to it with
+``page_size_padded`` (the same field the platform already uses). No attention page is padded,
+so the attention layout the runner builds is unchanged. Inputs upstream accepts give the same
+result as before (the LCM of pages that divide the largest page divides it). The cost is
+memory: on Qwen3.6 + k8v4 the common page is 2 x 388 and the Mamba pages grow from 512 to 776
+(+51.6% per Mamba page); P5b (pad the smaller pages to the largest) avoids that, with runner and
+kernel edits, and an image picks one of the two.
+
+0.33.0 verdict: UPSTREAM (not TARGET_GONE). The function moved to
+``v1/core/kv_cache_planning.py`` (``kv_cache_utils.py`` still exists, so the anchor alone would
+read as drift), and there it no longer raises for these layouts: Mamba pages and non-MLA
+attention pages that do not divide the largest one are padded to it
+(``replace(layer_spec, page_size_padded=max_page_size)``). The platform alignment is also
+TurboQuant-aware there (``platforms/interface.py``, ``_align_hybrid_block_size`` uses the
+packed TQ page), so the mismatch no longer arises. Detected by ``upstream_fix`` in either file.
+"""
+
+import libcst as cst
+import libcst.matchers as m
+
+from kiln.patch.anchor import find
+from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.shapes import func, marked, statements, with_marker
+
+UNIFY = "unify_kv_cache_spec_page_size"
+WHY = "unify hybrid pages at a common multiple of the attention pages; pad Mamba pages up to it"
+
+NEW_FUNCTION = '''
+def unify_kv_cache_spec_page_size(
+    kv_cache_spec: dict[str, KVCacheSpec],
+) -> dict[str, KVCacheSpec]:
+    """
+    Unify the page size of the given KVCacheSpec. If the page size of all layers
+    are the same, return the original KVCacheSpec. If not same, the common page
+    size is the smallest multiple of the LCM of the attention page sizes that is
+    at least the largest page size. Attention layers reach it by increasing their
+    block size; Mamba layers, whose page size does not depend on the block size,
+    are padded up to it. Raise NotImplementedError if a layer can do neither.
+
+    Args:
+        kv_cache_spec: The KVCacheSpec of each attention layer in the model
+
+    Returns:
+        The updated KVCacheSpec with the same page_size_bytes.
+    """
+    page_sizes = {layer.page_size_bytes for layer in kv_cache_spec.values()}
+    if len(page_sizes) <= 1:
+        # All layers have the same page size, no need to unify.
+        return kv_cache_spec
+
+    max_page_size = max(page_sizes)
+    # Pages that grow by whole blocks: every layer but the Mamba state pages.
+    block_pages = {
+        layer.page_size_bytes
+        for layer in kv_cache_spec.values()
+        if not isinstance(layer, MambaSpec)
+    }
+    step = math.lcm(*block_pages) if block_pages else max_page_size
+    target_page_size = cdiv(max_page_size, step) * step
+    if target_page_size != max_page_size:
+        logger.info(
+            "Unifying KV cache page size at %d bytes, %.1f%% above the largest "
+            "page (%d bytes): the attention pages do not divide it.",
+            target_page_size,
+            100 * (target_page_size - max_page_size) / max_page_size,
+            max_page_size,
+        )
+
+    new_kv_cache_spec = {}
+    for layer_name, layer_spec in kv_cache_spec.items():
+        layer_page_size = layer_spec.page_size_bytes
+        if layer_page_size == target_page_size:
+            new_spec = layer_spec
+        elif isinstance(layer_spec, MambaSpec):
+            new_spec = replace(layer_spec, page_size_padded=target_page_size)
+        else:
+            ratio = target_page_size // layer_page_size
+            new_spec = replace(layer_spec, block_size=layer_spec.block_size * ratio)
+        if new_spec.page_size_bytes != target_page_size:
+            raise NotImplementedError(
+                f"Cannot unify the page size of layer {layer_name} "
+                f"({layer_page_size} bytes) to {target_page_size} bytes."
+            )
+        new_kv_cache_spec[layer_name] = new_spec
+    return new_kv_cache_spec
+'''
+
+
+class UnifyPagesAtAttentionLcm(Codemod):
+    """Replace ``unify_kv_cache_spec_page_size`` with the LCM pad-up version."""
+
+    target = "v1/core/kv_cache_utils.py"
+    anchor = (func(UNIFY),)
+    patched = (func(UNIFY, leading_lines=marked("P5")),)
+
+    def rewrite(self, node):
+        (new,) = statements(NEW_FUNCTION)
+        return with_marker(new.with_changes(leading_lines=node.leading_lines), "P5", WHY)
+
+
+# -- upstream detection: the unify function pads pages instead of raising -------------------
+
+PADS_TO_PAGE = m.Call(
+    func=m.Name("replace"),
+    args=[m.ZeroOrMore(), m.Arg(keyword=m.Name("page_size_padded")), m.ZeroOrMore()],
+)
+MAMBA_BRANCH = m.Call(func=m.Name("isinstance"), args=[m.Arg(), m.Arg(value=m.Name("MambaSpec"))])
+
+
+def _kiln_marked(node: cst.FunctionDef) -> bool:
+    return any(line.comment is not None and line.comment.value.startswith("# kiln ") for line in node.leading_lines)
+
+
+def upstream_unify_pads(module_of) -> str | None:
+    """Where vLLM's own ``unify_kv_cache_spec_page_size`` pads Mamba pages (and others) to the
+    largest page instead of raising; kiln's own rewrites (marked) do not count."""
+    for rel in ("v1/core/kv_cache_planning.py", "v1/core/kv_cache_utils.py"):
+        module = module_of(rel)
+        if module is None:
+            continue
+        for fn in find(module, func(UNIFY)):
+            if _kiln_marked(fn):
+                continue
+            if m.findall(fn, PADS_TO_PAGE) and m.findall(fn, MAMBA_BRANCH):
+                return rel
+    return None
+
+
+class P5(Patch):
+    id = "P5"
+    family = "kv_cache"
+    title = "Hybrid KV page-size unification by LCM pad-up (attention scales, Mamba pads)"
+    why = (
+        "unify_kv_cache_spec_page_size raises NotImplementedError when hybrid attention and "
+        "Mamba pages do not divide (TurboQuant + GDN/Mamba). Unify at a multiple of the LCM of "
+        "the attention pages: attention grows by whole blocks, Mamba pages are padded."
+    )
+    gates = Gates(vllm=">=0.20.1")
+    edits = (UnifyPagesAtAttentionLcm,)
+
+    def upstream_fix(self, module_of) -> str | None:
+        where = upstream_unify_pads(module_of)
+        if where:
+            return f"{where}: {UNIFY} pads Mamba/attention pages to the largest page instead of raising"
+        return None
