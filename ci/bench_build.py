@@ -213,14 +213,24 @@ def main() -> None:
         ("kiln cold build (empty cache), `--push`", cold, cold_json["bytes_pulled"], cold_json["bytes_pushed"], cold_json),
         ("kiln warm rebuild, one patch module edited", warm, warm_json["bytes_pulled"], warm_json["bytes_pushed"], warm_json),
     ]
+    def blobs(result: dict | None) -> str:
+        return "-" if result is None else f"{result['blobs_uploaded']} / {result['blobs_mounted']}"
+
     table = "\n".join(
-        f"| {name} | {m.wall:.2f} s | {mib(pulled)} | {'-' if pushed is None else mib(pushed)} | {m.max_rss_mib:,.0f} MiB |"
-        for name, m, pulled, pushed, _ in rows
+        f"| {name} | {m.wall:.2f} s | {mib(pulled)} | {'-' if pushed is None else f'{pushed:,} B'} "
+        f"| {blobs(result)} | {m.max_rss_mib:,.0f} MiB |"
+        for name, m, pulled, pushed, result in rows
     )
     phases = "\n".join(
         f"| {name} | " + " | ".join(f"{result['timings'].get(k, 0):.2f}" for k in ("resolve", "pull", "patch", "bake", "publish", "total")) + " |"
         for name, _, _, _, result in rows if result
     )
+    if warm_json["manifest_digest"] == cold_json["manifest_digest"]:
+        warm_note = ("The edit is a comment, so the patched file, layer and manifest come out byte-identical "
+                     "to the cold build's (same manifest digest): only the manifest is sent again.")
+    else:
+        warm_note = (f"The edited patch gives a new layer/config (manifest {warm_json['manifest_digest'][:19]}…), "
+                     f"uploaded with the manifest.")
     layer_rows = "\n".join(f"| {role} | `{digest[:19]}…` | {mib(size)} |" for role, (digest, size) in layers.items())
     body = f"""
 ## build (issue 4)
@@ -238,8 +248,8 @@ The vLLM layer is the real vLLM {VLLM_VERSION} wheel, every file (Python sources
 extension `.so`s), as pip lays it out under `/{SITE}/`; the fillers are incompressible data
 standing in for CUDA and torch.
 
-| step | wall time | pulled | pushed | peak RSS |
-|---|---|---|---|---|
+| step | wall time | pulled | pushed | blobs uploaded / mounted | peak RSS |
+|---|---|---|---|---|---|
 {table}
 
 kiln's own phase timings (seconds, from `--json`; wall time above adds Python start-up and imports):
@@ -260,11 +270,12 @@ Goals:
 The baseline only pulls: a real `docker build` would also unpack every layer and push its
 result, so the true ratio is smaller than shown. Warm rebuild: the pristine tree and base
 metadata come from the cache (no layer is downloaded); the edited patch re-runs, the layer is
-re-baked and the push finds the base blobs already linked in the target repository.
+re-baked and the push finds the base blobs already linked in the target repository. {warm_note}
+Peak RSS is each process's own maximum resident set (`wait4`).
 
 Reproduce: `.venv/bin/python ci/bench_build.py --filler-gib {args.filler_gib:g} --fillers {args.fillers}`
-(needs `docker-registry skopeo umoci busybox-static`; about {2 * base_bytes / 2**30:.0f} GiB of
-temporary disk).
+(needs `docker-registry skopeo umoci busybox-static`; about {2 * base_bytes / 2**30:.1f} GiB of
+temporary disk at its peak).
 """
     if args.dry_run:
         print(body)

@@ -81,6 +81,7 @@ class AnchorResult:
     level: int  # index of the level that decided the outcome
     anchor: Anchor
     lines: list[int] = field(default_factory=list)  # positions of ambiguous matches
+    scope: cst.CSTNode | None = None  # the node the unique match was found in (previous level)
 
     @property
     def unique(self) -> cst.CSTNode | None:
@@ -94,17 +95,20 @@ class AnchorResult:
 
 
 def resolve(module: cst.Module, anchor: Anchor) -> AnchorResult:
-    """Resolve ``anchor`` level by level; stop at the first level that is not unique."""
+    """Resolve ``anchor`` level by level; stop at the first level that finds nothing."""
     scopes: list[cst.CSTNode] = [module]
     last = len(anchor) - 1
     for level, matcher in enumerate(anchor):
-        found = [node for scope in scopes for node in find(scope, matcher)]
+        pairs = [(node, scope) for scope in scopes for node in find(scope, matcher)]
+        found = [node for node, _ in pairs]
         if not found:
             return AnchorResult(found, level, anchor)
-        if level == last and len(found) > 1:
-            return AnchorResult(found, level, anchor, _lines(module, found))
+        if level == last:
+            if len(found) > 1:
+                return AnchorResult(found, level, anchor, _lines(module, found))
+            return AnchorResult(found, level, anchor, scope=pairs[0][1])
         scopes = found
-    return AnchorResult(scopes, last, anchor)
+    raise AssertionError("unreachable: an anchor has at least one level")
 
 
 def count(module: cst.Module, anchor: Anchor) -> int:

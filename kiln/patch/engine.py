@@ -31,7 +31,7 @@ def sha256_text(text: str) -> str:
 
 
 class _Replace(cst.CSTTransformer):
-    """Replace one node, by identity; supports statement flattening and removal."""
+    """Replace one node, by identity, anywhere in a tree (the general but slow path)."""
 
     def __init__(self, old: cst.CSTNode, new):
         self.old, self.new, self.hits = old, new, 0
@@ -43,12 +43,75 @@ class _Replace(cst.CSTTransformer):
         return updated_node
 
 
-def replace_node(module: cst.Module, old: cst.CSTNode, new) -> cst.Module:
+def _splice(items, old, new):
+    """``items`` with ``old`` replaced (recursing into compound statements), or None."""
+    for index, item in enumerate(items):
+        if item is old:
+            if isinstance(new, cst.FlattenSentinel):
+                replacement = list(new.nodes)
+            elif isinstance(new, cst.RemovalSentinel):
+                replacement = []
+            else:
+                replacement = [new]
+            return [*items[:index], *replacement, *items[index + 1 :]]
+        if isinstance(item, cst.CSTNode):
+            rebuilt = _rebuild(item, old, new)
+            if rebuilt is not None:
+                return [*items[:index], rebuilt, *items[index + 1 :]]
+    return None
+
+
+def _rebuild(node: cst.CSTNode, old: cst.CSTNode, new) -> cst.CSTNode | None:
+    """``node`` with the statement ``old`` replaced, walking statement blocks only; or None.
+
+    Rebuilding only the chain of blocks from the module down to the statement is what keeps
+    an edit of a 7,000-line file cheap: a full-tree transform visits every expression node.
+    """
+    for attr in ("body", "orelse", "handlers", "finalbody"):
+        value = getattr(node, attr, None)
+        if value is None:
+            continue
+        if isinstance(value, cst.BaseSuite):
+            items = _splice(value.body, old, new)
+            if items is not None:
+                return node.with_changes(**{attr: value.with_changes(body=items)})
+        elif isinstance(value, (list, tuple)):
+            items = _splice(value, old, new)
+            if items is not None:
+                return node.with_changes(**{attr: items})
+        elif isinstance(value, cst.CSTNode):
+            if value is old and isinstance(new, cst.CSTNode):
+                return node.with_changes(**{attr: new})
+            rebuilt = _rebuild(value, old, new)
+            if rebuilt is not None:
+                return node.with_changes(**{attr: rebuilt})
+    return None
+
+
+def _transform(root: cst.CSTNode, old: cst.CSTNode, new) -> cst.CSTNode:
     transformer = _Replace(old, new)
-    result = module.visit(transformer)
+    result = root.visit(transformer)
     if transformer.hits != 1:
         raise RuntimeError("anchored node not found during replacement")
     return result
+
+
+def replace_node(module: cst.Module, old: cst.CSTNode, new, scope: cst.CSTNode | None = None) -> cst.Module:
+    """``module`` with ``old`` replaced by ``new``.
+
+    A statement is spliced in along its chain of blocks. Anything smaller (an expression) is
+    replaced by a transform of its ``scope`` (the statement its anchor was found in), which is
+    then spliced in; only without a usable scope is the whole module transformed.
+    """
+    rebuilt = _rebuild(module, old, new)
+    if rebuilt is not None:
+        return rebuilt
+    if scope is not None and scope is not module:
+        new_scope = _transform(scope, old, new)
+        rebuilt = _rebuild(module, scope, new_scope)
+        if rebuilt is not None:
+            return rebuilt
+    return _transform(module, old, new)
 
 
 class Session:
@@ -57,6 +120,16 @@ class Session:
     def __init__(self, tree: SourceTree):
         self.tree = tree
         self._modules: dict[str, cst.Module | None] = {}
+        self._code: dict[int, tuple[cst.Module, str]] = {}
+
+    def code(self, module: cst.Module) -> str:
+        """``module.code``, generated once per module object (codegen of big files is slow)."""
+        hit = self._code.get(id(module))
+        if hit is None or hit[0] is not module:
+            hit = self._code[id(module)] = (module, module.code)
+            while len(self._code) > 32:  # bounded: each entry keeps a parsed module alive
+                self._code.pop(next(iter(self._code)))
+        return hit[1]
 
     def module(self, rel: str) -> cst.Module | None:
         if rel not in self._modules:
@@ -77,6 +150,7 @@ class Session:
         """
         other = Session(self.tree)
         other._modules = {**self._modules, **modules}
+        other._code = dict(self._code)
         return other
 
     def where_is(self, symbol: str) -> list[str]:
@@ -106,6 +180,12 @@ class State:
             return self.changed[rel]
         return self.session.module(rel)
 
+    def text(self, rel: str) -> str:
+        """Current source text of ``rel`` (pristine files are read, not regenerated)."""
+        if rel in self.changed:
+            return self.session.code(self.changed[rel])
+        return self.session.tree.read(rel)
+
     def fork(self) -> State:
         return State(self.session, dict(self.changed), {k: list(v) for k, v in self.touched_by.items()})
 
@@ -116,7 +196,7 @@ class RunResult:
     state: State
 
     def changed_text(self) -> dict[str, str]:
-        return {rel: mod.code for rel, mod in sorted(self.state.changed.items())}
+        return {rel: self.state.session.code(mod) for rel, mod in sorted(self.state.changed.items())}
 
 
 def _evaluate_edits(patch: Patch, state: State) -> tuple[Outcome, dict[str, cst.Module]]:
@@ -146,7 +226,7 @@ def _evaluate_edits(patch: Patch, state: State) -> tuple[Outcome, dict[str, cst.
             statuses.append((edit_cls, "drifted", f"{edit.target}: {found.explain()}"))
             continue
         try:
-            new_module = replace_node(module, node, edit.rewrite(node))
+            new_module = replace_node(module, node, edit.rewrite(node), found.scope)
         except KilnError:
             raise
         except Exception as err:
@@ -171,9 +251,9 @@ def _evaluate_edits(patch: Patch, state: State) -> tuple[Outcome, dict[str, cst.
     return Outcome(patch.id, Verdict.DRIFTED, "; ".join(details)), {}
 
 
-def _check_compiles(patch: Patch, modules: dict[str, cst.Module]) -> None:
+def _check_compiles(patch: Patch, session: Session, modules: dict[str, cst.Module]) -> None:
     for rel, module in modules.items():
-        code = module.code
+        code = session.code(module)
         try:
             compile(code, f"vllm/{rel}", "exec", dont_inherit=True)
         except SyntaxError as err:
@@ -195,11 +275,10 @@ def evaluate(patch: Patch, state: State, target: BuildTarget, verdicts: dict[str
         return Outcome(patch.id, Verdict.UPSTREAM, upstream)
     outcome, modules = _evaluate_edits(patch, state)
     if outcome.verdict is Verdict.APPLIES:
-        _check_compiles(patch, modules)
+        _check_compiles(patch, state.session, modules)
         outcome.files = {}
         for rel, module in modules.items():
-            before = state.module(rel)
-            outcome.files[rel] = (sha256_text(before.code), sha256_text(module.code))
+            outcome.files[rel] = (sha256_text(state.text(rel)), sha256_text(state.session.code(module)))
             state.changed[rel] = module
             state.touched_by.setdefault(rel, []).append(patch.id)
     return outcome
