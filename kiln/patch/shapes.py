@@ -79,3 +79,9 @@ def insert_after(node: cst.BaseStatement, *new: cst.BaseStatement, blank_line: b
 def insert_before(node: cst.BaseStatement, *new: cst.BaseStatement) -> cst.FlattenSentinel:
     """Put ``new`` statements right before ``node``."""
     return cst.FlattenSentinel([*new, node])
+
+
+def top_level(node: cst.BaseStatement, patch_id: str, why: str) -> cst.BaseStatement:
+    """A module-level statement as PEP 8 places it: two blank lines, then the marker."""
+    blank = cst.EmptyLine(indent=False)
+    return node.with_changes(leading_lines=[blank, blank, marker_line(patch_id, why)])

@@ -52,8 +52,8 @@ from kiln.patch.shapes import (
     func,
     insert_after,
     marked,
-    marker_line,
     statements,
+    top_level,
     with_marker,
 )
 
@@ -111,13 +111,6 @@ def _tensor_from_list(name: str) -> m.SimpleStatementLine:
     )
 
 
-def _top_level(node: cst.BaseStatement) -> cst.BaseStatement:
-    """Two blank lines and the marker before a module-level statement."""
-    return node.with_changes(
-        leading_lines=[cst.EmptyLine(indent=False), cst.EmptyLine(indent=False), marker_line("P22", POOL_WHY)]
-    )
-
-
 class SharedDequantBufferPool(Codemod):
     """Add the module-level pool right after ``_CONTINUATION_DECODE_THRESHOLD``."""
 
@@ -157,7 +150,7 @@ class SharedDequantBufferPool(Codemod):
                 return bufs
             '''
         )
-        return cst.FlattenSentinel([node, _top_level(pool), _top_level(helper)])
+        return cst.FlattenSentinel([node, top_level(pool, "P22", POOL_WHY), top_level(helper, "P22", POOL_WHY)])
 
 
 class ReserveDequantBuffersAtInit(Codemod):

@@ -45,8 +45,8 @@ from kiln.patch.shapes import (
     func,
     insert_after,
     marked,
-    marker_line,
     statements,
+    top_level,
     with_marker,
 )
 
@@ -88,12 +88,6 @@ TRIM_AND_CAT = [
     _torch_cat_into("k_full"),
     _torch_cat_into("v_full"),
 ]
-
-
-def _top_level(node: cst.BaseStatement) -> cst.BaseStatement:
-    return node.with_changes(
-        leading_lines=[cst.EmptyLine(indent=False), cst.EmptyLine(indent=False), marker_line("P38", POOL_WHY)]
-    )
 
 
 class SharedKvFullPool(Codemod):
@@ -139,7 +133,7 @@ class SharedKvFullPool(Codemod):
                 return bufs[0][:length], bufs[1][:length]
             '''
         )
-        return cst.FlattenSentinel([node, _top_level(pool), _top_level(helper)])
+        return cst.FlattenSentinel([node, top_level(pool, "P38", POOL_WHY), top_level(helper, "P38", POOL_WHY)])
 
 
 class ReserveKvFullAtInit(Codemod):
