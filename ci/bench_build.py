@@ -28,7 +28,9 @@ import shutil
 import sys
 import tarfile
 import tempfile
+import time
 import zipfile
+import zlib
 from pathlib import Path
 
 import requests
@@ -121,6 +123,23 @@ def build_base(work: Path, wheel: Path, filler_bytes: int, fillers: int) -> dict
             for role, layer in zip(roles, manifest["layers"], strict=True)}
 
 
+def read_floors(blob: Path) -> dict[str, float]:
+    """Seconds to inflate the cached vLLM layer (zlib, 1 MiB reads), and to walk its tar
+    headers as kiln's pull does (``tarfile`` ``r|gz``, nothing extracted); sha256 included."""
+    start = time.perf_counter()
+    inflate, sha, size = zlib.decompressobj(31), hashlib.sha256(), 0
+    with blob.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            sha.update(chunk)
+            size += len(inflate.decompress(chunk))
+    floors = {"inflate": time.perf_counter() - start, "tar_bytes": size}
+    start = time.perf_counter()
+    with blob.open("rb") as handle, tarfile.open(fileobj=handle, mode="r|gz") as tar:
+        floors["entries"] = sum(1 for _ in tar)
+    floors["walk"] = time.perf_counter() - start
+    return floors
+
+
 def kiln(args: list[str], env: dict, check: bool = True) -> Measured:
     result = measured([sys.executable, "build.py", *args], env)
     if check and result.returncode != 0:
@@ -192,6 +211,11 @@ def main() -> None:
         warm = kiln(["--patchsets", str(patchsets), *build], env)
         warm_json = json.loads(warm.stdout)
 
+        # floors of the cold build, to explain it: interpreter + imports, and reading the vLLM
+        # layer from the blob cache (no network, no extraction): inflate only, then tar walk
+        imports = measured([sys.executable, "-c", "import kiln.cli"], env).wall
+        floors = read_floors(work / "cache" / "blobs" / "sha256" / layers["vllm"][0].split(":")[1])
+
         # what a push must carry: the new layer, the new config, the manifest (read back)
         expected_push = {}
         for name, result in (("cold", cold_json), ("warm", warm_json)):
@@ -232,6 +256,24 @@ def main() -> None:
         warm_note = (f"The edited patch gives a new layer/config (manifest {warm_json['manifest_digest'][:19]}…), "
                      f"uploaded with the manifest.")
     layer_rows = "\n".join(f"| {role} | `{digest[:19]}…` | {mib(size)} |" for role, (digest, size) in layers.items())
+    startup = cold.wall - cold_json["timings"]["total"]
+    why = ""
+    if ratio_wall > 0.35:
+        floor = imports + floors["walk"]
+        why = f"""Why the cold-build goal is missed here: of its {cold.wall:.2f} s, {startup:.2f} s is before kiln's
+clock starts (Python start-up and imports: `import kiln.cli` alone takes {imports:.2f} s, mostly
+libcst) and {cold_json['timings']['pull']:.2f} s is the pull. Reading the vLLM layer has a floor on this
+machine even from a local file: inflating its {mib(floors['tar_bytes'])} of tar takes {floors['inflate']:.2f} s
+(zlib, with sha256), and walking its {floors['entries']:,} entries as kiln does (`tarfile` `r|gz`: that
+inflate plus the header parsing, nothing extracted) {floors['walk']:.2f} s. Start-up plus that walk alone
+are {floor:.2f} s = {floor / baseline.wall:.2f}x the baseline, which is disk-bound and fast on this machine ({mib(baseline_bytes / baseline.wall)}/s); the
+rest of the pull is HTTP, the blob-cache write and creating ~1,700 `.py` files, overlapped
+with inflating (a read-ahead thread, 1 MiB reads). Inferred, not measured here: the baseline
+grows with the whole image and kiln only with the vLLM layer, so the ratio falls as the base
+grows (the real vllm-openai image is several times this {base_bytes / 2**30:.1f} GiB stand-in) or the
+network slows; on this machine and size the goal needs a faster inflate (ISA-L / zlib-ng, not
+a dependency today) and a cheaper start-up.
+"""
     body = f"""
 ## build (issue 4)
 
@@ -267,6 +309,7 @@ Goals:
 | warm rebuild <= 3 s | {warm.wall:.2f} s | {verdict(warm.wall <= 3.0)} |
 | bytes pushed ~= new layer + config + manifest ({expected_push['cold']:,} B) | {cold_json['bytes_pushed']:,} B; {cold_json['blobs_mounted']} base blobs mounted, {cold_json['blobs_uploaded']} uploaded | {verdict(pushed_ok)} |
 
+{why}
 The baseline only pulls: a real `docker build` would also unpack every layer and push its
 result, so the true ratio is smaller than shown. Warm rebuild: the pristine tree and base
 metadata come from the cache (no layer is downloaded); the edited patch re-runs, the layer is
