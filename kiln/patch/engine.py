@@ -22,7 +22,7 @@ import libcst as cst
 from kiln.errors import KilnError
 from kiln.patch.anchor import resolve, symbol_of
 from kiln.patch.catalog import Catalogue
-from kiln.patch.model import BuildTarget, Codemod, Outcome, Patch, Verdict
+from kiln.patch.model import BuildTarget, Codemod, NewFile, Outcome, Patch, Verdict
 from kiln.source.tree import SourceTree
 
 
@@ -207,6 +207,9 @@ def _evaluate_edits(patch: Patch, state: State) -> tuple[Outcome, dict[str, cst.
     for edit_cls in patch.edits:
         edit = edit_cls()
         module = working.get(edit.target) or state.module(edit.target)
+        if isinstance(edit, NewFile):
+            statuses.append(_add_file(patch, edit, module, working))
+            continue
         if module is None:
             symbol = symbol_of(edit.anchor)
             hint = ""
@@ -251,6 +254,31 @@ def _evaluate_edits(patch: Patch, state: State) -> tuple[Outcome, dict[str, cst.
     return Outcome(patch.id, Verdict.DRIFTED, "; ".join(details)), {}
 
 
+def _add_file(patch: Patch, edit: NewFile, module: cst.Module | None, working: dict[str, cst.Module]):
+    """A ``NewFile``'s status: it applies where the file is absent (its anchor is the absence).
+
+    A file already there is this patch's (marker found: re-run), vLLM's own (``upstream``), or
+    someone else's at the same path, which the patch must not overwrite: drift.
+    """
+    name = type(edit).__name__
+    if module is not None:
+        if edit.is_patched(module):
+            return type(edit), "patched", ""
+        if edit.is_upstream(module):
+            return type(edit), "upstream", f"{name}: upstream shape present in {edit.target}"
+        return type(edit), "drifted", f"{edit.target} already exists and is not this patch's file"
+    try:
+        new_module = cst.parse_module(edit.text(patch))
+    except OSError as err:
+        raise KilnError(f"patch {patch.id}: {name}.content {edit.content!r} cannot be read: {err.strerror}") from None
+    except cst.ParserSyntaxError as err:
+        raise KilnError(f"patch {patch.id}: {name}.content {edit.content!r} does not parse: {err.message}") from None
+    if not edit.is_patched(new_module):
+        raise KilnError(f"patch {patch.id}: {name}'s `patched` matcher does not find its marker in {edit.content}")
+    working[edit.target] = new_module
+    return type(edit), "applies", ""
+
+
 def _check_compiles(patch: Patch, session: Session, modules: dict[str, cst.Module]) -> None:
     for rel, module in modules.items():
         code = session.code(module)
@@ -278,7 +306,8 @@ def evaluate(patch: Patch, state: State, target: BuildTarget, verdicts: dict[str
         _check_compiles(patch, state.session, modules)
         outcome.files = {}
         for rel, module in modules.items():
-            outcome.files[rel] = (sha256_text(state.text(rel)), sha256_text(state.session.code(module)))
+            before = sha256_text(state.text(rel)) if state.module(rel) is not None else None
+            outcome.files[rel] = (before, sha256_text(state.session.code(module)))
             state.changed[rel] = module
             state.touched_by.setdefault(rel, []).append(patch.id)
     return outcome
@@ -340,4 +369,18 @@ def run_selection(catalogue: Catalogue, session: Session, target: BuildTarget, i
                 culprits = sorted({p for t in patch.targets for p in before.touched_by.get(t, [])})
                 outcome = Outcome(pid, Verdict.CONFLICT, f"applies alone but not after {', '.join(culprits)}: {outcome.detail}")
         outcomes[pid] = outcome
+    _check_reparses(state)
     return RunResult(outcomes, state)
+
+
+def _check_reparses(state: State) -> None:
+    """What a selection writes must parse back to the same code (each patch already compiled)."""
+    for rel, module in state.changed.items():
+        code = state.session.code(module)
+        try:
+            reparsed = cst.parse_module(code)
+        except cst.ParserSyntaxError as err:
+            culprits = ", ".join(state.touched_by.get(rel, []))
+            raise KilnError(f"patched {rel} (by {culprits}) does not re-parse: {err.message}") from None
+        if reparsed.code != code:
+            raise KilnError(f"patched {rel} does not round-trip through the parser")
