@@ -4,7 +4,10 @@ Public API:
     AUDIT_PATH                       "opt/kiln/manifest.json" (inside the image)
     pyc_whiteouts(rel, site_dir, base_files) -> list[str]
     audit_record(...) -> dict        what ``/opt/kiln/manifest.json`` holds
-    bake_layer(changed, site_dir, base_files, audit, workdir) -> Layer
+    LayerContents(files, removals, created_by)   what one layer puts over the base
+    patched_contents(changed, site_dir, base_files, audit, created_by="") -> LayerContents
+    write_layer(contents, workdir) -> Layer        the contents as a deterministic gzip layer
+    bake_layer(changed, site_dir, base_files, audit, workdir) -> Layer   (the two above)
     kiln_revision(repo=paths.REPO) -> (commit | None, dirty: bool)
     kiln_source_url(repo=paths.REPO) -> str | None
 
@@ -12,6 +15,11 @@ The layer holds only what differs from the base: the patched (or added) modules 
 ``<site_dir>/vllm/``, a whiteout for each ``__pycache__`` entry the base holds for a changed
 module (the base's bytecode would otherwise be trusted when size and mtime happen to match),
 and the audit file. Nothing here reads a clock: the same inputs give the same layer digest.
+
+Deciding *what* the layer holds (``patched_contents``) is separate from writing it: the
+daemonless build writes ``LayerContents`` as a tar layer (``write_layer``, removals become
+whiteouts), ``kiln/context.py`` writes the very same value as a Dockerfile build context
+(removals become ``rm``). Either way there is one list of files and one list of removals.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import json
 import posixpath
 import re
 from collections.abc import Collection
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln import __version__, paths
@@ -109,18 +118,48 @@ def audit_record(*, image: str, pin: dict, sm: int, base_reference: str, base_di
     }
 
 
+@dataclass(frozen=True)
+class LayerContents:
+    """What one layer kiln adds puts over the base, independent of how it is written.
+
+    ``files``: image path (relative, e.g. ``usr/local/lib/.../x.py``) -> bytes, mode 0644.
+    ``removals``: image paths of lower-layer files this layer hides (a tar layer writes a
+    whiteout for each; a build context deletes them with ``rm -f``, so an absent one is fine).
+    ``created_by``: the config history entry of the layer.
+    """
+
+    files: dict[str, bytes] = field(default_factory=dict)
+    removals: tuple[str, ...] = ()
+    created_by: str = ""
+
+
+def patched_contents(changed: dict[str, str], site_dir: str, base_files: Collection[str] | None,
+                     audit: dict, created_by: str = "") -> LayerContents:
+    """The patched-source layer: every changed module, its stale bytecode, the audit file."""
+    if not site_dir or site_dir.startswith("/"):
+        raise KilnError(f"site dir {site_dir!r}: expected a relative image path like usr/local/lib/python3.12/dist-packages")
+    files: dict[str, bytes] = {}
+    removals: list[str] = []
+    base = set(base_files or ())
+    for rel, text in sorted(changed.items()):
+        files[f"{site_dir}/vllm/{rel}"] = text.encode("utf-8")
+        if base_files is None or rel in base:
+            removals.extend(pyc_whiteouts(rel, site_dir, base_files))
+    files[AUDIT_PATH] = (json.dumps(audit, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+    return LayerContents(files, tuple(removals), created_by)
+
+
+def write_layer(contents: LayerContents, workdir: Path) -> Layer:
+    """Write ``contents`` as one deterministic gzip layer into ``workdir``."""
+    builder = LayerBuilder()
+    for path, data in sorted(contents.files.items()):
+        builder.add_file(path, data)
+    for path in contents.removals:
+        builder.add_whiteout(path)
+    return builder.write(workdir)
+
+
 def bake_layer(changed: dict[str, str], site_dir: str, base_files: Collection[str] | None,
                audit: dict, workdir: Path) -> Layer:
     """Write the patched-source layer into ``workdir``; returns its digests and size."""
-    if not site_dir or site_dir.startswith("/"):
-        raise KilnError(f"site dir {site_dir!r}: expected a relative image path like usr/local/lib/python3.12/dist-packages")
-    builder = LayerBuilder()
-    base = set(base_files or ())
-    for rel, text in sorted(changed.items()):
-        builder.add_file(f"{site_dir}/vllm/{rel}", text.encode("utf-8"))
-        if base_files is None or rel in base:
-            for pyc in pyc_whiteouts(rel, site_dir, base_files):
-                builder.add_whiteout(pyc)
-    data = (json.dumps(audit, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
-    builder.add_file(AUDIT_PATH, data)
-    return builder.write(workdir)
+    return write_layer(patched_contents(changed, site_dir, base_files, audit), workdir)

@@ -3,6 +3,12 @@
 Two processes filling the same entry must never see (or leave) a half-written one: each fill
 happens in a private temporary directory beside the final path, guarded by an flock, and
 becomes visible with a single atomic ``os.rename``.
+
+A process killed mid-fill (SIGKILL, power loss) leaves its ``.tmp-*`` entry behind, never a
+final one. ``cache_root()`` registers the calling process as a user of the cache (a shared
+flock on ``<root>/.users.lock``, held until it exits); the first user to arrive while no other
+holds it takes it exclusively for a moment and removes those leftovers, which then belong to
+no live process.
 """
 
 from __future__ import annotations
@@ -17,13 +23,65 @@ from pathlib import Path
 
 
 def cache_root() -> Path:
-    """``$KILN_CACHE_DIR``, else ``$XDG_CACHE_HOME/kiln``, else ``~/.cache/kiln``."""
+    """``$KILN_CACHE_DIR``, else ``$XDG_CACHE_HOME/kiln``, else ``~/.cache/kiln`` (claimed)."""
     explicit = os.environ.get("KILN_CACHE_DIR")
     if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".cache"
-    return base / "kiln"
+        root = Path(explicit)
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        root = (Path(xdg) if xdg else Path.home() / ".cache") / "kiln"
+    claim_cache(root)
+    return root
+
+
+_claims: dict[Path, int] = {}  # cache root -> the descriptor holding its shared users lock
+
+
+def claim_cache(root: Path) -> None:
+    """Hold a shared lock on ``root`` for the life of this process; clean up if first user."""
+    key = root.absolute()
+    if key in _claims:
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / ".users.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pass  # other kiln processes use the cache: their temporary entries are live
+    else:
+        remove_leftovers(root)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # a downgrade after cleaning; waits while another cleans
+    _claims[key] = fd
+
+
+def remove_leftovers(root: Path, depth: int = 3) -> list[Path]:
+    """Delete the ``.tmp-*`` entries within ``depth`` levels of ``root``; returns them.
+
+    Only safe while no other process uses the cache (``claim_cache`` holds it exclusively).
+    Entries live at most three levels down (``blobs/sha256/.tmp-…``, ``verdicts/ab/.tmp-…``);
+    the source trees below are final, never scanned.
+    """
+    removed = []
+    level = [root]
+    for _ in range(depth):
+        below = []
+        for directory in level:
+            try:
+                children = list(os.scandir(directory))
+            except OSError:
+                continue
+            for child in children:
+                path = Path(child.path)
+                if child.name.startswith(".tmp-"):
+                    if child.is_dir(follow_symlinks=False):
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        path.unlink(missing_ok=True)
+                    removed.append(path)
+                elif child.is_dir(follow_symlinks=False) and not child.name.startswith(("image-", "sha256-")):
+                    below.append(path)
+        level = below
+    return removed
 
 
 @contextmanager

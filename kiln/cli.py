@@ -18,7 +18,9 @@ from rich.table import Table
 
 from kiln import paths, ui
 from kiln.build import add_build_parser
+from kiln.context import add_context_parser
 from kiln.errors import KilnError
+from kiln.helm import add_values_parser
 from kiln.images import image_pins, load_image
 from kiln.patch.catalog import Catalogue, load_catalogue
 from kiln.patch.engine import Session, run_isolated, run_selection
@@ -28,6 +30,7 @@ from kiln.patch.output import unified_diff, write_tree
 from kiln.patch.record import accept, compare, load_record
 from kiln.pinlock import add_pin_parser
 from kiln.pins import get_pin, load_pins
+from kiln.plan import add_plan_parser
 from kiln.source.tree import SourceProvider
 from kiln.source.wheel import WheelSource
 
@@ -280,7 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_apply)
     add_build_parser(sub)
+    add_context_parser(sub)
     add_pin_parser(sub)
+    add_plan_parser(sub)
+    add_values_parser(sub)
     return parser
 
 

@@ -18,6 +18,7 @@ from kiln.errors import KilnError
 from kiln.patch.catalog import Catalogue
 from kiln.patch.model import BuildTarget
 from kiln.pins import Pin
+from kiln.triton.kernels import KernelPreset, parse_kernel_preset
 
 TAG_FIELDS = {"cuda", "sm", "pin"}
 # SMs the Triton/CUDA toolchain in vLLM images targets (consumer and datacenter NVIDIA GPUs).
@@ -36,6 +37,7 @@ class ModelPreset:
     spec_method: str | None = None
     num_speculative_tokens: int = 0
     extra: dict = field(default_factory=dict)  # anything else declared (head dims, ...)
+    kernels: KernelPreset | None = None  # [model.kernels]: the Triton kernels to compile ahead of time
 
 
 @dataclass(frozen=True)
@@ -137,15 +139,22 @@ def load_image(images_dir: Path, name: str, catalogue: Catalogue, pins: dict[str
     num_spec = model_raw.get("num_speculative_tokens", 0)
     if not isinstance(num_spec, int) or num_spec < 0:
         fail("model.num_speculative_tokens", "must be a non-negative integer")
-    known_model = {"id", "architectures", "dtype", "kv_cache_dtype", "spec_method", "num_speculative_tokens"}
+    known_model = {"id", "architectures", "dtype", "kv_cache_dtype", "spec_method", "num_speculative_tokens",
+                   "kernels"}
+    dtype = string_field(model_raw, "dtype", "model.")
+    kv_cache_dtype = string_field(model_raw, "kv_cache_dtype", "model.")
+    kernels = None
+    if "kernels" in model_raw:
+        kernels = parse_kernel_preset(model_raw["kernels"], dtype, kv_cache_dtype, num_spec, fail)
     model = ModelPreset(
         id=string_field(model_raw, "id", "model."),
         architectures=tuple(archs),
-        dtype=string_field(model_raw, "dtype", "model."),
-        kv_cache_dtype=string_field(model_raw, "kv_cache_dtype", "model."),
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         spec_method=model_raw.get("spec_method"),
         num_speculative_tokens=num_spec,
         extra={k: v for k, v in model_raw.items() if k not in known_model},
+        kernels=kernels,
     )
 
     serve = raw.get("serve", {})

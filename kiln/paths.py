@@ -7,3 +7,4 @@ PINS = REPO / "pins.toml"
 PATCHSETS = REPO / "patchsets"
 RECORD = PATCHSETS / "verdicts.toml"
 IMAGES = REPO / "images"
+DOCKERFILE = REPO / "Dockerfile"  # copied into every build context (build.py context)

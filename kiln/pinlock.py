@@ -5,7 +5,9 @@ Public API:
     resolve_pin(pin, config) -> str             the digest the pin's ``image`` names now
     lock_pins(path, names, config) -> list[LockResult]   resolve, then rewrite ``pins.toml``
     write_digests(path, digests)                the tomlkit writer (comments and order kept)
-    add_pin_parser(subparsers)                  registers ``pin lock`` and ``pin list``
+    verdict_counts(table) -> dict | None        a pin's recorded verdicts counted (``pin list``)
+    add_pin_parser(subparsers)                  registers ``pin lock``, ``pin list`` and ``pin bump``
+                                                (``kiln/pinbump.py``)
 
 A lock resolves the reference exactly as ``build`` does (one manifest HEAD through the same
 registry client, mirrors and insecure hosts), so a freshly locked pin builds without
@@ -34,6 +36,7 @@ from kiln.errors import KilnError
 from kiln.oci.endpoints import RegistryConfig, add_registry_options, config_from_options
 from kiln.oci.reference import parse_reference
 from kiln.oci.registry import RegistryClient
+from kiln.patch.record import load_record
 from kiln.pins import Pin, get_pin, load_pins
 
 
@@ -125,23 +128,37 @@ def cmd_pin_lock(args) -> int:
 
 def cmd_pin_list(args) -> int:
     pins = load_pins(args.pins)
+    record = load_record(args.record)
     rows = [{"name": p.name, "role": p.role, "image": p.image, "vllm": str(p.vllm), "cuda": p.cuda,
-             "digest": p.digest or None} for p in pins.values()]
+             "digest": p.digest or None, "verdicts": verdict_counts(record.get(p.name))} for p in pins.values()]
     if args.json:
         print(json.dumps({"pins_file": str(args.pins), "pins": rows}, indent=2))
         return 0
     table = Table(title=f"pins ({args.pins})")
-    for column in ("name", "role", "image", "vllm", "cuda", "digest"):
+    for column in ("name", "role", "image", "vllm", "cuda", "digest", "recorded verdicts"):
         table.add_column(column, overflow="fold")
     for row in rows:
         digest = row["digest"] or "[yellow]unlocked[/]"
-        table.add_row(escape(row["name"]), row["role"], escape(row["image"]), row["vllm"], row["cuda"], digest)
+        counts = row["verdicts"]
+        verdicts = ", ".join(f"{n} {v}" for v, n in counts.items()) if counts else "[yellow]unrecorded[/]"
+        table.add_row(escape(row["name"]), row["role"], escape(row["image"]), row["vllm"], row["cuda"], digest,
+                      verdicts)
     ui.stdout.print(table)
     return 0
 
 
+def verdict_counts(table: dict[str, str] | None) -> dict[str, int] | None:
+    """``{"APPLIES": 9, "UPSTREAM": 3}`` from a pin's table in the verdict record (None: none)."""
+    if table is None:
+        return None
+    counts: dict[str, int] = {}
+    for verdict in table.values():
+        counts[verdict] = counts.get(verdict, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
 def add_pin_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("pin", help="list pins, or lock them to their base image's digest")
+    p = subparsers.add_parser("pin", help="list pins, lock them to their base image's digest, bump to a new vLLM")
     sub = p.add_subparsers(dest="pin_command", required=True, metavar="PIN_COMMAND")
     lock = sub.add_parser("lock", help="resolve each pin's image to its digest and write it to the pins file")
     lock.add_argument("names", nargs="*", metavar="NAME", help="pins to lock (default: all)")
@@ -151,4 +168,7 @@ def add_pin_parser(subparsers) -> argparse.ArgumentParser:
     listing = sub.add_parser("list", help="the pins, with their digest or 'unlocked'")
     listing.add_argument("--json", action="store_true")
     listing.set_defaults(func=cmd_pin_list)
+    from kiln.pinbump import add_bump_parser  # here: pinbump itself builds on this module
+
+    add_bump_parser(sub)
     return p

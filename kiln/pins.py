@@ -68,10 +68,17 @@ def load_pins(path: Path) -> dict[str, Pin]:
         if not isinstance(digest, str) or (digest and not _DIGEST.match(digest)):
             raise KilnError(f"{where}.digest: {digest!r} is not 'sha256:<64 hex>' or empty")
         pins[name] = Pin(name, entry["role"], entry["image"], version, entry["cuda"], digest)
-    roles = [p.role for p in pins.values()]
+    # One pins file is one image line: the pin builds run on, and the one to roll back to.
+    if len(pins) > len(ROLES):
+        third = list(pins)[len(ROLES)]
+        raise KilnError(
+            f"{path}: pins.{third}: a third pin; a pins file holds at most two, one 'current' and one "
+            f"'rollback' (found {', '.join(pins)}); `build.py pin bump` rotates them"
+        )
     for role in ROLES:
-        if roles.count(role) > 1:
-            raise KilnError(f"{path}: more than one pin has role {role!r}")
+        holders = [p.name for p in pins.values() if p.role == role]
+        if len(holders) > 1:
+            raise KilnError(f"{path}: more than one pin has role {role!r} ({', '.join(holders)})")
     return pins
 
 

@@ -12,10 +12,14 @@ from packaging.version import Version
 from kiln import paths
 from kiln.patch.catalog import load_catalogue
 from kiln.patch.engine import Session
+from kiln.pins import load_pins
 from kiln.source.wheel import WheelSource
 
 # Every source the record covers: label -> vLLM release whose wheel holds its pristine source.
-SOURCES = {"v0.20.1": "0.20.1", "vllm-0.33.0": "0.33.0"}
+# The pins come from pins.toml, so after `pin bump --write` the new pin is checked (record,
+# golden diffs, idempotence) and the dropped one no longer is; candidates are listed here.
+CANDIDATES = {"vllm-0.33.0": "0.33.0"}
+SOURCES = {name: str(pin.vllm) for name, pin in load_pins(paths.PINS).items()} | CANDIDATES
 
 
 @pytest.fixture(scope="session")

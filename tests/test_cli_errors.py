@@ -88,60 +88,7 @@ def test_unknown_patch_id(capsys, tmp_path):
     assert not out.exists()
 
 
-PINS_CASES = {
-    "not toml": ("[pins.x\n", "not valid TOML"),
-    "no pins": ("title = 'x'\n", "missing table [pins.<name>]"),
-    "missing image": ('[pins."v1"]\nrole="current"\nvllm="0.20.1"\ncuda="cu130"\n', "pins.v1.image"),
-    "bad role": ('[pins."v1"]\nrole="stable"\nimage="a/b:c"\nvllm="0.20.1"\ncuda="cu130"\n', "pins.v1.role"),
-    "bad version": ('[pins."v1"]\nrole="current"\nimage="a/b:c"\nvllm="latest"\ncuda="cu130"\n', "pins.v1.vllm"),
-    "bad cuda": ('[pins."v1"]\nrole="current"\nimage="a/b:c"\nvllm="0.20.1"\ncuda="13"\n', "pins.v1.cuda"),
-    "bad digest": (
-        '[pins."v1"]\nrole="current"\nimage="a/b:c"\nvllm="0.20.1"\ncuda="cu130"\ndigest="sha256:xyz"\n',
-        "pins.v1.digest",
-    ),
-    "unknown field": (
-        '[pins."v1"]\nrole="current"\nimage="a/b:c"\nvllm="0.20.1"\ncuda="cu130"\ncolour="red"\n',
-        "pins.v1.colour",
-    ),
-    "two current": (
-        '[pins."v1"]\nrole="current"\nimage="a/b:c"\nvllm="0.20.1"\ncuda="cu130"\n'
-        '[pins."v2"]\nrole="current"\nimage="a/b:d"\nvllm="0.33.0"\ncuda="cu130"\n',
-        "more than one pin has role 'current'",
-    ),
-}
-
-
-@pytest.mark.parametrize("case", sorted(PINS_CASES))
-def test_malformed_pins_file_names_file_and_field(capsys, tmp_path, case):
-    text, expected = PINS_CASES[case]
-    pins = tmp_path / "pins.toml"
-    pins.write_text(text)
-    code, _, err = run(capsys, "--pins", pins, "verify", "--pin", "v1")
-    assert code == 2
-    line = one_line_error(err)
-    assert str(pins) in line and expected in line
-
-
-METADATA_CASES = {
-    "missing why": (good_patch().replace('why = "exercise the error paths"', ""), "P900.why"),
-    "bad id": (good_patch().replace('id = "P900"', 'id = "patch-900"'), ".id"),
-    "family mismatch": (good_patch(family="serving"), ".family"),
-    "requires unknown": (good_patch(extra='requires = ("P404",)'), "requires names unknown patch 'P404'"),
-    "anchor not matchers": (good_patch().replace('anchor = (cls("TurboQuantMetadataBuilder"), assign_to("_cudagraph_support"))', 'anchor = ("TurboQuantMetadataBuilder",)'), "edits[Edit].anchor"),
-    "bad gate": (good_patch(extra='gates = Gates(vllm="latest")'), ".gates"),
-    "import fails": ("import does_not_exist_anywhere\n", "failed to import: ModuleNotFoundError"),
-    "two patches": (good_patch() + "\nclass Again(P900):\n    pass\n", "exactly one Patch subclass"),
-}
-
-
-@pytest.mark.parametrize("case", sorted(METADATA_CASES))
-def test_malformed_patch_metadata_names_file_and_field(capsys, patchsets, case):
-    body, expected = METADATA_CASES[case]
-    path = write_patch(patchsets, "attention_turboquant", "p900_test.py", body)
-    code, _, err = run(capsys, "--patchsets", patchsets, "patches")
-    assert code == 2
-    line = one_line_error(err)
-    assert str(path) in line and expected in line, line
+# Malformed pins.toml, image definitions and patch metadata: tests/test_malformed_inputs.py.
 
 
 def test_conflicting_patches_selected(capsys, patchsets, tmp_path):

@@ -15,7 +15,8 @@ from packaging.version import Version
 
 from kiln.patch.catalog import Catalogue
 from kiln.patch.engine import Session, isolated_run, run_selection
-from kiln.patch.model import BuildTarget, Codemod, Gates, Patch, Verdict
+from kiln.patch.model import BuildTarget, Codemod, Gates, NewFile, Patch, Verdict
+from kiln.patch.output import report, unified_diff, write_tree
 from kiln.patch.shapes import assign_to, cls, func, insert_after, marked, statements, with_marker
 from kiln.source.tree import SourceTree
 
@@ -178,3 +179,102 @@ def test_codemod_whose_result_lacks_its_patched_shape_is_an_error(tmp_path):
 
     with pytest.raises(KilnError, match="codemod Liar ran but its `patched` matcher does not find the result"):
         verdict(tmp_path, BASE, patch("P1", (Liar,)))
+
+
+# --- NewFile: a codemod that adds a whole file ------------------------------------------------
+
+NEW_FILE_TEXT = '"""A helper module."""\n\n\n# kiln P1: test\ndef helper():\n    return 1\n'
+
+
+class AddHelperModule(NewFile):
+    target = "ops/helper.py"
+    content = "p1_files/helper.py"
+    patched = (func("helper", leading_lines=marked("P1")),)
+    upstream = (func("helper"),)
+
+
+def new_file_patch(tmp_path, *edits, text=NEW_FILE_TEXT, **attrs):
+    """A patch whose module 'lives' in ``tmp_path/patches``, with its content file beside it."""
+    home = tmp_path / "patches"
+    (home / "p1_files").mkdir(parents=True, exist_ok=True)
+    (home / "p1_files" / "helper.py").write_text(text)
+    return patch("P1", edits or (AddHelperModule,), source_file=str(home / "p1_x.py"), **attrs)
+
+
+def test_new_file_applies_where_absent_and_diffs_against_dev_null(tmp_path):
+    source = tree(tmp_path / "src", BASE)
+    p1 = new_file_patch(tmp_path, AddHelperModule, AddHelper)
+    result = isolated_run(catalogue(p1), Session(source), TARGET, "P1")
+    outcome = result.outcomes["P1"]
+    assert outcome.verdict is Verdict.APPLIES  # no TARGET_GONE for the absent file
+    assert result.changed_text()["ops/helper.py"] == NEW_FILE_TEXT
+    assert outcome.files["ops/helper.py"][0] is None  # nothing before
+    assert outcome.files["mod.py"][0] is not None
+    diff = unified_diff(source, result)
+    assert "--- /dev/null\n+++ b/vllm/ops/helper.py\n@@ -0,0 +1,6 @@\n" in diff
+    assert "--- a/vllm/mod.py\n+++ b/vllm/mod.py\n" in diff
+    assert report(source, "t", result)["files"]["ops/helper.py"]["before"] is None
+    out = tmp_path / "out"
+    write_tree(source, "t", result, out, force=False)
+    assert (out / "vllm" / "ops" / "helper.py").read_text() == NEW_FILE_TEXT
+
+
+def test_new_file_rerun_is_already_patched(tmp_path):
+    session = Session(tree(tmp_path / "src", BASE))
+    cat = catalogue(new_file_patch(tmp_path))
+    first = isolated_run(cat, session, TARGET, "P1")
+    second = isolated_run(cat, session.overlay(first.state.changed), TARGET, "P1")
+    assert second.outcomes["P1"].verdict is Verdict.ALREADY_PATCHED
+    assert not second.state.changed
+
+
+def test_new_file_already_there_is_upstream_or_drift(tmp_path):
+    upstream = {**BASE, "ops/helper.py": "def helper():\n    return 2\n"}
+    assert verdict(tmp_path / "a", upstream, new_file_patch(tmp_path)).verdict is Verdict.UPSTREAM
+    foreign = {**BASE, "ops/helper.py": "def unrelated():\n    pass\n"}
+    out = verdict(tmp_path / "b", foreign, new_file_patch(tmp_path))
+    assert (out.verdict, out.detail) == (
+        Verdict.DRIFTED, "AddHelperModule: ops/helper.py already exists and is not this patch's file"
+    )
+
+
+def test_new_file_without_its_marker_is_an_error(tmp_path):
+    from kiln.errors import KilnError
+
+    unmarked = new_file_patch(tmp_path, text="def helper():\n    return 1\n")
+    with pytest.raises(KilnError, match="AddHelperModule's `patched` matcher does not find its marker"):
+        verdict(tmp_path / "src", BASE, unmarked)
+
+
+def _write_patch_module(root: Path, content: str, body: str) -> Path:
+    family = root / "fam"
+    (family / "p1_files").mkdir(parents=True, exist_ok=True)
+    (family / "p1_files" / "helper.py").write_text(body)
+    module = family / "p1_add.py"
+    module.write_text(textwrap.dedent(f"""
+        from kiln.patch.model import NewFile, Patch
+        from kiln.patch.shapes import func, marked
+
+        class AddHelper(NewFile):
+            target = "ops/helper.py"
+            content = {content!r}
+            patched = (func("helper", leading_lines=marked("P1")),)
+
+        class P1(Patch):
+            id, family, title, why = "P1", "fam", "t", "t"
+            edits = (AddHelper,)
+    """))
+    return module
+
+
+def test_catalogue_digest_covers_the_content_file_and_validates_its_path(tmp_path):
+    from kiln.errors import KilnError
+    from kiln.patch.catalog import load_catalogue
+
+    _write_patch_module(tmp_path, "p1_files/helper.py", NEW_FILE_TEXT)
+    first = load_catalogue(tmp_path).digests["P1"]
+    (tmp_path / "fam" / "p1_files" / "helper.py").write_text(NEW_FILE_TEXT + "# changed\n")
+    assert load_catalogue(tmp_path).digests["P1"] != first  # the verdict memo sees content edits
+    _write_patch_module(tmp_path, "p1_files/missing.py", NEW_FILE_TEXT)
+    with pytest.raises(KilnError, match=r"p1_add.py: P1.edits\[AddHelper\].content: .*missing.py does not exist"):
+        load_catalogue(tmp_path)

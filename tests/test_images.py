@@ -73,23 +73,7 @@ def verify_image(capsys, workspace, name="test", *extra):
     )
 
 
-CASES = {
-    "unknown patch": ('["P65", "P404"]', "[86]", "unknown patch 'P404'"),
-    "conflicting patches": ('["P65", "P67b"]', "[86]", "conflicts with P67b"),
-    "gated off for an SM": ('["P901"]', "[86, 89]", "P901 is gated off for sm_86"),
-    "requires not selected": ('["P903"]', "[86]", "P903 requires P65"),
-    "unknown SM": ('["P65"]', "[42]", "sm_42"),
-}
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_bad_image_names_file_and_patch(capsys, workspace, case):
-    patches, sms, expected = CASES[case]
-    path = image(workspace, patches=patches, sms=sms)
-    code, _, err = verify_image(capsys, workspace)
-    assert code == 2
-    line = one_line_error(err)
-    assert str(path) in line and expected in line, line
+# Malformed image definitions: tests/test_malformed_inputs.py.
 
 
 def test_unknown_image(capsys, workspace):

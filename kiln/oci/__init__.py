@@ -7,7 +7,8 @@ Modules, one job each:
     credentials registry credentials from env vars and the Docker/Podman auth file
     auth        Www-Authenticate challenges, Bearer token cache, Basic auth
     endpoints   mirrors (docker.io=127.0.0.1:5000), Docker Hub's API host, insecure registries
-    registry    RegistryClient: manifests, blobs, mounts, uploads, retries
+    registry    RegistryClient: manifests, blobs, mounts, uploads; resumed downloads, restarted uploads
+    retry       RetryPolicy (bounded backoff, Retry-After cap, KILN_REGISTRY_* env), TransferError
     manifest    Manifest bytes + Descriptor parsing, platform selection
     blobcache   content-addressed blob cache, filled only with verified bytes
     image       the Image abstraction: RemoteImage, OciLayoutImage, open_image()

@@ -17,7 +17,8 @@ cached per normalised scope set; a 401 ``insufficient_scope`` whose challenge as
 (e.g. a cross-repo mount needing ``pull`` on the source) widens the set, so one token covers
 every repository an operation touches.
 
-Credentials, tokens and Authorization headers never appear in messages or logs.
+Credentials, tokens and Authorization headers never appear in messages or logs; credentials
+go to a token service only over HTTPS when the registry itself is verified HTTPS.
 """
 
 from __future__ import annotations
@@ -175,6 +176,11 @@ class RegistryAuth:
             params.append(("account", self.credentials.username))
             headers["Authorization"] = _basic(self.credentials)
         realm = self._bearer.realm
+        if self.credentials and self._verify and not realm.startswith("https://"):
+            # The realm comes from the registry's answer: a TLS registry must not be able to
+            # send a login in clear text elsewhere.
+            raise KilnError(f"{self.host}: token service {realm} is not HTTPS; refusing to send "
+                            f"credentials for {self._who()} there")
         try:
             self.token_requests += 1
             resp = self._session.get(realm, params=params, headers=headers, timeout=60,

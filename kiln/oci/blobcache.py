@@ -25,6 +25,7 @@ from pathlib import Path
 from kiln.cache import cache_root
 from kiln.errors import KilnError
 from kiln.oci.digest import BlobVerificationError, VerifyingReader, check_digest
+from kiln.oci.retry import TransferError
 
 
 class BlobCache:
@@ -78,10 +79,13 @@ def _blame_corruption(reader: VerifyingReader) -> Iterator[None]:
     """Verify on leaving the block; if the consumer failed first, say whether the blob was bad.
 
     A corrupted gzip layer usually breaks the tar reader before the digest is known; the
-    useful message is then "digest mismatch", not "not a gzip file".
+    useful message is then "digest mismatch", not "not a gzip file". A transfer that already
+    gave up is not drained again (that would only repeat its retries).
     """
     try:
         yield
+    except TransferError:
+        raise
     except Exception:
         if not reader.verified:
             reader.finish()  # raises the mismatch when the bytes were bad

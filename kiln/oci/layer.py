@@ -10,6 +10,7 @@ Public API:
         .paths() -> list[str]               every entry the layer will hold, sorted
         .write(directory) -> Layer          streams tar -> gzip into ``directory``
     Layer(path, digest, diff_id, size, uncompressed_size)
+    normalise_path(path) -> str          ``/usr/x`` -> ``usr/x``; KilnError for ``..`` or empty
     diff_id_of(path) -> str              sha256 of a gzip layer's uncompressed bytes (for checks)
 
 The recipe (see shared research, "Determinism rules for layer tarballs"): entries sorted by
@@ -60,7 +61,7 @@ class _Entry:
     mode: int = 0o644
 
 
-def _normalise(path: str) -> str:
+def normalise_path(path: str) -> str:
     """``/usr/lib/x`` or ``./usr/lib/x`` -> ``usr/lib/x``; refuses ``..`` and empty paths."""
     text = path.replace("\\", "/").lstrip("/")
     while text.startswith("./"):
@@ -80,17 +81,17 @@ class LayerBuilder:
     def add_file(self, path: str, data: bytes | Path, mode: int = 0o644) -> None:
         if mode not in (0o644, 0o755):
             raise KilnError(f"layer entry {path!r}: mode {oct(mode)} (only 0644 and 0755 are written)")
-        self._put(_normalise(path), _Entry("file", data, mode))
+        self._put(normalise_path(path), _Entry("file", data, mode))
 
     def add_whiteout(self, path: str) -> None:
-        norm = _normalise(path)
+        norm = normalise_path(path)
         parent, name = posixpath.split(norm)
         if name.startswith(WHITEOUT_PREFIX):
             raise KilnError(f"layer entry {path!r}: cannot white out a whiteout")
         self._put(posixpath.join(parent, WHITEOUT_PREFIX + name), _Entry("file", b"", 0o644))
 
     def add_opaque(self, directory: str) -> None:
-        self._put(posixpath.join(_normalise(directory), OPAQUE), _Entry("file", b"", 0o644))
+        self._put(posixpath.join(normalise_path(directory), OPAQUE), _Entry("file", b"", 0o644))
 
     def _put(self, norm: str, entry: _Entry) -> None:
         if norm in self._entries:

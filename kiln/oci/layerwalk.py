@@ -31,17 +31,27 @@ file left by some other tool) is not seen; under (c) a file only a lower layer h
 If no site qualifies, every layer is read; if then no ``vllm/__init__.py`` is visible the image
 has no vLLM (KilnError).
 
-Safety: entry names are normalised (``./`` prefix); absolute names, ``..`` components and links
-whose target leaves the package are refused with the layer and entry named. Files are written
-only inside ``dest``.
+Safety (a base image is input, and may be hostile): entry names are normalised (``./``
+prefix); an absolute name or a ``..`` component anywhere in a layer is refused. Under
+``vllm/``: a device, FIFO or other special file, a ``.py`` entry declaring more than
+``MAX_SOURCE_FILE`` bytes (checked on the header, before any data is read), an entry below a
+symlink or below a file of the same layer, and a link whose target leaves the package are
+refused; every refusal names the layer and the entry. Entries outside the package are only
+looked at, never written, whatever their type. Nothing is ever written through a link:
+``dest`` holds only real directories and regular files (written with ``O_EXCL|O_NOFOLLOW``);
+a symlink is recorded and, once every layer is read, resolved inside the package by kiln itself
+(never by the kernel) and materialised as a copy of its target. A later duplicate entry of a
+layer replaces the earlier one, as tar extraction does.
 """
 
 from __future__ import annotations
 
 import email.parser
+import os
 import posixpath
 import re
 import shutil
+import stat
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -55,6 +65,8 @@ _VLLM_META = re.compile(r"^vllm-[^/]+\.dist-info/(METADATA|RECORD)$")
 _TRITON_META = re.compile(r"^triton-[^/]+\.dist-info/METADATA$")
 _WHITEOUT = ".wh."
 _OPAQUE = ".wh..wh..opq"
+MAX_SOURCE_FILE = 64 << 20  # vLLM's largest .py is well under 1 MiB; a bigger one is not source
+_MAX_LINK_HOPS = 40  # as the kernel's ELOOP limit
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,7 @@ class VllmLayerWalk:
         self._nondirs: set[str] = set()
         self._sites: dict[str, _SiteState] = {}
         self._files: dict[str, set[str]] = {}  # site -> vllm-relative files visible
+        self._links: dict[str, tuple[str, str]] = {}  # symlink path under a package -> (target, layer)
         self.layers: list[str] = []
 
     # -- feeding -----------------------------------------------------------------------------
@@ -129,45 +142,126 @@ class VllmLayerWalk:
         state = self._sites.setdefault(site, _SiteState())
         if rest.startswith("vllm/"):
             rel = rest[len("vllm/"):]
-            if member.isfile() or member.islnk() or member.issym():
-                self._files.setdefault(site, set()).add(rel)
+            if not (member.isfile() or member.islnk() or member.issym() or member.isdir()):
+                raise KilnError(f"layer {label}: entry {member.name!r} in the vllm package is a "
+                                f"{_KINDS.get(member.type, 'special file')}; kiln reads only files, directories and links")
+            self._check_parents(path, site, member, label)
+            if member.isdir():
+                return
+            self._files.setdefault(site, set()).add(rel)
             if rel == "__init__.py":
                 state.init_layer = label
-            if rel.endswith(".py") and (member.isfile() or member.islnk() or member.issym()):
+            if member.issym():
+                self._drop(path, member, label)
+                self._resolve(path, f"{site}/vllm", label, member.linkname)  # refuse an escape early
+                self._links[path] = (member.linkname, label)
+            elif rel.endswith(".py"):
                 self._extract(member, path, site, tar, label)
         elif _VLLM_META.match(rest) and member.isfile():
-            data = _read(tar, member)
+            data = _read(tar, member, label)
             if rest.endswith("/METADATA"):
                 state.metadata[rest.split("/")[0]] = (label, data)
             else:
                 state.record = data
         elif _TRITON_META.match(rest) and member.isfile():
-            state.triton = _read(tar, member)
+            state.triton = _read(tar, member, label)
+
+    def _check_parents(self, path: str, site: str, member: tarfile.TarInfo, label: str) -> None:
+        """Refuse an entry that would be written through a symlink or below a file."""
+        parent = posixpath.dirname(path)
+        while len(parent) > len(site):
+            if parent in self._links:
+                raise KilnError(f"layer {label}: entry {member.name!r} is below the symlink "
+                                f"{parent!r}; refusing to write through a link")
+            if os.path.lexists(self.dest / parent) and not _is_real_dir(self.dest / parent):
+                raise KilnError(f"layer {label}: entry {member.name!r} is below {parent!r}, which is not a directory")
+            parent = posixpath.dirname(parent)
+
+    def _drop(self, path: str, member: tarfile.TarInfo, label: str) -> None:
+        """Forget what an earlier entry of this layer put at ``path`` (a later duplicate wins)."""
+        self._links.pop(path, None)
+        target = self.dest / path
+        if _is_real_dir(target):
+            raise KilnError(f"layer {label}: entry {member.name!r} replaces a directory already extracted")
+        if os.path.lexists(target):
+            target.unlink()
 
     def _extract(self, member: tarfile.TarInfo, path: str, site: str, tar: tarfile.TarFile, label: str) -> None:
-        # ``path`` is relative with no ``..`` (``_normalise``), and ``dest`` holds only directories
-        # made here and in-package leaf symlinks, so no parent can redirect the write elsewhere.
+        # ``path`` is relative with no ``..`` (``_normalise``); ``_check_parents`` made sure no
+        # parent is a link or a file, and ``dest`` never holds a link: the write stays in ``dest``.
+        self._drop(path, member, label)
         target = self.dest / path
         target.parent.mkdir(parents=True, exist_ok=True)
-        if target.is_symlink() or target.exists():
-            target.unlink()  # a later duplicate entry of the same layer wins, as tar extraction does
         package = f"{site}/vllm"
         if member.isfile():
+            if member.size > MAX_SOURCE_FILE:
+                raise KilnError(f"layer {label}: entry {member.name!r} declares {member.size} bytes, over kiln's "
+                                f"limit of {MAX_SOURCE_FILE} for a source file")
             source = tar.extractfile(member)
             assert source is not None
-            with target.open("wb") as out:
+            with _create(target) as out:
                 shutil.copyfileobj(source, out)
-        elif member.issym():
-            resolved = posixpath.normpath(posixpath.join(posixpath.dirname(path), member.linkname))
-            if member.linkname.startswith("/") or not resolved.startswith(package + "/"):
-                raise KilnError(f"layer {label}: symlink {member.name!r} -> {member.linkname!r} leaves the vllm package")
-            target.symlink_to(posixpath.relpath(resolved, posixpath.dirname(path)))
-        else:  # hard link: its target must be a file this layer already gave us
-            linked = _normalise(member.linkname, label)
+        else:  # hard link: its target must be a regular file already extracted into the package
+            try:
+                linked = _normalise(member.linkname, label)
+            except KilnError:  # absolute or climbing: reported below, naming the link itself
+                linked = None
             source_path = self.dest / linked if linked else None
-            if not linked or not linked.startswith(package + "/") or not source_path.is_file():
-                raise KilnError(f"layer {label}: hard link {member.name!r} -> {member.linkname!r} points outside the extracted vllm package")
-            shutil.copyfile(source_path, target)
+            if not linked or not linked.startswith(package + "/") or not _is_real_file(source_path):
+                raise KilnError(f"layer {label}: hard link {member.name!r} -> {member.linkname!r} does not name "
+                                "a file extracted from the vllm package")
+            with source_path.open("rb") as source, _create(target) as out:
+                shutil.copyfileobj(source, out)
+
+    def _materialise_links(self, site: str) -> None:
+        """Write each ``.py`` symlink of the package as a copy of the file it resolves to."""
+        package = f"{site}/vllm"
+        resolved = {}
+        for path, (linkname, label) in sorted(self._links.items()):
+            if path.startswith(package + "/") and path.endswith(".py"):
+                resolved[path] = (self._resolve(path, package, label, linkname), label, linkname)
+        for path, (target, label, linkname) in resolved.items():
+            source = self.dest / target
+            if not _is_real_file(source):
+                raise KilnError(f"layer {label}: symlink {path!r} -> {linkname!r} resolves to {target!r}, "
+                                "which is not a file in the layers read")
+            out_path = self.dest / path
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            with source.open("rb") as data, _create(out_path) as out:
+                shutil.copyfileobj(data, out)
+
+    def _resolve(self, path: str, package: str, label: str, linkname: str) -> str:
+        """Where the symlink at ``path`` leads, following links, never leaving ``package``."""
+        bound = package.split("/")
+        done = path.split("/")[:-1]
+        pending = linkname.split("/")
+        hops = 1
+        if linkname.startswith("/"):
+            raise KilnError(f"layer {label}: symlink {path!r} -> {linkname!r} leaves the vllm package (absolute target)")
+        while pending:
+            part = pending.pop(0)
+            if part in ("", "."):
+                continue
+            if part == "..":
+                done.pop()
+            else:
+                done.append(part)
+            if done[:len(bound)] != bound:
+                raise KilnError(f"layer {label}: symlink {path!r} -> {linkname!r} leaves the vllm package")
+            here = "/".join(done)
+            if here in self._links:
+                hops += 1
+                if hops > _MAX_LINK_HOPS:
+                    raise KilnError(f"layer {label}: symlink {path!r} -> {linkname!r}: too many levels of links")
+                target, _ = self._links[here]
+                if target.startswith("/"):
+                    raise KilnError(f"layer {label}: symlink {path!r} -> {linkname!r} leaves the vllm package "
+                                    f"(through {here!r} -> {target!r})")
+                done.pop()
+                pending = target.split("/") + pending
+        if len(done) <= len(bound):
+            raise KilnError(f"layer {label}: symlink {path!r} -> {linkname!r} names the vllm package itself")
+        return "/".join(done)
 
     # -- deciding ----------------------------------------------------------------------------
 
@@ -199,6 +293,7 @@ class VllmLayerWalk:
             site = with_init[0]
             if not self._sites[site].metadata:
                 raise KilnError(f"/{site}/vllm has no vllm-*.dist-info/METADATA; cannot tell the installed vLLM version")
+        self._materialise_links(site)
         state = self._sites[site]
         name, (_, metadata) = sorted(state.metadata.items())[0]
         version = _metadata_version(metadata, f"/{site}/{name}/METADATA")
@@ -218,9 +313,32 @@ def _normalise(name: str, label: str) -> str | None:
     return "/".join(parts) or None
 
 
-def _read(tar: tarfile.TarFile, member: tarfile.TarInfo, limit: int = 64 << 20) -> bytes:
+def _is_real_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _is_real_file(path: Path | None) -> bool:
+    try:
+        return path is not None and stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _create(path: Path):
+    """A new regular file at ``path``; fails rather than follow a link or reuse a file."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "wb")
+
+
+_KINDS = {tarfile.CHRTYPE: "character device", tarfile.BLKTYPE: "block device", tarfile.FIFOTYPE: "FIFO"}
+
+
+def _read(tar: tarfile.TarFile, member: tarfile.TarInfo, label: str, limit: int = MAX_SOURCE_FILE) -> bytes:
     if member.size > limit:
-        raise KilnError(f"{member.name}: {member.size} bytes is too large for a dist-info file")
+        raise KilnError(f"layer {label}: entry {member.name!r} declares {member.size} bytes, over kiln's "
+                        f"limit of {limit} for a dist-info file")
     handle = tar.extractfile(member)
     assert handle is not None
     return handle.read()

@@ -20,7 +20,7 @@ from functools import cached_property
 
 from kiln.errors import KilnError
 from kiln.oci.digest import check_digest
-from kiln.oci.mediatypes import IMAGE_MANIFEST_TYPES, INDEX_TYPES
+from kiln.oci.mediatypes import IMAGE_CONFIG_TYPES, IMAGE_MANIFEST_TYPES, INDEX_TYPES
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,11 @@ class Manifest:
     @property
     def config(self) -> Descriptor:
         self._require_image()
-        return Descriptor.from_json(self.json.get("config"), f"manifest {self.digest} config")
+        config = Descriptor.from_json(self.json.get("config"), f"manifest {self.digest} config")
+        if config.media_type not in IMAGE_CONFIG_TYPES:  # an OCI artifact (Helm chart, SBOM...)
+            raise KilnError(f"manifest {self.digest}: config media type {config.media_type!r} is not a "
+                            "container image config; is this reference an artifact, not an image?")
+        return config
 
     @property
     def layers(self) -> list[Descriptor]:

@@ -1,7 +1,7 @@
 """Manifest and layer media types, and the Accept header every manifest request carries.
 
 Public API: the ``OCI_*`` / ``DOCKER_*`` constants, ``MANIFEST_ACCEPT`` (all four manifest
-types, in one header), ``INDEX_TYPES``, ``IMAGE_MANIFEST_TYPES``, ``tar_mode(media_type)``.
+types, in one header), ``INDEX_TYPES``, ``IMAGE_MANIFEST_TYPES``, ``IMAGE_CONFIG_TYPES``, ``tar_mode(media_type)``.
 
 Why all four in Accept: distribution answers 404 for OCI content the client did not list and
 silently converts Docker content to schema1 (a different digest) when Docker v2 is missing.
@@ -25,6 +25,7 @@ DOCKER_FOREIGN_LAYER = "application/vnd.docker.image.rootfs.foreign.diff.tar.gzi
 
 INDEX_TYPES = frozenset({OCI_INDEX, DOCKER_LIST})
 IMAGE_MANIFEST_TYPES = frozenset({OCI_MANIFEST, DOCKER_MANIFEST})
+IMAGE_CONFIG_TYPES = frozenset({OCI_CONFIG, DOCKER_CONFIG})
 MANIFEST_ACCEPT = ", ".join([OCI_INDEX, DOCKER_LIST, OCI_MANIFEST, DOCKER_MANIFEST])
 
 _GZIP_LAYERS = {OCI_LAYER_GZIP, DOCKER_LAYER_GZIP, DOCKER_FOREIGN_LAYER,

@@ -43,6 +43,7 @@ from kiln.oci.layerwalk import VllmLayerWalk
 from kiln.oci.mediatypes import tar_mode
 from kiln.oci.reference import ImageReference, parse_reference
 from kiln.oci.registry import RegistryClient, TransferStats
+from kiln.pausepoint import pause_point
 from kiln.source.tree import SourceTree
 
 _READ_CHUNK = 1 << 20
@@ -75,17 +76,22 @@ def read_vllm(image: Image, cache: Path | None = None) -> ImageVllm:
     try:
         with ui.transfer_progress() as progress:
             for descriptor in reversed(layers):
+                try:
+                    mode = tar_mode(descriptor.media_type)
+                except KilnError as err:
+                    raise KilnError(f"{image.name}: layer {descriptor.digest}: {err}") from None
                 task = progress.add_task(f"layer {descriptor.digest[7:19]}", total=descriptor.size)
                 advance = lambda n, t=task: progress.advance(t, n)  # noqa: E731
                 with image.open_layer(descriptor) as reader, _Prefetch(reader, advance) as stream:
                     try:
-                        with tarfile.open(fileobj=stream, mode=tar_mode(descriptor.media_type)) as tar:
+                        with tarfile.open(fileobj=stream, mode=mode) as tar:
                             walk.add_layer(tar, descriptor.digest)
                     except (tarfile.TarError, EOFError, OSError) as err:
                         raise KilnError(f"{image.name}: layer {descriptor.digest} is not a readable tar ({err})") from None
                 progress.remove_task(task)
                 if walk.complete:
                     break
+                pause_point("pull")
         found = walk.result()
         identity = hashlib.sha256("\n".join(found.layers).encode()).hexdigest()
         final = sources / f"image-{identity}"

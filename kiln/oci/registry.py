@@ -2,26 +2,41 @@
 
 Public API:
     TransferStats()   .requests .bytes_down .bytes_up .blobs_fetched .blobs_uploaded .mounted
-    RegistryClient(endpoint, session=None, auth=None, stats=None, retries=3)
+                      .retries .resumes .upload_restarts
+    registry_session() -> requests.Session       no ~/.netrc: credentials come from ``credentials`` only
+    RegistryClient(endpoint, session=None, auth=None, stats=None, retries=None)
+        retries: None -> ``RetryPolicy.from_env()`` (``kiln.oci.retry``), an int overrides its count
         RegistryClient.for_registry(registry, config=None, **kw) -> RegistryClient
         .resolve(repo, ref) -> str                      digest by HEAD (GET when no header)
         .get_manifest(repo, ref) -> Manifest            verified bytes, media type from Content-Type
         .blob_exists(repo, digest) -> bool
-        .blob_stream(repo, digest) -> ctx[readable]     raw bytes, NOT verified (for the blob cache)
+        .blob_stream(repo, digest) -> ctx[readable]     raw bytes, NOT verified (for the blob cache);
+                                                        resumed with ``Range`` when the connection breaks
         .open_blob(repo, digest, size=None) -> ctx[VerifyingReader]  verified on leaving the block
         .get_blob(repo, digest, size=None) -> bytes     verified
         .mount_blob(repo, digest, from_repo) -> bool    False when the registry refused (202)
-        .upload_blob(repo, digest, data, chunk_size=None)   bytes or Path; monolithic or PATCH chunks
+        .upload_blob(repo, digest, data, chunk_size=None)   bytes or Path; monolithic or PATCH chunks;
+                                                        a broken session is abandoned and restarted
         .put_manifest(repo, ref, data, media_type) -> str   byte-exact, returns the digest
 
-Every request carries the scopes it needs; ``RegistryAuth`` turns 401 challenges into tokens.
-GET/HEAD and replayable bodies are retried (bounded, exponential backoff, ``Retry-After``
-honoured) on connection errors, 429 and 5xx. Errors name the registry, repository and digest
-or tag, never credentials.
+Every request carries the scopes it needs; ``RegistryAuth`` turns 401 challenges into tokens
+(a 401 on a token that worked before -- it expired -- fetches a new one, once).
+Retries are bounded by a ``RetryPolicy`` (exponential backoff, ``Retry-After`` honoured up to a
+cap) on connection errors, 429 and 5xx:
+- requests without an upload session (HEAD, GET, mount POST, manifest PUT) are replayed;
+- a blob download that breaks mid-body continues from the last byte received (``Range``; the
+  registry ignoring it costs a re-read of the start, never a wrong byte), so the blob cache's
+  digest check covers one continuous stream;
+- a blob upload that breaks (reset, 5xx, a registry holding the wrong range) is never patched
+  up in place: its session is abandoned, the blob HEAD-checked (the final PUT may have landed),
+  and a fresh session uploads it from byte 0.
+TLS failures are not retried. Errors name the registry, repository and digest or tag, never
+credentials or upload-session state.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,9 +52,13 @@ from kiln.oci.digest import VerifyingReader, check_digest, sha256_digest
 from kiln.oci.endpoints import Endpoint, RegistryConfig
 from kiln.oci.manifest import Manifest
 from kiln.oci.mediatypes import IMAGE_MANIFEST_TYPES, INDEX_TYPES, MANIFEST_ACCEPT
+from kiln.oci.retry import BROKEN_CONNECTION, RETRY_STATUS, RetryPolicy, TransferError, retry_after
 
-_RETRY_STATUS = {429, 500, 502, 503, 504}
 _TIMEOUT = (30, 300)  # connect, read
+# One read of a blob body asks for at most this much: bytes of a read that a reset interrupts
+# are lost, so a resume starts at most this far back.
+_READ_MAX = 256 << 10
+_CERT_PROBLEM = re.compile(r"certificate verify failed: ([^(]*?)\s*\(|hostname mismatch|self.signed certificate")
 
 
 @dataclass
@@ -50,6 +69,36 @@ class TransferStats:
     blobs_fetched: list[str] = field(default_factory=list)
     blobs_uploaded: list[str] = field(default_factory=list)
     mounted: list[str] = field(default_factory=list)
+    retries: int = 0  # requests sent again after a transient failure
+    resumes: int = 0  # blob downloads continued after a broken connection
+    upload_restarts: int = 0  # blob uploads started over in a fresh session
+
+
+class _NoNetrc(requests.auth.AuthBase):
+    def __call__(self, request):
+        return request
+
+
+class _RegistrySession(requests.Session):
+    """A ``requests.Session`` that never reads ``~/.netrc``.
+
+    requests fills in netrc credentials for any request without ``auth=`` (kiln sets the
+    Authorization header itself) and again on every redirect; kiln's credentials come only
+    from ``kiln.oci.credentials``. Proxy and CA-bundle environment variables still apply.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.auth = _NoNetrc()  # a session auth stops the netrc lookup on each request
+
+    def rebuild_auth(self, prepared_request, response):  # on redirects: strip, never add
+        headers = prepared_request.headers
+        if "Authorization" in headers and self.should_strip_auth(response.request.url, prepared_request.url):
+            del headers["Authorization"]
+
+
+def registry_session() -> requests.Session:
+    return _RegistrySession()
 
 
 Body = bytes | Path | Callable[[], object] | None
@@ -57,13 +106,16 @@ Body = bytes | Path | Callable[[], object] | None
 
 class RegistryClient:
     def __init__(self, endpoint: Endpoint, session: requests.Session | None = None,
-                 auth: RegistryAuth | None = None, stats: TransferStats | None = None, retries: int = 3):
+                 auth: RegistryAuth | None = None, stats: TransferStats | None = None,
+                 retries: int | None = None):
         self.endpoint = endpoint
-        self.session = session or requests.Session()
+        self.session = session or registry_session()
         self.verify = not endpoint.insecure
         self.auth = auth or RegistryAuth(endpoint.host, self.session, verify=self.verify)
         self.stats = stats or TransferStats()
-        self.retries = retries
+        policy = RetryPolicy.from_env()
+        self.policy = policy if retries is None else RetryPolicy(retries, policy.backoff, policy.backoff_max,
+                                                                 policy.retry_after_max)
 
     @classmethod
     def for_registry(cls, registry: str, config: RegistryConfig | None = None, **kw) -> RegistryClient:
@@ -125,14 +177,12 @@ class RegistryClient:
     def blob_stream(self, repo: str, digest: str) -> Iterator:
         """The blob's raw bytes as a readable; unverified, callers must hash what they read."""
         check_digest(digest, f"{self.name}/{repo} blob")
-        resp = self._request("GET", self._url(repo, "blobs", digest), {pull_scope(repo)},
-                             ok=(200,), stream=True, what=f"{repo}@{digest}")
+        stream = _ResumableBlob(self, repo, digest)
         self.stats.blobs_fetched.append(digest)
-        counter = _CountingRaw(resp, self.stats)
         try:
-            yield counter
+            yield stream
         finally:
-            resp.close()
+            stream.close()
 
     @contextmanager
     def open_blob(self, repo: str, digest: str, size: int | None = None) -> Iterator[VerifyingReader]:
@@ -167,23 +217,42 @@ class RegistryClient:
         return False
 
     def upload_blob(self, repo: str, digest: str, data: bytes | Path, chunk_size: int | None = None) -> None:
-        """Upload ``data`` (bytes or a file) as ``digest``: one PUT, or PATCH chunks then PUT."""
+        """Upload ``data`` (bytes or a file) as ``digest``: one PUT, or PATCH chunks then PUT.
+
+        A session that breaks is not continued: the registry's view of a half-sent PATCH or PUT
+        is unknown. Unless the blob turns out to be there, a fresh session sends it from byte 0.
+        """
         check_digest(digest, f"{self.name}/{repo} upload")
-        size = len(data) if isinstance(data, bytes) else data.stat().st_size
         what = f"{repo} upload {digest}"
+        for attempt in range(self.policy.retries + 1):
+            try:
+                self._upload_session(repo, digest, data, chunk_size, what)
+                break
+            except TransferError as err:
+                if attempt == self.policy.retries:
+                    raise TransferError(f"{err} (gave up after {attempt + 1} upload sessions)") from None
+                time.sleep(self.policy.delay(attempt, err.retry_after))
+                self.stats.upload_restarts += 1
+                if self.blob_exists(repo, digest):  # the last PUT landed; only its answer was lost
+                    break
+        self.stats.blobs_uploaded.append(digest)
+
+    def _upload_session(self, repo: str, digest: str, data: bytes | Path, chunk_size: int | None, what: str) -> None:
+        size = len(data) if isinstance(data, bytes) else data.stat().st_size
         scopes = {push_scope(repo)}
         resp = self._request("POST", self._url(repo, "blobs", "uploads/"), scopes, ok=(202,), what=what)
         location = self._location(resp, what)
         octet = {"Content-Type": "application/octet-stream"}
-        if chunk_size and size > chunk_size:
+        chunked = bool(chunk_size and size > chunk_size)
+        if chunked:
             for start in range(0, size, chunk_size):
                 end = min(start + chunk_size, size) - 1
                 chunk = _slice(data, start, end + 1)
-                resp = self._request("PATCH", location, scopes, body=chunk, ok=(202,), what=what,
+                resp = self._request("PATCH", location, scopes, body=chunk, ok=(202,), what=what, replay=False,
                                      headers={**octet, "Content-Range": f"{start}-{end}"})
                 # distribution appends out-of-order chunks instead of refusing them: check ourselves.
                 if resp.headers.get("Range") != f"0-{end}":
-                    raise KilnError(f"{self.name}/{what}: registry holds {resp.headers.get('Range')!r} after sending bytes 0-{end}")
+                    raise TransferError(f"{self.name}/{what}: registry holds {resp.headers.get('Range')!r} after sending bytes 0-{end}")
                 location = self._location(resp, what)  # a new Location after every chunk
                 self.stats.bytes_up += len(chunk)
             body: Body = b""
@@ -191,13 +260,12 @@ class RegistryClient:
             body = data
         sep = "&" if "?" in location else "?"
         resp = self._request("PUT", f"{location}{sep}digest={quote(digest)}", scopes, body=body,
-                             headers=octet, ok=(201,), what=what)
-        if not (chunk_size and size > chunk_size):
+                             headers=octet, ok=(201,), what=what, replay=False)
+        if not chunked:
             self.stats.bytes_up += size
         returned = resp.headers.get("Docker-Content-Digest")
         if returned and returned != digest:
             raise KilnError(f"{self.name}/{what}: registry computed {returned}")
-        self.stats.blobs_uploaded.append(digest)
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -217,11 +285,16 @@ class RegistryClient:
         return f"{self.endpoint.scheme}://{self.endpoint.host}"
 
     def _request(self, method: str, url: str, scopes, *, headers: dict | None = None, body: Body = None,
-                 ok: tuple[int, ...], what: str, stream: bool = False) -> requests.Response:
+                 ok: tuple[int, ...], what: str, stream: bool = False, replay: bool = True) -> requests.Response:
+        """Send with authorisation; ``replay=False`` for requests inside an upload session.
+
+        A transient failure left after the retries (or at once, without ``replay``) raises
+        ``TransferError``; any other unexpected status a ``KilnError``.
+        """
         attempt = 0
         while True:
             auth_headers = self.auth.headers(scopes)
-            resp = self._send(method, url, {**(headers or {}), **auth_headers}, body, stream)
+            resp = self._send(method, url, {**(headers or {}), **auth_headers}, body, stream, replay)
             if resp.status_code != 401 or attempt >= 3:
                 break
             resp.close()
@@ -229,14 +302,18 @@ class RegistryClient:
             attempt += 1
         if resp.status_code not in ok:
             message = _describe_failure(self.name, what, resp)
+            wait = retry_after(resp)
             resp.close()
+            if resp.status_code in RETRY_STATUS:
+                raise TransferError(message, wait)
             raise KilnError(message)
         return resp
 
-    def _send(self, method: str, url: str, headers: dict, body: Body, stream: bool) -> requests.Response:
-        replayable = not callable(body)
-        for attempt in range(self.retries + 1):
-            last = attempt == self.retries or not replayable
+    def _send(self, method: str, url: str, headers: dict, body: Body, stream: bool,
+              replay: bool = True) -> requests.Response:
+        retries = self.policy.retries if replay and not callable(body) else 0
+        for attempt in range(retries + 1):
+            last = attempt == retries
             handle = None
             try:
                 data: object = body
@@ -248,35 +325,106 @@ class RegistryClient:
                 self.stats.requests += 1
                 resp = self.session.request(method, url, headers=headers, data=data, stream=stream,
                                             verify=self.verify, timeout=_TIMEOUT, allow_redirects=True)
-            except requests.RequestException as err:
+            except requests.exceptions.SSLError as err:
+                raise KilnError(_tls_failure(self.endpoint.host, err)) from None
+            except BROKEN_CONNECTION as err:
                 if last:
-                    raise KilnError(f"{self.name}: unreachable ({err.__class__.__name__}) for {method} {_path(url)}") from None
-                time.sleep(_backoff(attempt))
+                    raise TransferError(f"{self.name}: {_connection_problem(err)} for {method} {_path(url)}"
+                                        + (f" (after {attempt + 1} attempts)" if attempt else "")) from None
+                time.sleep(self.policy.delay(attempt))
+                self.stats.retries += 1
                 continue
             finally:
                 if handle:
                     handle.close()
-            if resp.status_code in _RETRY_STATUS and not last:
-                delay = _retry_after(resp)
-                delay = _backoff(attempt) if delay is None else delay
+            if resp.status_code in RETRY_STATUS and not last:
+                delay = self.policy.delay(attempt, retry_after(resp))
                 resp.close()
                 time.sleep(delay)
+                self.stats.retries += 1
                 continue
             return resp
         raise AssertionError("unreachable")
 
 
-class _CountingRaw:
-    """``resp.raw`` as compressed bytes on the wire (no transfer decoding), counted into stats."""
+class _ResumableBlob:
+    """A blob's bytes as one readable (compressed, as on the wire), across broken connections.
 
-    def __init__(self, resp: requests.Response, stats: TransferStats):
-        self._raw = resp.raw
-        self._stats = stats
+    When a read fails mid-body (a reset, a body cut short of its Content-Length, a timeout),
+    the rest is requested with ``Range: bytes=<received>-``; a registry that answers 200
+    instead is read from the start and the bytes already handed out are skipped. At most
+    ``policy.retries`` resumes per blob; the caller still verifies the digest of the whole.
+    """
+
+    def __init__(self, client: RegistryClient, repo: str, digest: str):
+        self._client, self._repo, self._digest = client, repo, digest
+        self.received = 0  # bytes handed to the reader
+        self.resumes = 0
+        self._total: int | None = None
+        self._offset = 0  # blob offset of the current response's next byte
+        self._resp = self._open()
+
+    def _open(self) -> requests.Response:
+        client = self._client
+        headers = {"Range": f"bytes={self.received}-"} if self.received else None
+        resp = client._request("GET", client._url(self._repo, "blobs", self._digest), {pull_scope(self._repo)},
+                               headers=headers, ok=(200, 206), stream=True, what=f"{self._repo}@{self._digest}")
+        if resp.status_code == 206:
+            start, total = _content_range(resp.headers.get("Content-Range", ""))
+            if start != self.received:
+                resp.close()
+                raise TransferError(f"{client.name}/{self._repo}@{self._digest}: asked for bytes from "
+                                    f"{self.received}, the registry sent from {start}")
+            self._offset, self._total = start, total if total is not None else self._total
+        else:
+            self._offset = 0
+            length = resp.headers.get("Content-Length", "")
+            self._total = int(length) if length.isdigit() else self._total
+        return resp
 
     def read(self, n: int = -1) -> bytes:
-        data = self._raw.read(None if n is None or n < 0 else n, decode_content=False)
-        self._stats.bytes_down += len(data)
-        return data
+        size = _READ_MAX if n is None or n < 0 else min(n, _READ_MAX)
+        while True:
+            try:
+                data = self._resp.raw.read(size, decode_content=False)
+            except BROKEN_CONNECTION as err:
+                self._resume(_connection_problem(err))
+                continue
+            if not data:
+                if self._total is not None and self._offset < self._total:
+                    self._resume(f"body ended at byte {self._offset} of {self._total}")
+                    continue
+                return b""
+            start, self._offset = self._offset, self._offset + len(data)
+            if start < self.received:  # a 200 answer to a resume: skip what was handed out
+                data = data[self.received - start:]
+                if not data:
+                    continue
+            self.received += len(data)
+            self._client.stats.bytes_down += len(data)
+            return data
+
+    def _resume(self, why: str) -> None:
+        self._resp.close()
+        client = self._client
+        if self.resumes >= client.policy.retries:
+            raise TransferError(f"{client.name}/{self._repo}@{self._digest}: download broken ({why}) after "
+                                f"{self.received} bytes and {self.resumes} resumes; giving up")
+        time.sleep(client.policy.delay(self.resumes))
+        self.resumes += 1
+        client.stats.resumes += 1
+        self._resp = self._open()
+
+    def close(self) -> None:
+        self._resp.close()
+
+
+def _content_range(value: str) -> tuple[int | None, int | None]:
+    """``bytes 10-99/100`` -> (10, 100); the total may be ``*``."""
+    match = re.fullmatch(r"\s*bytes\s+(\d+)-\d+/(\d+|\*)\s*", value)
+    if not match:
+        return None, None
+    return int(match.group(1)), None if match.group(2) == "*" else int(match.group(2))
 
 
 def _slice(data: bytes | Path, start: int, end: int) -> bytes:
@@ -287,13 +435,21 @@ def _slice(data: bytes | Path, start: int, end: int) -> bytes:
         return handle.read(end - start)
 
 
-def _backoff(attempt: int) -> float:
-    return min(0.5 * 2**attempt, 8.0)
+def _connection_problem(err: Exception) -> str:
+    text = str(err)
+    if isinstance(err, requests.exceptions.ConnectTimeout) or "NewConnectionError" in text or "refused" in text:
+        return f"unreachable ({err.__class__.__name__})"
+    if "reset" in text.lower():
+        return "connection reset"
+    return f"connection broken ({err.__class__.__name__})"
 
 
-def _retry_after(resp: requests.Response) -> float | None:
-    value = resp.headers.get("Retry-After", "")
-    return min(float(value), 30.0) if value.isdigit() else None
+def _tls_failure(host: str, err: Exception) -> str:
+    """One line for a certificate the system does not trust; the exception text holds URLs."""
+    match = _CERT_PROBLEM.search(str(err))
+    reason = (match.group(1) or match.group(0)).strip() if match else "TLS handshake failed"
+    return (f"{host}: TLS certificate not trusted ({reason}); add its CA to the system trust store "
+            f"(or REQUESTS_CA_BUNDLE), or mark it insecure: --insecure-registry https://{host}")
 
 
 def _path(url: str) -> str:

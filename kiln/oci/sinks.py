@@ -36,6 +36,7 @@ from kiln.oci.manifest import Descriptor
 from kiln.oci.mediatypes import OCI_INDEX
 from kiln.oci.mutate import ImageModel, canonical_json
 from kiln.oci.registry import RegistryClient
+from kiln.pausepoint import pause_point
 
 REF_NAME = "org.opencontainers.image.ref.name"
 _CHUNKED_ABOVE = 512 << 20  # bigger blobs are pushed in PATCH chunks of this size
@@ -286,6 +287,7 @@ def push_image(model: ImageModel, blobs: BlobStore, client: RegistryClient, repo
                 report.bytes_uploaded += descriptor.size
             progress.advance(task, descriptor.size)
         # Every blob is now confirmed (HEAD 200, mount 201 or upload 201): tags may name it.
+        pause_point("push")
         for tag in tags:
             client.put_manifest(repository, tag, manifest.data, manifest.media_type)
     report.bytes_uploaded += len(manifest.data) * len(tags)

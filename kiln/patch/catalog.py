@@ -16,7 +16,7 @@ from pathlib import Path
 import libcst.matchers as m
 
 from kiln.errors import KilnError
-from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.model import Codemod, Gates, NewFile, Patch
 
 _ID = re.compile(r"^P\d+[a-z]?$")
 _FAMILY = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -103,7 +103,7 @@ def load_catalogue(root: Path) -> Catalogue:
         if patch.id in found:
             raise KilnError(f"{path}: id {patch.id!r} already defined in {found[patch.id].source_file}")
         found[patch.id] = patch
-        digests[patch.id] = hashlib.sha256(path.read_bytes()).hexdigest()
+        digests[patch.id] = _digest(path, patch)
     for patch in found.values():
         for field in ("requires", "conflicts"):
             for other in getattr(patch, field):
@@ -113,6 +113,16 @@ def load_catalogue(root: Path) -> Catalogue:
     catalogue = Catalogue(root, ordered, digests)
     catalogue.order(ordered)  # detects requires cycles
     return catalogue
+
+
+def _digest(path: Path, patch: Patch) -> str:
+    """sha256 of the patch module and of the content files its ``NewFile`` edits add."""
+    h = hashlib.sha256(path.read_bytes())
+    for edit in patch.edits:
+        if issubclass(edit, NewFile):
+            h.update(f"\n{edit.content}\n".encode())
+            h.update((path.parent / edit.content).read_bytes())
+    return h.hexdigest()
 
 
 def _load_module(path: Path, root: Path) -> Patch:
@@ -181,6 +191,9 @@ def _validate(cls: type[Patch], path: Path) -> None:
         target = getattr(edit, "target", None)
         if not isinstance(target, str) or not target.endswith(".py") or target.startswith(("/", "vllm/")) or ".." in target:
             fail(where + ".target", f"{target!r} must be a .py path relative to the vllm package")
+        if issubclass(edit, NewFile):
+            _validate_new_file(edit, path, fail, where)
+            continue
         for attr, required in (("anchor", True), ("patched", True), ("upstream", False)):
             value = getattr(edit, attr, None)
             if value is None and not required:
@@ -189,3 +202,22 @@ def _validate(cls: type[Patch], path: Path) -> None:
                 fail(f"{where}.{attr}", "must be a non-empty tuple of libcst matchers")
         if edit.rewrite is Codemod.rewrite:
             fail(f"{where}.rewrite", "not implemented")
+
+
+def _validate_new_file(edit: type[NewFile], path: Path, fail, where: str) -> None:
+    """A ``NewFile``: its content file lies beside the patch module; it has no anchor or rewrite."""
+    content = getattr(edit, "content", None)
+    if not isinstance(content, str) or not content.endswith(".py") or content.startswith("/") or ".." in content:
+        fail(where + ".content", f"{content!r} must be a .py path relative to {path.parent}")
+    if not (path.parent / content).is_file():
+        fail(where + ".content", f"{path.parent / content} does not exist")
+    if edit.anchor != ():
+        fail(where + ".anchor", "a NewFile's anchor is the file's absence; do not set one")
+    if edit.rewrite is not Codemod.rewrite:
+        fail(where + ".rewrite", "a NewFile writes its content file; it has no rewrite")
+    for attr, required in (("patched", True), ("upstream", False)):
+        value = getattr(edit, attr, None)
+        if value is None and not required:
+            continue
+        if not isinstance(value, tuple) or not value or not all(isinstance(x, m.BaseMatcherNode) for x in value):
+            fail(f"{where}.{attr}", "must be a non-empty tuple of libcst matchers")

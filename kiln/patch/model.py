@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import ClassVar
 
 import libcst as cst
@@ -122,6 +123,25 @@ class Codemod:
         return cls.__name__
 
 
+class NewFile(Codemod):
+    """A whole new file the patch adds to the tree. Subclass once per file.
+
+    Subclasses set ``target`` (the new file's path relative to the ``vllm`` package),
+    ``content`` (the file holding its text, relative to the patch module's directory: a real
+    ``.py`` file, linted and reviewed like code) and ``patched`` (a matcher path finding this
+    patch's marked definitions in it). The anchor is the file's *absence*: where the pristine
+    tree lacks ``target`` the edit applies; where it has it, the file is this patch's
+    (``patched``), vLLM's own (``upstream``), or someone else's, which is drift.
+    """
+
+    content: ClassVar[str]
+    anchor: ClassVar[Anchor] = ()
+
+    def text(self, patch: Patch) -> str:
+        """The new file's text, read from beside the patch module."""
+        return (Path(patch.source_file).parent / self.content).read_text(encoding="utf-8")
+
+
 class Patch:
     """A fix for vLLM, declared as data plus its codemods. Subclass once per patch module."""
 
@@ -164,8 +184,9 @@ class Outcome:
     patch_id: str
     verdict: Verdict
     detail: str = ""
-    # rel path -> (sha256 before, sha256 after); only for files this patch changed
-    files: dict[str, tuple[str, str]] | None = None
+    # rel path -> (sha256 before or None for a file the patch adds, sha256 after); only for
+    # files this patch changed
+    files: dict[str, tuple[str | None, str]] | None = None
 
     def to_json(self) -> dict:
         out = {"patch": self.patch_id, "verdict": str(self.verdict), "detail": self.detail}

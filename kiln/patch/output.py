@@ -18,12 +18,13 @@ from kiln.source.tree import SourceTree
 def unified_diff(tree: SourceTree, result: RunResult) -> str:
     chunks = []
     for rel, text in result.changed_text().items():
-        before = tree.read(rel)
+        added = not tree.exists(rel)  # a file the patch adds: diffed against /dev/null, as git does
+        before = "" if added else tree.read(rel)
         chunks.extend(
             difflib.unified_diff(
                 before.splitlines(keepends=True),
                 text.splitlines(keepends=True),
-                fromfile=f"a/vllm/{rel}",
+                fromfile="/dev/null" if added else f"a/vllm/{rel}",
                 tofile=f"b/vllm/{rel}",
             )
         )
@@ -32,7 +33,7 @@ def unified_diff(tree: SourceTree, result: RunResult) -> str:
 
 def report(tree: SourceTree, label: str, result: RunResult) -> dict:
     files = {
-        rel: {"before": sha256_text(tree.read(rel)), "after": sha256_text(text)}
+        rel: {"before": sha256_text(tree.read(rel)) if tree.exists(rel) else None, "after": sha256_text(text)}
         for rel, text in result.changed_text().items()
     }
     return {

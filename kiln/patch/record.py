@@ -61,6 +61,15 @@ def compare(expected: dict[str, str], outcomes: dict[str, Outcome]) -> list[Diff
 
 
 def accept(path: Path, label: str, outcomes: dict[str, Outcome]) -> None:
+    write_file_atomic(path, accepted_text(path, label, outcomes).encode())
+
+
+def accepted_text(path: Path, label: str, outcomes: dict[str, Outcome], drop: tuple[str, ...] = ()) -> str:
+    """The record's new text: ``label``'s table set to ``outcomes``, the ``drop`` tables removed.
+
+    Returned rather than written so a caller changing several files (``pin bump``) can stage
+    them all and commit together.
+    """
     doc = tomlkit.parse(path.read_text()) if path.exists() else tomlkit.document()
     if not path.exists():
         for line in HEADER.splitlines():
@@ -73,4 +82,7 @@ def accept(path: Path, label: str, outcomes: dict[str, Outcome]) -> None:
         doc[label] = table
     else:
         doc.add(label, table)
-    write_file_atomic(path, tomlkit.dumps(doc).encode())
+    for gone in drop:
+        if gone in doc and gone != label:
+            del doc[gone]
+    return tomlkit.dumps(doc)

@@ -12,9 +12,9 @@ Fixtures (all session-scoped; re-exported by ``tests/oci/conftest.py``):
     registry_basic    RegistryServer, htpasswd Basic auth (testuser/testpass), holding ``base``
     registry_token    RegistryServer, Bearer tokens from a TokenServer (anonymous: pull;
                       testuser/testpass: pull+push), holding ``base``
-    start_registry    factory(flavour="plain", copy_from=None) -> RegistryServer, stopped at
-                      session end; ``copy_from`` clones another server's storage (for tests
-                      that corrupt blobs)
+    start_registry    factory(flavour="plain", copy_from=None, password=PASSWORD) -> RegistryServer,
+                      stopped at session end; ``copy_from`` clones another server's storage (for
+                      tests that corrupt blobs); ``password`` is testuser's (basic and token)
 
 Images, under the real Docker Hub name so a mirror ``docker.io=<host>`` stands in for Hub:
     vllm/vllm-openai:v0.20.1          rootfs, filler-cuda, filler-torch, vllm, app (top)
@@ -22,6 +22,9 @@ Images, under the real Docker Hub name so a mirror ``docker.io=<host>`` stands i
     vllm/vllm-openai:v0.20.1-docker   ``base`` converted to Docker v2 schema 2 by skopeo
     vllm/vllm-openai:v0.20.1-index    OCI index: attestation (unknown/unknown), linux/arm64
                                       (no vLLM), linux/amd64 (= ``base``)
+    vllm/vllm-openai:v0.20.1-triton36 ``base`` + a layer replacing triton 3.5.0's dist-info with
+                                      3.6.0's (the Triton the test toolchain runs)
+    vllm/vllm-openai:v0.20.1-notriton ``base`` + a layer whiting out triton's dist-info
     test/no-vllm:1                    rootfs + filler-cuda only (plain registry only)
 registry_basic and registry_token hold only ``vllm/vllm-openai:v0.20.1``.
 """
@@ -98,7 +101,9 @@ class TokenServer:
     cert_der: bytes
     service: str = "test-registry"
     issuer: str = "test-issuer"
+    password: str = PASSWORD  # testuser's
     requests_seen: list[dict] = field(default_factory=list)
+    issued: list[str] = field(default_factory=list)  # every token handed out (tests grep for leaks)
     _server: ThreadingHTTPServer | None = None
 
     @property
@@ -132,7 +137,7 @@ class TokenServer:
         header = handler.headers.get("Authorization", "")
         if header.startswith("Basic "):
             user, _, password = base64.b64decode(header[6:]).decode().partition(":")
-            if (user, password) != (USER, PASSWORD):
+            if (user, password) != (USER, self.password):
                 self.requests_seen.append({"scopes": scopes, "user": user, "ok": False})
                 handler.send_response(401)
                 handler.send_header("Content-Type", "application/json")
@@ -151,6 +156,7 @@ class TokenServer:
                   "nbf": now - 10, "iat": now, "jti": uuid.uuid4().hex, "access": access}
         x5c = [base64.b64encode(self.cert_der).decode()]
         token = jwt.encode(claims, self.key_pem, algorithm="RS256", headers={"x5c": x5c})
+        self.issued.append(token)
         body = json.dumps({"token": token, "access_token": token, "expires_in": 300,
                            "issued_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))}).encode()
         handler.send_response(200)
@@ -230,29 +236,30 @@ def _reaped(pid: int) -> bool:
         return True
 
 
-def start_registry_process(root: Path, flavour: str = "plain", copy_from: RegistryServer | None = None) -> RegistryServer:
+def start_registry_process(root: Path, flavour: str = "plain", copy_from: RegistryServer | None = None,
+                           password: str = PASSWORD) -> RegistryServer:
     root.mkdir(parents=True, exist_ok=True)
     if copy_from:
         shutil.copytree(copy_from.root / "data", root / "data")
     else:
         (root / "data").mkdir(exist_ok=True)
     port = free_port()
-    auth, token_server, user, password = "", None, None, None
+    auth, token_server, user = "", None, None
     if flavour == "basic":
-        run("htpasswd", "-Bbc", root / "htpasswd", USER, PASSWORD)
+        run("htpasswd", "-Bbc", root / "htpasswd", USER, password)
         auth = f"auth:\n  htpasswd:\n    realm: basic-realm\n    path: {root}/htpasswd\n"
-        user, password = USER, PASSWORD
+        user = USER
     elif flavour == "token":
         run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", root / "key.pem",
             "-out", root / "cert.pem", "-days", "2", "-subj", "/CN=test-issuer",
             "-addext", "basicConstraints=critical,CA:TRUE")
         cert_der = base64.b64decode("".join(
             line for line in (root / "cert.pem").read_text().splitlines() if not line.startswith("-----")))
-        token_server = TokenServer(free_port(), (root / "key.pem").read_bytes(), cert_der)
+        token_server = TokenServer(free_port(), (root / "key.pem").read_bytes(), cert_der, password=password)
         token_server.start()
         auth = (f"auth:\n  token:\n    realm: {token_server.realm}\n    service: {token_server.service}\n"
                 f"    issuer: {token_server.issuer}\n    rootcertbundle: {root}/cert.pem\n")
-        user, password = USER, PASSWORD
+        user = USER
     elif flavour != "plain":
         raise ValueError(flavour)
     (root / "config.yml").write_text(
@@ -263,7 +270,8 @@ def start_registry_process(root: Path, flavour: str = "plain", copy_from: Regist
     with open(root / "log.txt", "wb") as log:
         process = subprocess.Popen(["docker-registry", "serve", str(root / "config.yml")],
                                    stdout=log, stderr=subprocess.STDOUT)
-    server = RegistryServer(flavour, f"127.0.0.1:{port}", root, process.pid, token_server, user, password)
+    server = RegistryServer(flavour, f"127.0.0.1:{port}", root, process.pid, token_server, user,
+                            password if user else None)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -390,6 +398,17 @@ def build_base_layout(work: Path, wheel: Path) -> BaseLayout:
     for role, tag in (("app", "base"), ("overlay", "overlay")):
         run("umoci", "raw", "add-layer", "--image", f"{layout}:stem", "--tag", tag,
             "--history.created_by", f"fixture {role}", _tar(trees[role], work / f"{role}.tar"))
+    # Triton variants of ``base`` (kernel-cache builds): 3.6.0's dist-info instead of 3.5.0's, or none.
+    for tag, triton in (("triton36", "3.6.0"), ("notriton", None)):
+        site = work / "trees" / tag / SITE
+        site.mkdir(parents=True)
+        (site / ".wh.triton-3.5.0.dist-info").write_bytes(b"")
+        if triton:
+            (site / f"triton-{triton}.dist-info").mkdir()
+            (site / f"triton-{triton}.dist-info/METADATA").write_text(
+                f"Metadata-Version: 2.1\nName: triton\nVersion: {triton}\n")
+        run("umoci", "raw", "add-layer", "--image", f"{layout}:base", "--tag", tag,
+            "--history.created_by", f"fixture {tag}", _tar(work / "trees" / tag, work / f"{tag}.tar"))
     # an amd64 image without vLLM (rootfs + a filler), for the "base has no vLLM" error.
     run("umoci", "new", "--image", f"{layout}:novllm")
     run("umoci", "config", "--image", f"{layout}:novllm", "--architecture", "amd64", "--os", "linux")
@@ -456,8 +475,8 @@ def start_registry(tmp_path_factory):
     require_tools()
     servers: list[RegistryServer] = []
 
-    def start(flavour: str = "plain", copy_from: RegistryServer | None = None) -> RegistryServer:
-        server = start_registry_process(tmp_path_factory.mktemp(f"registry-{flavour}"), flavour, copy_from)
+    def start(flavour: str = "plain", copy_from: RegistryServer | None = None, password: str = PASSWORD) -> RegistryServer:
+        server = start_registry_process(tmp_path_factory.mktemp(f"registry-{flavour}"), flavour, copy_from, password)
         servers.append(server)
         return server
 
@@ -473,6 +492,8 @@ def _push_all(server: RegistryServer, layout: BaseLayout, full: bool) -> None:
         server.push(layout.oci("base"), f"{REPO}:v{VLLM_VERSION}-docker", "--format", "v2s2")
         server.push(layout.oci("index"), f"{REPO}:v{VLLM_VERSION}-index", "--all")
         server.push(layout.oci("novllm"), "test/no-vllm:1")
+        server.push(layout.oci("triton36"), f"{REPO}:v{VLLM_VERSION}-triton36")
+        server.push(layout.oci("notriton"), f"{REPO}:v{VLLM_VERSION}-notriton")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,157 @@
+"""The GitHub Actions workflow in ``ci/workflows/kiln.yml``: its structure and wiring.
+
+GitHub is not here to run it, so the test checks what can break silently: the jobs and their
+``needs``, the plan job's outputs feeding the build matrix, the matrix keys the build uses
+existing in ``plan``'s real output, and every ``build.py`` command line parsing with kiln's
+own argument parser (a renamed option fails here, not in CI).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+
+import pytest
+import yaml
+
+from kiln import cli, paths
+
+WORKFLOW = paths.REPO / "ci" / "workflows" / "kiln.yml"
+_EXPR = re.compile(r"\$\{\{\s*(.*?)\s*\}\}")
+_SHELL_VAR = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
+
+
+@pytest.fixture(scope="module")
+def workflow() -> dict:
+    return yaml.safe_load(WORKFLOW.read_text())
+
+
+@pytest.fixture(scope="module")
+def matrix_entry() -> dict:
+    """One entry of the matrix ``plan --all`` prints for this repository."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["plan", "--all"]) == 0
+    include = json.loads(out.getvalue())["include"]
+    assert include, "the repository defines at least one image"
+    return include[0]
+
+
+def _walk(node, path=()):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield path + (key,), key, value
+            yield from _walk(value, path + (key,))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _walk(value, path + (i,))
+
+
+def test_triggers_jobs_and_needs(workflow):
+    triggers = workflow.get("on", workflow.get(True))  # YAML 1.1 reads a bare `on` as true
+    assert {"push", "pull_request", "workflow_dispatch"} <= set(triggers)
+    jobs = workflow["jobs"]
+    assert set(jobs) == {"test", "plan", "build"}
+    assert set(jobs["build"]["needs"]) == {"plan", "test"}  # nothing is built from a red tree
+    assert "needs" not in jobs["plan"] and "needs" not in jobs["test"]
+    assert [s.get("run") for s in jobs["test"]["steps"] if "run" in s] == ["ci/test"]
+    for path, key, _ in _walk(workflow):
+        assert key != "continue-on-error", path
+    for job in jobs.values():
+        for step in job["steps"]:
+            if "uses" in step:
+                assert re.fullmatch(r"[\w.-]+/[\w.-]+@v\d+", step["uses"]), step["uses"]
+
+
+def test_plan_outputs_feed_the_build_matrix(workflow):
+    plan, build = workflow["jobs"]["plan"], workflow["jobs"]["build"]
+    assert build["strategy"]["matrix"] == "${{ fromJSON(needs.plan.outputs.matrix) }}"
+    assert build["strategy"]["fail-fast"] is False  # one broken SM does not hide the others
+    assert "needs.plan.outputs.count != '0'" in build["if"]  # GitHub rejects an empty matrix
+    steps = {s["id"]: s for s in plan["steps"] if "id" in s}
+    for output in ("matrix", "count"):
+        match = re.fullmatch(r"\$\{\{ steps\.(\w+)\.outputs\.(\w+) \}\}", plan["outputs"][output])
+        assert match and match.group(2) == output, plan["outputs"][output]
+        step = steps[match.group(1)]
+        assert re.search(rf'echo "{output}=.*>> "\$GITHUB_OUTPUT"', step["run"]), output
+    # plan needs the history it diffs against
+    checkout = next(s for s in plan["steps"] if s.get("uses", "").startswith("actions/checkout@"))
+    assert checkout["with"]["fetch-depth"] == 0
+
+
+def test_matrix_keys_used_exist_in_plan_output(workflow, matrix_entry):
+    expressions = _EXPR.findall(WORKFLOW.read_text())
+    used = {key for expr in expressions for key in re.findall(r"\bmatrix\.(\w+)", expr)}
+    assert used and used <= set(matrix_entry), used - set(matrix_entry)
+
+
+def test_secrets_reach_only_the_login_step(workflow):
+    for job in workflow["jobs"].values():
+        for step in job["steps"]:
+            assert "secrets." not in step.get("run", "")
+            assert "secrets." not in json.dumps(step.get("env", {}))
+    login = [s for s in workflow["jobs"]["build"]["steps"] if s.get("uses", "").startswith("docker/login-action@")]
+    assert len(login) == 1 and login[0]["if"] == "github.event_name != 'pull_request'"
+    assert set(login[0]["with"]) == {"registry", "username", "password"}
+
+
+def _commands(script: str) -> list[list[str]]:
+    """Each build.py invocation in a run script, as its argument list (after ``build.py``)."""
+    found = []
+    for line in script.replace("\\\n", " ").splitlines():
+        if "build.py" not in line:
+            continue
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        tokens = list(lexer)
+        start = next(i for i, t in enumerate(tokens) if t.endswith("build.py")) + 1
+        args = []
+        for token in tokens[start:]:
+            if token in (">", ">>", "|", "||", "&&", ";", "<"):
+                break
+            args.append(token)
+        found.append(args)
+    return found
+
+
+def _expand(token: str, env: dict[str, str], matrix_entry: dict) -> str:
+    def expression(match: re.Match) -> str:
+        name = match.group(1)
+        if name.startswith("matrix."):
+            return str(matrix_entry[name.removeprefix("matrix.")])
+        return "EXPR"
+
+    def variable(match: re.Match) -> str:
+        value = env.get(match.group(1))
+        return _EXPR.sub(expression, value) if value is not None else "HEAD~1"  # a shell variable
+
+    return _SHELL_VAR.sub(variable, _EXPR.sub(expression, token))
+
+
+def test_every_build_py_command_parses(workflow, matrix_entry):
+    parser = cli.build_parser()
+    seen: dict[str, list] = {}
+    for job_name, job in workflow["jobs"].items():
+        for step in job["steps"]:
+            env = {**job.get("env", {}), **step.get("env", {})}
+            for raw in _commands(step.get("run", "")):
+                argv = [_expand(t, env, matrix_entry) for t in raw]
+                try:
+                    args = parser.parse_args(argv)
+                except SystemExit:
+                    pytest.fail(f"{job_name}: `build.py {' '.join(raw)}` does not parse with kiln's CLI")
+                seen.setdefault(args.command, []).append((job_name, step.get("if", ""), args))
+    assert {job for job, _, _ in seen["plan"]} == {"plan"}
+    assert {bool(a.all) for _, _, a in seen["plan"]} == {True, False}
+    builds = seen["build"]
+    assert {job for job, _, _ in builds} == {"build"}
+    for _, condition, args in builds:
+        assert (args.image, args.pin, args.sm) == (matrix_entry["image"], matrix_entry["pin"], matrix_entry["sm"])
+        assert args.values and args.json
+        # main pushes; a pull request builds without pushing
+        assert args.push == (condition == "github.event_name != 'pull_request'"), condition
+    assert sorted(a.push for _, _, a in builds) == [False, True]
