@@ -310,6 +310,8 @@ Goals:
 | bytes pushed ~= new layer + config + manifest ({expected_push['cold']:,} B) | {cold_json['bytes_pushed']:,} B; {cold_json['blobs_mounted']} base blobs mounted, {cold_json['blobs_uploaded']} uploaded | {verdict(pushed_ok)} |
 
 {why}
+The baseline is disk-bound and noisy on this VM: across runs it took 9.9 to 23.6 s, so the
+ratio moved between 0.48x (baseline 9.9 s) and 0.30x (this run); read it over several runs.
 The baseline only pulls: a real `docker build` would also unpack every layer and push its
 result, so the true ratio is smaller than shown. Warm rebuild: the pristine tree and base
 metadata come from the cache (no layer is downloaded); the edited patch re-runs, the layer is

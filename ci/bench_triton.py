@@ -87,8 +87,8 @@ def main() -> int:
 head dim {preset.head_dim}, {preset.num_heads}/{preset.num_kv_heads} heads, {preset.dtype}, block
 size(s) {", ".join(map(str, preset.block_sizes))}, {", ".join(preset.kv_cache_presets)}) for SMs
 {", ".join(map(str, SMS))}, Triton {toolchain.version}, patched vLLM {pin.vllm} source, {args.jobs}
-worker processes. Machine: {machine()}; 1-min load average at the end {load:.1f} (other jobs were
-running on it: the timings are upper bounds). Cold = empty kiln cache: per SM one compile process
+worker processes. Machine: {machine()}; 1-min load average at the end {load:.1f} (this benchmark's
+own processes count in it; above ~2 other jobs were competing and the timings are upper bounds). Cold = empty kiln cache: per SM one compile process
 and one fresh self-check process (each imports torch and Triton, ~3 s of CPU).
 
 | measure | value | goal |
