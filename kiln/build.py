@@ -40,7 +40,7 @@ from kiln.bake import (
 from kiln.cache import cache_root
 from kiln.errors import KilnError
 from kiln.helm import helm_values, stage_values
-from kiln.images import ImageDefinition, image_pins, load_image
+from kiln.images import ImageDefinition, add_target_options, image_pins, load_image
 from kiln.oci.blobcache import BlobCache
 from kiln.oci.endpoints import RegistryConfig, add_registry_options, config_from_options
 from kiln.oci.image import RemoteImage
@@ -386,9 +386,7 @@ def cmd_build(args) -> int:
 
 def add_build_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("build", help="build a patched image for one pin and SM (pull, bake, publish)")
-    p.add_argument("--image", required=True, help="an image definition in images/, e.g. qwen3.6-27b-tq")
-    p.add_argument("--pin", required=True, help="a pin from pins.toml, e.g. v0.20.1")
-    p.add_argument("--sm", type=int, required=True, help="target SM, one of the image's sms (e.g. 120)")
+    add_target_options(p)
     p.add_argument("--push", action="store_true", help="push to the image's repository")
     p.add_argument("--oci", type=Path, metavar="DIR", help="write an OCI image layout to DIR")
     p.add_argument("--docker-archive", type=Path, metavar="FILE", help="write a docker-archive tarball (podman load)")

@@ -41,6 +41,7 @@ from kiln import paths, ui
 from kiln.bake import LayerContents
 from kiln.build import load_build_inputs, prepare_build
 from kiln.errors import KilnError
+from kiln.images import add_target_options
 from kiln.oci.endpoints import add_registry_options, config_from_options
 from kiln.oci.layer import LAYER_MTIME, normalise_path
 
@@ -217,9 +218,7 @@ def cmd_context(args) -> int:
 
 def add_context_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("context", help="write a build context for the Dockerfile (same files as build)")
-    p.add_argument("--image", required=True, help="an image definition in images/, e.g. qwen3.6-27b-tq")
-    p.add_argument("--pin", required=True, help="a pin from pins.toml, e.g. v0.20.1")
-    p.add_argument("--sm", type=int, required=True, help="target SM, one of the image's sms (e.g. 120)")
+    add_target_options(p)
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="the context directory to write")
     add_registry_options(p)
     p.add_argument("--allow-unlocked", action="store_true", help="use an unlocked or mismatching pin")

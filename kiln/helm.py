@@ -27,7 +27,7 @@ from pathlib import Path
 
 from kiln import paths
 from kiln.errors import KilnError
-from kiln.images import ImageDefinition, image_pins, load_image
+from kiln.images import ImageDefinition, add_target_options, image_pins, load_image
 from kiln.oci.endpoints import RegistryConfig, add_registry_options, config_from_options
 from kiln.oci.mediatypes import INDEX_TYPES
 from kiln.oci.reference import parse_reference
@@ -123,9 +123,7 @@ def cmd_values(args) -> int:
 
 def add_values_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("values", help="print the Helm values of an image already built and pushed")
-    p.add_argument("--image", required=True, help="an image definition in images/, e.g. qwen3.6-27b-tq")
-    p.add_argument("--pin", required=True, help="a pin from pins.toml, e.g. v0.20.1")
-    p.add_argument("--sm", type=int, required=True, help="one of the image's sms (e.g. 120)")
+    add_target_options(p)
     p.add_argument("--repository", help="the repository it was pushed to, instead of the image definition's")
     add_registry_options(p)
     p.set_defaults(func=cmd_values)

@@ -7,6 +7,7 @@ off for one of the image's SMs or its model preset, and the tag template is well
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import string
@@ -194,3 +195,10 @@ def load_image(images_dir: Path, name: str, catalogue: Catalogue, pins: dict[str
 
 def image_pins(image: ImageDefinition, pins: dict[str, Pin]) -> list[Pin]:
     return [pins[name] for name in (image.pins or tuple(pins))]
+
+
+def add_target_options(parser: argparse.ArgumentParser) -> None:
+    """``--image/--pin/--sm``: which image, pin and GPU arch (``build``, ``context``, ``values``)."""
+    parser.add_argument("--image", required=True, help="an image definition in images/, e.g. qwen3.6-27b-tq")
+    parser.add_argument("--pin", required=True, help="a pin from pins.toml, e.g. v0.20.1")
+    parser.add_argument("--sm", type=int, required=True, help="target SM, one of the image's sms (e.g. 120)")
