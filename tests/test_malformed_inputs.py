@@ -14,22 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.test_cli_errors import P65_FILE, good_patch, one_line_error, run, write_patch
+from tests.test_images import PINS  # the same two-pin file the image tests use
 
 pytestmark = pytest.mark.reliability
-
-PINS = """\
-[pins."v0.20.1"]
-role = "current"
-image = "docker.io/vllm/vllm-openai:v0.20.1"
-vllm = "0.20.1"
-cuda = "cu130"
-
-[pins."v0.33.0"]
-role = "rollback"
-image = "docker.io/vllm/vllm-openai:v0.33.0"
-vllm = "0.33.0"
-cuda = "cu130"
-"""
 
 IMAGE = """\
 name = "test"
