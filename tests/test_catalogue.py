@@ -78,3 +78,15 @@ def test_applying_twice_changes_nothing(catalogue, sessions, label, patch_id):
     assert all(
         second.state.module(rel).code == module.code for rel, module in first.state.changed.items()
     )
+
+
+TESTS = Path(__file__).parent / "patchsets"
+
+
+@pytest.mark.parametrize("patch_id", CATALOGUE_IDS)
+def test_every_patch_has_a_behaviour_test(catalogue, patch_id):
+    """``patchsets/<family>/pNN_*.py`` needs ``tests/patchsets/<family>/test_pNN.py`` with a test in it."""
+    patch = catalogue.get(patch_id)
+    test_file = TESTS / patch.family / f"test_{patch_id.lower()}.py"
+    assert test_file.is_file(), f"{patch_id}: no behaviour test {test_file}"
+    assert "\ndef test_" in test_file.read_text(), f"{test_file} defines no test"

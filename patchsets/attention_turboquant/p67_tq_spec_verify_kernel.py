@@ -16,7 +16,7 @@ The kernel file is new (a ``NewFile`` edit: it applies where the pristine tree l
 backend imports it, and P67b's ``_spec_verify_attention`` tries it first. Genesis's P67 baked
 ``GENESIS_P67_MAX_PRIOR_LEN`` and a debug-compare switch into the source; neither exists
 here (no length cap: the split grid covers any context; numerics are checked in CI instead,
-``tests/patches/test_p67.py``, against a PyTorch decoder of the cache bytes).
+``tests/patchsets/attention_turboquant/test_p67.py``, against a PyTorch decoder of the cache bytes).
 
 Verdict on 0.33.0: APPLIES, with P67b. The new file's path is free, the backend's
 ``triton_turboquant_store`` import (the import anchor) is unchanged, and the cache the kernel

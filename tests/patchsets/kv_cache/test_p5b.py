@@ -22,8 +22,8 @@ from packaging.version import Version
 from kiln.patch.anchor import resolve
 from kiln.patch.engine import isolated_run
 from kiln.patch.model import BuildTarget, Verdict
-from tests.patches import kvspecs
-from tests.patches.kvspecs import (
+from tests.patchsets.support import kvspecs
+from tests.patchsets.support.kvspecs import (
     BLOCK_SIZE,
     KV_HEADS,
     MAMBA_PADDED_PAGE,
@@ -31,7 +31,7 @@ from tests.patches.kvspecs import (
     TQ_K8V4_SLOT,
     TQ_PAGE,
 )
-from tests.patchlib import extract, patched_files
+from tests.patchsets.support.patchlib import extract, patched_files
 
 UTILS = "v1/core/kv_cache_utils.py"
 RUNNER = "v1/worker/gpu_model_runner.py"

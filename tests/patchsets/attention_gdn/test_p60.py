@@ -22,7 +22,7 @@ from packaging.version import Version
 
 from kiln.patch.engine import isolated_run
 from kiln.patch.model import BuildTarget, Verdict
-from tests.patchlib import extract, patched_files
+from tests.patchsets.support.patchlib import extract, patched_files
 
 GDN_ATTN = "v1/attention/backends/gdn_attn.py"
 GDN_LAYER = "model_executor/layers/mamba/gdn_linear_attn.py"

@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from tests.patchlib import extract, patched_files
+from tests.patchsets.support.patchlib import extract, patched_files
 
 TARGET = "v1/attention/backends/turboquant_attn.py"
 

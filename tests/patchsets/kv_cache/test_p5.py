@@ -14,9 +14,9 @@ from packaging.version import Version
 
 from kiln.patch.engine import isolated_run
 from kiln.patch.model import BuildTarget, Verdict
-from tests.patches import kvspecs
-from tests.patches.kvspecs import BLOCK_SIZE, MAMBA_PADDED_PAGE, TORCH, TQ_PAGE
-from tests.patchlib import patched_files
+from tests.patchsets.support import kvspecs
+from tests.patchsets.support.kvspecs import BLOCK_SIZE, MAMBA_PADDED_PAGE, TORCH, TQ_PAGE
+from tests.patchsets.support.patchlib import patched_files
 
 TARGET = "v1/core/kv_cache_utils.py"
 

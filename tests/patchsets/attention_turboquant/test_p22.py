@@ -2,7 +2,7 @@
 
 Behaviour test by extraction: the patched ``TurboQuantAttentionImpl.__init__`` and
 ``_continuation_prefill``, plus the module-level pool P22 adds, are taken from the patched
-file and run with CPU torch against stand-ins (``tests/patches/_turboquant_standins.py``:
+file and run with CPU torch against stand-ins (``tests/patchsets/support/turboquant_standins.py``:
 the Triton dequant kernel is a gather from an fp16 stand-in cache, flash-attn a causal SDPA).
 The pristine method runs on the same inputs to show what changes.
 """
@@ -12,8 +12,8 @@ import torch  # CPU build, from the test extras
 
 from kiln.patch.engine import isolated_run  # noqa: E402
 from kiln.patch.model import BuildTarget, Verdict  # noqa: E402
-from tests.patches import _turboquant_standins as tq  # noqa: E402
-from tests.patchlib import patched_files  # noqa: E402
+from tests.patchsets.support import turboquant_standins as tq  # noqa: E402
+from tests.patchsets.support.patchlib import patched_files  # noqa: E402
 
 METHOD = "TurboQuantAttentionImpl._continuation_prefill"
 

@@ -19,7 +19,7 @@ from packaging.version import Version
 from kiln.patch.anchor import resolve
 from kiln.patch.engine import isolated_run
 from kiln.patch.model import BuildTarget, Verdict
-from tests.patchlib import extract, patched_files
+from tests.patchsets.support.patchlib import extract, patched_files
 
 TARGET = "engine/arg_utils.py"
 TQ_CONFIG = "vllm.model_executor.layers.quantization.turboquant.config"

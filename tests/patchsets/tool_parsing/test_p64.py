@@ -40,7 +40,7 @@ import pytest
 
 from kiln.patch.anchor import resolve
 from kiln.patch.shapes import cls, func
-from tests.patchlib import extract, patched_files
+from tests.patchsets.support.patchlib import extract, patched_files
 
 PARSER = "tool_parsers/qwen3coder_tool_parser.py"
 SERVING = "entrypoints/openai/chat_completion/serving.py"

@@ -14,7 +14,7 @@ import pytest
 
 from kiln.patch.engine import isolated_run
 from kiln.patch.model import BuildTarget, Verdict
-from tests.patchlib import extract, patched_files
+from tests.patchsets.support.patchlib import extract, patched_files
 
 TARGET = "config/vllm.py"
 

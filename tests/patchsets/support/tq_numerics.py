@@ -1,5 +1,5 @@
 """Run TurboQuant verify batches through patched vLLM code under Triton's interpreter, in a
-fresh process: ``python -m tests.patches._tq_numerics SPEC.json`` prints one JSON result.
+fresh process: ``python -m tests.patchsets.support.tq_numerics SPEC.json`` prints one JSON result.
 
 A subprocess because ``TRITON_INTERPRET=1`` only takes hold if it is set before ``triton`` is
 first imported (``triton.language``'s own ``@jit`` helpers such as ``tl.min`` are decorated at
@@ -10,7 +10,7 @@ SPEC: ``{"cases": [{"id", "root", "backend", "preset", "group", "transposed"}]}`
 holds a tree's ``vllm/`` op files and ``turboquant/centroids.py``, ``backend`` the patched
 ``turboquant_attn.py`` text. Per case: the real store kernel fills a cache, the patched
 ``forward`` runs with the real launchers of that tree (counted), and the output is compared
-with ``_tq_interpret.torch_reference``. Result: ``{id: {"launched": {...}, "paths": [...],
+with ``tq_interpret.torch_reference``. Result: ``{id: {"launched": {...}, "paths": [...],
 "max_abs_err": float, "max_abs_ref": float}}``.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from tests.patches import _tq_interpret as tq  # noqa: E402
+from tests.patchsets.support import tq_interpret as tq  # noqa: E402
 
 LAUNCHERS = {
     "triton_turboquant_decode_attention": "triton_turboquant_decode",

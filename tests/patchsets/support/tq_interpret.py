@@ -175,7 +175,7 @@ def impl_class(backend_text: str, namespace: dict, methods=IMPL_METHODS):
     (``_decode_attention``, ``_prefill_attention``) or do nothing (``_ensure_on_device``: the
     layer passed in already carries ``_tq_Pi``, ``_tq_PiT`` and ``_tq_centroids``).
     """
-    from tests.patchlib import extract
+    from tests.patchsets.support.patchlib import extract
 
     namespace = {"torch": torch, "Any": object, "AttentionLayer": object,
                  "TurboQuantMetadata": types.SimpleNamespace, **namespace}
@@ -290,7 +290,7 @@ class Batch:
         return rows, out
 
 
-# --- the interpreter runs in a fresh process (see _tq_numerics) ---------------------------------
+# --- the interpreter runs in a fresh process (see tq_numerics) ---------------------------------
 
 
 def write_root(tree, changed: dict[str, str], where: Path) -> str:
@@ -307,14 +307,14 @@ def write_root(tree, changed: dict[str, str], where: Path) -> str:
 
 
 def interpret(cases: list[dict], where: Path) -> dict:
-    """Results of ``tests.patches._tq_numerics`` for ``cases``, run in a fresh interpreter."""
+    """Results of ``tests.patchsets.support.tq_numerics`` for ``cases``, run in a fresh interpreter."""
     import json
     import subprocess
 
     spec = where / "spec.json"
     spec.write_text(json.dumps({"cases": cases}))
-    repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "tests.patches._tq_numerics", str(spec)], cwd=repo,
+    repo = Path(__file__).resolve().parents[3]
+    proc = subprocess.run([sys.executable, "-m", "tests.patchsets.support.tq_numerics", str(spec)], cwd=repo,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

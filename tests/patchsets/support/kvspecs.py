@@ -18,7 +18,7 @@ import typing
 from dataclasses import dataclass, fields, replace
 from enum import IntEnum
 
-from tests.patchlib import extract
+from tests.patchsets.support.patchlib import extract
 
 SPEC_CLASSES = ("KVQuantMode", "KVCacheSpec", "AttentionSpec", "FullAttentionSpec", "TQFullAttentionSpec", "MambaSpec")
 

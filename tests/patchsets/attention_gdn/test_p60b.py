@@ -20,7 +20,7 @@ from packaging.version import Version
 from kiln.patch.anchor import resolve
 from kiln.patch.engine import State, evaluate, isolated_run
 from kiln.patch.model import BuildTarget, Outcome, Verdict
-from tests.patchlib import extract, patched_files
+from tests.patchsets.support.patchlib import extract, patched_files
 
 CONV = "model_executor/layers/mamba/ops/causal_conv1d.py"
 GDN_LAYER = "model_executor/layers/mamba/gdn_linear_attn.py"

@@ -5,7 +5,7 @@ What runs:
   the backend patched by P67b + P67, on ``meta`` tensors (no host read possible) with
   recording launchers: supported shapes call the new kernel, unsupported ones (head dim 96,
   more than 64 query rows per KV head) fall through to P67b's decode launch.
-- Numerics under Triton's interpreter, in a fresh process (``tests/patches/_tq_numerics.py``):
+- Numerics under Triton's interpreter, in a fresh process (``tests/patchsets/support/tq_numerics.py``):
   the real upstream store kernel fills the cache (turboquant_k8v4 / turboquant_4bit_nc, real
   centroids), the patched ``forward`` runs the *new* kernel file as P67 writes it into the
   tree (both its kernels, interpreted), and the output is compared with a float64 PyTorch
@@ -25,8 +25,8 @@ from packaging.version import Version
 
 from kiln.patch.engine import isolated_run
 from kiln.patch.model import BuildTarget, Verdict
-from tests.patches import _tq_interpret as tq
-from tests.patchlib import patched_files
+from tests.patchsets.support import tq_interpret as tq
+from tests.patchsets.support.patchlib import patched_files
 
 BACKEND = "v1/attention/backends/turboquant_attn.py"
 KERNEL = "v1/attention/ops/triton_turboquant_spec_verify.py"
@@ -116,7 +116,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def numerics(catalogue, sessions, tmp_path_factory):
-    """Every case of this module in one interpreter subprocess (``_tq_numerics``)."""
+    """Every case of this module in one interpreter subprocess (``tq_numerics``)."""
     where = tmp_path_factory.mktemp("p67")
     cases = []
     for label in LABELS:

@@ -23,7 +23,7 @@ import libcst as cst
 import torch
 import torch.nn.functional as F
 
-from tests.patchlib import extract
+from tests.patchsets.support.patchlib import extract
 
 TARGET = "v1/attention/backends/turboquant_attn.py"
 

@@ -13,8 +13,8 @@ import torch  # CPU build, from the test extras
 
 from kiln.patch.engine import isolated_run  # noqa: E402
 from kiln.patch.model import BuildTarget, Verdict  # noqa: E402
-from tests.patches import _turboquant_standins as tq  # noqa: E402
-from tests.patchlib import patched_files  # noqa: E402
+from tests.patchsets.support import turboquant_standins as tq  # noqa: E402
+from tests.patchsets.support.patchlib import patched_files  # noqa: E402
 
 HQ, HK, D = 4, 2, 8
 

@@ -2,7 +2,7 @@
 
 What runs: ``TurboQuantAttentionImpl.forward``, ``_is_uniform_spec_verify`` and
 ``_spec_verify_attention`` are extracted from the *patched* backend file and executed on CPU
-(``tests/patches/_tq_interpret.py``; the impl's other methods are recording stand-ins).
+(``tests/patchsets/support/tq_interpret.py``; the impl's other methods are recording stand-ins).
 
 - Routing without host syncs: the batch is built on the ``meta`` device, where reading any
   tensor value on the host raises, and the decode launcher is a recorder. The patched forward
@@ -26,8 +26,8 @@ from packaging.version import Version
 
 from kiln.patch.engine import isolated_run, run_selection
 from kiln.patch.model import BuildTarget, Verdict
-from tests.patches import _tq_interpret as tq
-from tests.patchlib import patched_files
+from tests.patchsets.support import tq_interpret as tq
+from tests.patchsets.support.patchlib import patched_files
 
 TARGET = "v1/attention/backends/turboquant_attn.py"
 LABELS = ["v0.20.1", "vllm-0.33.0"]
@@ -157,7 +157,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def numerics(catalogue, sessions, tmp_path_factory):
-    """Every case of this module in one interpreter subprocess (``_tq_numerics``)."""
+    """Every case of this module in one interpreter subprocess (``tq_numerics``)."""
     where = tmp_path_factory.mktemp("p67b")
     cases = []
     for label in sorted({c[0] for c in CASES}):

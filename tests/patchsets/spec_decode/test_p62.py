@@ -27,7 +27,7 @@ from collections.abc import Iterable
 import pytest
 
 from kiln.patch.anchor import resolve
-from tests.patchlib import extract, patched_files
+from tests.patchsets.support.patchlib import extract, patched_files
 
 SO = "v1/structured_output/__init__.py"
 SCHED = "v1/core/sched/scheduler.py"
