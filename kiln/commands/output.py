@@ -1,0 +1,182 @@
+"""What the command line shows: rich tables and progress on stderr, JSON or tables on stdout.
+
+Public API:
+    Output(json_mode=False)
+        .stdout / .stderr      rich Consoles (wide pages outside a terminal, so CI logs keep rows)
+        .json(data)            ``data`` as indented JSON on stdout
+        .warn(message)         ``warning: ...`` on stderr
+        .error(message)        ``error: ...`` on stderr (one line)
+        .reporter() -> RichReporter   progress bars for library calls (silent under --json
+                               or outside a terminal; warnings still reach stderr)
+    VERDICT_STYLE              the colour of each verdict in tables
+
+Only ``kiln/commands/`` uses this module: library code reports through ``kiln.report``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    SpinnerColumn,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.text import Text
+
+from kiln.patch.model import Verdict
+from kiln.report import Reporter, Task
+
+VERDICT_STYLE = {
+    Verdict.APPLIES: "green",
+    Verdict.ALREADY_PATCHED: "green",
+    Verdict.UPSTREAM: "cyan",
+    Verdict.GATED: "yellow",
+    Verdict.DRIFTED: "red",
+    Verdict.TARGET_GONE: "red",
+    Verdict.CONFLICT: "red",
+}
+
+_PAGE = 200  # columns outside a terminal: rich would otherwise fold tables at 80
+
+
+def styled(verdict: Verdict | str) -> str:
+    verdict = Verdict(verdict)
+    return f"[{VERDICT_STYLE[verdict]}]{verdict}[/]"
+
+
+class Output:
+    def __init__(self, json_mode: bool = False) -> None:
+        self.json_mode = json_mode
+        self.stdout = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else _PAGE)
+        self.stderr = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else _PAGE)
+
+    def json(self, data) -> None:
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        sys.stdout.flush()
+
+    def warn(self, message: str) -> None:
+        self.stderr.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
+
+    def error(self, message: str) -> None:
+        self.stderr.print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
+
+    def reporter(self) -> RichReporter:
+        return RichReporter(self)
+
+
+class _Figures(ProgressColumn):
+    """Bytes (size and speed) for transfers, ``n/m`` for counted items, nothing for a status."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._bytes = DownloadColumn()
+        self._speed = TransferSpeedColumn()
+        self._items = MofNCompleteColumn()
+
+    def render(self, task) -> Text:
+        unit = task.fields.get("unit")
+        if unit == "bytes":
+            return Text.assemble(self._bytes.render(task), " ", self._speed.render(task))
+        if unit == "items" and task.total is not None:
+            return self._items.render(task)
+        return Text("")
+
+
+class _RichTask(Task):
+    def __init__(self, progress: Progress, task_id) -> None:
+        self._progress, self._id = progress, task_id
+
+    def advance(self, amount: float) -> None:
+        self._progress.advance(self._id, amount)
+
+    def update(self, total: float | None = None, description: str | None = None) -> None:
+        changes = {}
+        if total is not None:
+            changes["total"] = total
+        if description is not None:
+            changes["description"] = _short(description)
+        self._progress.update(self._id, **changes)
+
+
+def _short(description: str, width: int = 32) -> str:
+    """Descriptions are cut so the figures fit an 80-column terminal."""
+    return description if len(description) <= width else description[: width - 1] + "…"
+
+
+class RichReporter(Reporter):
+    """One rich ``Progress`` on stderr shared by every task and status of a command."""
+
+    def __init__(self, output: Output) -> None:
+        self._output = output
+        self._progress: Progress | None = None
+        self._open = 0
+        self.warnings: list[str] = []
+
+    @property
+    def enabled(self) -> bool:
+        return not self._output.json_mode and self._output.stderr.is_terminal
+
+    def _start(self) -> Progress:
+        if self._progress is None:
+            self._progress = Progress(
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                BarColumn(bar_width=24),
+                _Figures(),
+                TimeRemainingColumn(),
+                console=self._output.stderr,
+                transient=True,
+                disable=not self.enabled,
+            )
+            self._progress.start()
+        self._open += 1
+        return self._progress
+
+    def _stop(self, task_id) -> None:
+        assert self._progress is not None
+        self._progress.remove_task(task_id)
+        self._open -= 1
+        if self._open == 0:
+            self._progress.stop()
+            self._progress = None
+
+    @contextmanager
+    def task(self, description: str, total: float | None = None, unit: str = "bytes") -> Iterator[Task]:
+        progress = self._start()
+        task_id = progress.add_task(_short(description), total=total, unit=unit)
+        try:
+            yield _RichTask(progress, task_id)
+        finally:
+            self._stop(task_id)
+
+    @contextmanager
+    def status(self, message: str) -> Iterator[None]:
+        progress = self._start()
+        task_id = progress.add_task(_short(message, 60), total=None, unit="status")
+        try:
+            yield
+        finally:
+            self._stop(task_id)
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+        if self._progress is not None:
+            self._progress.console.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
+        else:
+            self._output.warn(message)
+
+    def note(self, message: str) -> None:
+        if self.enabled:
+            self._output.stderr.print(escape(message), soft_wrap=True)

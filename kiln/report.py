@@ -1,0 +1,81 @@
+"""How library code tells the user what it is doing, without printing.
+
+Library calls that take long (downloads, pulls, pushes, kernel compiles) or have something to
+say (a warning about an unlocked pin) take a ``Reporter`` argument, the way
+go-containerregistry passes ``WithProgress``: the command line passes one that draws rich
+progress bars on stderr; tests and scripts pass nothing and get ``SILENT``. Nothing below
+``kiln/commands/`` writes to stdout or stderr itself.
+
+Public API:
+    Reporter        the do-nothing base: ``task(description, total)``, ``status(message)``,
+                    ``warn(message)``, ``note(message)``; subclass to show them
+    Task            ``advance(amount)``, ``update(total=None, description=None)``
+    SILENT          a shared ``Reporter()``
+    Recorder        a Reporter that keeps what it was told (tests, ``--json`` warnings)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class Task:
+    """One unit of progress (bytes of a transfer, files of a walk). Does nothing by itself."""
+
+    def advance(self, amount: float) -> None:
+        return None
+
+    def update(self, total: float | None = None, description: str | None = None) -> None:
+        return None
+
+
+class Reporter:
+    """Progress and messages from library code; every method may be overridden, none must be."""
+
+    @contextmanager
+    def task(self, description: str, total: float | None = None, unit: str = "bytes") -> Iterator[Task]:
+        """A progress task for the duration of the block; ``unit`` is "bytes" or "items"."""
+        yield Task()
+
+    @contextmanager
+    def status(self, message: str) -> Iterator[None]:
+        """Something slow without a measurable total (a compile, a resolve)."""
+        yield
+
+    def warn(self, message: str) -> None:
+        """Something the user should know that does not stop the work (one line)."""
+        return None
+
+    def note(self, message: str) -> None:
+        """Something informative (one line)."""
+        return None
+
+
+SILENT = Reporter()
+
+
+class Recorder(Reporter):
+    """Keeps the messages and tasks it is given, for tests and for ``--json`` summaries."""
+
+    def __init__(self) -> None:
+        self.warnings: list[str] = []
+        self.notes: list[str] = []
+        self.tasks: list[str] = []
+        self.statuses: list[str] = []
+
+    @contextmanager
+    def task(self, description: str, total: float | None = None, unit: str = "bytes") -> Iterator[Task]:
+        self.tasks.append(description)
+        yield Task()
+
+    @contextmanager
+    def status(self, message: str) -> Iterator[None]:
+        self.statuses.append(message)
+        yield
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+
+    def note(self, message: str) -> None:
+        self.notes.append(message)
