@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""kiln's command line: `python build.py --help`."""
+"""kiln's command line: `python build.py --help` (also installed as the `kiln` command)."""
 
 import sys
 
-from kiln.cli import main
+from kiln.commands import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -213,7 +213,7 @@ def main() -> None:
 
         # floors of the cold build, to explain it: interpreter + imports, and reading the vLLM
         # layer from the blob cache (no network, no extraction): inflate only, then tar walk
-        imports = measured([sys.executable, "-c", "import kiln.cli"], env).wall
+        imports = measured([sys.executable, "-c", "import kiln.commands"], env).wall
         floors = read_floors(work / "cache" / "blobs" / "sha256" / layers["vllm"][0].split(":")[1])
 
         # what a push must carry: the new layer, the new config, the manifest (read back)
@@ -261,7 +261,7 @@ def main() -> None:
     if ratio_wall > 0.35:
         floor = imports + floors["walk"]
         why = f"""Why the cold-build goal is missed here: of its {cold.wall:.2f} s, {startup:.2f} s is before kiln's
-clock starts (Python start-up and imports: `import kiln.cli` alone takes {imports:.2f} s, mostly
+clock starts (Python start-up and imports: `import kiln.commands` alone takes {imports:.2f} s, mostly
 libcst) and {cold_json['timings']['pull']:.2f} s is the pull. Reading the vLLM layer has a floor on this
 machine even from a local file: inflating its {mib(floors['tar_bytes'])} of tar takes {floors['inflate']:.2f} s
 (zlib, with sha256), and walking its {floors['entries']:,} entries as kiln does (`tarfile` `r|gz`: that

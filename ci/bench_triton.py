@@ -27,7 +27,7 @@ from benchlib import REPO, machine, write_section
 
 sys.path.insert(0, str(REPO))
 from kiln import paths  # noqa: E402
-from kiln.images import load_image  # noqa: E402
+from kiln.definitions import load_definition  # noqa: E402
 from kiln.oci.layer import LayerBuilder  # noqa: E402
 from kiln.patch.catalog import load_catalogue  # noqa: E402
 from kiln.patch.engine import Session, run_selection  # noqa: E402
@@ -47,7 +47,7 @@ def main() -> int:
 
     catalogue = load_catalogue(paths.PATCHSETS)
     pins = load_pins(paths.REPO / "pins.toml")
-    definition = load_image(paths.REPO / "images", args.image, catalogue, pins)
+    definition = load_definition(paths.REPO / "images", args.image, catalogue, pins)
     preset = definition.model.kernels
     if preset is None:
         sys.exit(f"{definition.path}: declares no [model.kernels]")

@@ -28,7 +28,7 @@ def main() -> None:
     count = patches.stdout.count('"id"')
     memo = median_of(base, args.runs)
     full = median_of([*base, "--no-memo"], args.runs)
-    imports = median_of([sys.executable, "-c", "import kiln.cli"], args.runs)
+    imports = median_of([sys.executable, "-c", "import kiln.commands"], args.runs)
     body = f"""
 ## verify (issue 2)
 
@@ -39,7 +39,7 @@ median of {args.runs} runs on {machine()}. Goal: < 2 s.
 |---|---|
 | memoised verdicts (nothing changed since last verify) | {memo:.2f} s |
 | full recomputation (`--no-memo`: parse + every codemod + compile) | {full:.2f} s |
-| of which: Python start + `import kiln.cli` (libcst matchers dominate) | {imports:.2f} s |
+| of which: Python start + `import kiln.commands` (libcst matchers dominate) | {imports:.2f} s |
 
 Reproduce: `.venv/bin/python ci/bench_verify.py --pin {args.pin} --runs {args.runs}`
 """

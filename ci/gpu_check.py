@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     from kiln import paths
     from kiln.cache import cache_root
-    from kiln.images import load_image
+    from kiln.definitions import load_definition
     from kiln.patch.catalog import load_catalogue
     from kiln.patch.engine import Session, run_selection
     from kiln.pins import load_pins
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 
     catalogue = load_catalogue(paths.PATCHSETS)
     pins = load_pins(paths.REPO / "pins.toml")
-    definition = load_image(paths.REPO / "images", args.image, catalogue, pins)
+    definition = load_definition(paths.REPO / "images", args.image, catalogue, pins)
     preset = definition.model.kernels
     if preset is None:
         print(f"gpu_check: {definition.path} declares no [model.kernels]", file=sys.stderr)

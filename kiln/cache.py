@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kiln.staging import is_stage_name
+
 
 def cache_root() -> Path:
     """``$KILN_CACHE_DIR``, else ``$XDG_CACHE_HOME/kiln``, else ``~/.cache/kiln`` (claimed)."""
@@ -72,7 +74,7 @@ def remove_leftovers(root: Path, depth: int = 3) -> list[Path]:
                 continue
             for child in children:
                 path = Path(child.path)
-                if child.name.startswith(".tmp-"):
+                if child.name.startswith(".tmp-") or is_stage_name(child.name):
                     if child.is_dir(follow_symlinks=False):
                         shutil.rmtree(path, ignore_errors=True)
                     else:
@@ -116,16 +118,3 @@ def install_dir(final: Path, fill: Callable[[Path], None]) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
-
-
-def write_file_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temp file and rename, so readers never see a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}-")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -1,4 +1,4 @@
-"""``build.py plan``: the builds a change needs, as a GitHub Actions matrix.
+"""The builds a change needs, as a GitHub Actions matrix (``build.py plan``).
 
 Public API:
     Layout(root, pins, patchsets, images, record)     repo-relative locations of kiln's data
@@ -6,7 +6,6 @@ Public API:
     classify(path, layout, patch_files) -> Kind       what a changed path is to the builds
     plan_builds(layout, since=None, include_worktree=False) -> Plan   ``since=None``: every build
     Plan.matrix() -> {"include": [{"image", "pin", "sm", "tag"}, ...]}
-    add_plan_parser(subparsers)                       registers ``plan``
 
 What a changed path (between ``--since REV`` and HEAD, or the work tree) rebuilds:
 
@@ -40,9 +39,7 @@ compared parsed, so reformatting or a comment in ``pins.toml`` rebuilds nothing.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import tempfile
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -51,9 +48,8 @@ from pathlib import Path, PurePosixPath
 import git
 from gitdb.exc import BadName, BadObject
 
-from kiln import ui
+from kiln.definitions import ImageDefinition, load_definition
 from kiln.errors import KilnError
-from kiln.images import ImageDefinition, image_pins, load_image
 from kiln.patch.catalog import load_catalogue
 from kiln.pins import Pin, load_pins
 
@@ -107,7 +103,7 @@ def classify(path: str, layout: Layout, patch_files: dict[str, str]) -> Kind:
     if p.parent == layout.images and p.suffix == ".toml":
         return Kind.IMAGE
     if p.suffix == ".md" or p == layout.record or layout.images in p.parents:
-        return Kind.NONE  # load_image reads images/<name>.toml only
+        return Kind.NONE  # load_definition reads images/<name>.toml only
     if layout.patchsets in p.parents:
         if path in patch_files:
             return Kind.PATCH
@@ -168,7 +164,7 @@ def plan_builds(layout: Layout, since: str | None = None, include_worktree: bool
         else:
             after = _load_state(layout, _export(head, layout, Path(tmp) / "head"))
         plan = Plan(since=base.hexsha if base else None, head="worktree" if include_worktree else head.hexsha)
-        everything = [(image, pin) for image in after.images.values() for pin in image_pins(image, after.pins)]
+        everything = [(image, pin) for image in after.images.values() for pin in image.pins_of(after.pins)]
         wanted: dict[tuple[str, str], list[str]] = {}
 
         def want(image: ImageDefinition, pin: Pin, why: str) -> None:
@@ -188,7 +184,7 @@ def plan_builds(layout: Layout, since: str | None = None, include_worktree: bool
             for path, kind in plan.changes.items():
                 if kind is Kind.IMAGE:
                     image = after.images.get(PurePosixPath(path).stem)
-                    for pin in image_pins(image, after.pins) if image else ():  # removed: nothing
+                    for pin in image.pins_of(after.pins) if image else ():  # removed: nothing
                         want(image, pin, f"image definition changed: {path}")
                 elif kind is Kind.PATCH and path in after.patch_files:  # a removed module: nothing
                     pid = after.patch_files[path]
@@ -205,7 +201,7 @@ def plan_builds(layout: Layout, since: str | None = None, include_worktree: bool
     for image_name, pin_name in sorted(wanted, key=lambda k: (k[0], pin_order[k[1]])):
         image, pin = after.images[image_name], after.pins[pin_name]
         for sm in sorted(image.sms):
-            build = Build(image.name, pin.name, sm, image.tag(pin, sm))
+            build = Build(image.name, pin.name, sm, image.tag(pin.cuda, sm, pin))
             plan.builds.append(build)
             plan.reasons[build] = list(dict.fromkeys(wanted[image_name, pin_name]))
     return plan
@@ -272,7 +268,7 @@ def _load_state(layout: Layout, root: Path) -> _State:
     pins = load_pins(pins_path)
     images = {}
     for path in sorted(images_dir.glob("*.toml")):
-        images[path.stem] = load_image(images_dir, path.stem, catalogue, pins)
+        images[path.stem] = load_definition(images_dir, path.stem, catalogue, pins)
     patch_files = {}
     for pid, patch in catalogue.patches.items():
         module = Path(patch.source_file).resolve()
@@ -282,37 +278,3 @@ def _load_state(layout: Layout, root: Path) -> _State:
             patch_files[path.resolve().relative_to(root.resolve()).as_posix()] = pid
     closures = {name: set(catalogue.closure(list(image.patches))) for name, image in images.items()}
     return _State(pins, images, patch_files, closures)
-
-
-# -- command line ----------------------------------------------------------------------------
-
-
-def cmd_plan(args) -> int:
-    layout = Layout.discover(args.pins, args.patchsets, args.images, args.record)
-    plan = plan_builds(layout, None if args.all else args.since, args.include_worktree)
-    # stdout is the matrix alone (one line, for $GITHUB_OUTPUT); the why goes to stderr
-    print(json.dumps(plan.matrix(), separators=(",", ":")))
-    since = plan.since[:12] if plan.since else "nothing (--all)"
-    head = plan.head[:12] if plan.head != "worktree" else "the work tree"
-    ui.stderr.print(f"plan: {len(plan.builds)} build(s) from {since} to {head}", highlight=False)
-    for path, kind in plan.changes.items():
-        ui.stderr.print(f"  {kind:<6} {path}", highlight=False, markup=False)
-    groups: dict[tuple[str, str], list[Build]] = {}
-    for build in plan.builds:
-        groups.setdefault((build.image, build.pin), []).append(build)
-    for (image, pin), builds in groups.items():
-        sms = ",".join(str(b.sm) for b in builds)
-        why = "; ".join(plan.reasons[builds[0]])
-        ui.stderr.print(f"  build {image} {pin} sm {sms}: {why}", highlight=False, markup=False)
-    return 0
-
-
-def add_plan_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("plan", help="the (image, pin, SM) builds a change needs, as a JSON matrix")
-    which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--since", metavar="REV", help="compare HEAD (or the work tree) with this commit")
-    which.add_argument("--all", action="store_true", help="every image x pin x SM")
-    p.add_argument("--include-worktree", action="store_true",
-                   help="plan from the work tree (uncommitted and untracked files) instead of HEAD")
-    p.set_defaults(func=cmd_plan)
-    return p

@@ -1,7 +1,11 @@
-"""Shared fixtures: the real pristine vLLM trees of every pin and candidate, and the catalogue.
+"""Shared fixtures: the real pristine vLLM trees of every pin and candidate, the catalogue, and
+the real registry (``tests/support/registry.py``).
 
 The trees come from the release wheels on PyPI through kiln's own `WheelSource` (sha256
 checked against the index), cached under the kiln cache, so the first run downloads them.
+
+Tests marked ``registry`` or ``isolated`` run with an empty kiln cache of their own and no
+access to the developer's credentials or mirrors (``isolated_registry_env``).
 """
 
 from __future__ import annotations
@@ -14,12 +18,32 @@ from kiln.patch.catalog import load_catalogue
 from kiln.patch.engine import Session
 from kiln.pins import load_pins
 from kiln.source.wheel import WheelSource
+from tests.support.registry import (  # noqa: F401  (fixtures, shared by every test package)
+    base_layout,
+    registry_basic,
+    registry_plain,
+    registry_token,
+    start_registry,
+    vllm_wheel,
+)
 
 # Every source the record covers: label -> vLLM release whose wheel holds its pristine source.
 # The pins come from pins.toml, so after `pin bump --write` the new pin is checked (record,
 # golden diffs, idempotence) and the dropped one no longer is; candidates are listed here.
 CANDIDATES = {"vllm-0.33.0": "0.33.0"}
 SOURCES = {name: str(pin.vllm) for name, pin in load_pins(paths.PINS).items()} | CANDIDATES
+
+
+@pytest.fixture(autouse=True)
+def isolated_registry_env(request, tmp_path, monkeypatch):
+    """No registry test may read the developer's credentials, mirrors or cache."""
+    if request.node.get_closest_marker("registry") is None and request.node.get_closest_marker("isolated") is None:
+        return
+    for name in ("REGISTRY_AUTH_FILE", "KILN_REGISTRY_USER", "KILN_REGISTRY_PASSWORD"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker-config"))
+    monkeypatch.setenv("KILN_REGISTRIES", str(tmp_path / "registries.toml"))
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "kiln-cache"))
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import shlex
 import pytest
 import yaml
 
-from kiln import cli, paths
+from kiln import commands, paths
 
 WORKFLOW = paths.REPO / "ci" / "workflows" / "kiln.yml"
 _EXPR = re.compile(r"\$\{\{\s*(.*?)\s*\}\}")
@@ -35,7 +35,7 @@ def matrix_entry() -> dict:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert cli.main(["plan", "--all"]) == 0
+        assert commands.main(["plan", "--all"]) == 0
     include = json.loads(out.getvalue())["include"]
     assert include, "the repository defines at least one image"
     return include[0]
@@ -133,7 +133,7 @@ def _expand(token: str, env: dict[str, str], matrix_entry: dict) -> str:
 
 
 def test_every_build_py_command_parses(workflow, matrix_entry):
-    parser = cli.build_parser()
+    parser = commands.build_parser()
     seen: dict[str, list] = {}
     for job_name, job in workflow["jobs"].items():
         for step in job["steps"]:

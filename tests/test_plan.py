@@ -14,7 +14,7 @@ from pathlib import Path
 import git
 import pytest
 
-from kiln import cli, paths
+from kiln import commands, paths
 from kiln.patch.catalog import load_catalogue
 
 QWEN = "qwen3.6-27b-tq"
@@ -60,7 +60,7 @@ class Project:
                 "--images", str(self.root / "images"), "--record", str(self.root / "patchsets/verdicts.toml"),
                 "plan", *args]
         capsys.readouterr()
-        code = cli.main(argv)
+        code = commands.main(argv)
         out = capsys.readouterr()
         if code != 0:
             return code, None, out.err
@@ -97,7 +97,7 @@ def project(tmp_path) -> tuple[Project, str]:
     root.mkdir()
     shutil.copy(paths.PINS, root / "pins.toml")
     shutil.copytree(paths.PATCHSETS, root / "patchsets", ignore=shutil.ignore_patterns("__pycache__"))
-    for rel in (f"images/{QWEN}.toml", "build.py", "pyproject.toml", "kiln/bake.py", "README.md",
+    for rel in (f"images/{QWEN}.toml", "build.py", "pyproject.toml", "kiln/build/layers.py", "README.md",
                 "docs/BUILDING.md", "ci/test"):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(paths.REPO / rel, root / rel)
@@ -203,7 +203,7 @@ def test_image_definition_changes(project, capsys):
 
 
 @pytest.mark.parametrize("rel", [
-    "kiln/bake.py", "build.py", "pyproject.toml",
+    "kiln/build/layers.py", "build.py", "pyproject.toml",
     "patchsets/attention_gdn/_shared.py",  # a helper a patch module may import
     "tools/new_top_level.py",  # unknown to kiln: may feed the build
 ])
@@ -245,8 +245,8 @@ def test_worktree_changes_count_only_when_asked(project, capsys):
     assert project.rebuilds(capsys, base, "--include-worktree") == qwen() + [("untracked", "v0.20.1", 89, "v0.20.1-sm89")]
 
     # HEAD's own files, not the work tree's, decide the builds: the untracked image is not one
-    project.append("kiln/bake.py", "\n# engine\n")
-    project.repo.git.add("kiln/bake.py")
+    project.append("kiln/build/layers.py", "\n# engine\n")
+    project.repo.git.add("kiln/build/layers.py")
     project.repo.git.commit(m="engine")
     assert project.rebuilds(capsys, base) == ALL
     assert ("untracked", "v0.20.1", 89, "v0.20.1-sm89") in project.rebuilds(capsys, base, "--include-worktree")

@@ -3,15 +3,13 @@
 Public API:
     Endpoint(registry, host, insecure=False, tls=None)   .scheme -> "https" | "http"
     RegistryConfig(mirrors=None, insecure=None)
-        .endpoint(registry) -> Endpoint
+        .endpoint(registry, push=False) -> Endpoint     mirrors apply to pulls only
         RegistryConfig.load(mirror_options=(), insecure_options=(), path=None) -> RegistryConfig
     parse_mirror(text) -> (registry, host, insecure)
     default_config_path() -> Path        $KILN_REGISTRIES, else $XDG_CONFIG_HOME/kiln/registries.toml
-    add_registry_options(parser)         ``--mirror`` / ``--insecure-registry`` / ``--registries``
-    config_from_options(args) -> RegistryConfig   what those options (and the config file) say
 
 A mirror lets a local registry stand in for another one: ``docker.io=127.0.0.1:5000`` sends
-every ``docker.io/...`` request there, keeping the repository path. Without a mirror
+every ``docker.io/...`` pull there, keeping the repository path. Pushes never go to a mirror. Without a mirror
 ``docker.io`` is contacted as ``registry-1.docker.io`` (its API host).
 
 TLS is verified unless a host is explicitly insecure: listed in ``--insecure-registry`` /
@@ -28,7 +26,6 @@ Config file (TOML)::
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import tomllib
@@ -61,8 +58,10 @@ class RegistryConfig:
     insecure: set[str] = field(default_factory=set)  # hosts spoken to over plain HTTP
     unverified_tls: set[str] = field(default_factory=set)  # hosts over HTTPS, certificate unchecked
 
-    def endpoint(self, registry: str) -> Endpoint:
-        host = self.mirrors.get(registry)
+    def endpoint(self, registry: str, push: bool = False) -> Endpoint:
+        """Where ``registry`` is contacted. Mirrors serve pulls only (containerd's rule): a push
+        always goes to the registry named, never to a mirror standing in for it."""
+        host = None if push else self.mirrors.get(registry)
         if host is None:
             host = DOCKER_HUB_API if registry == "docker.io" else registry
         if host in self.unverified_tls:
@@ -112,18 +111,6 @@ class RegistryConfig:
             raise KilnError(f"{path}: 'insecure' must be a list of host:port strings")
         for host in insecure_hosts:
             self._add_insecure(str(host), f"{path}: insecure")
-
-
-def add_registry_options(parser: argparse.ArgumentParser) -> None:
-    """The options every command that talks to registries takes (``build``, ``pin lock``)."""
-    parser.add_argument("--mirror", action="append", metavar="REGISTRY=HOST", help="e.g. docker.io=127.0.0.1:5000")
-    parser.add_argument("--insecure-registry", action="append", metavar="HOST", help="no TLS verification / plain http")
-    parser.add_argument("--registries", type=Path, help="registries config file (mirrors, insecure hosts)")
-
-
-def config_from_options(args: argparse.Namespace) -> RegistryConfig:
-    """The registry config for a command registered with ``add_registry_options``."""
-    return RegistryConfig.load(args.mirror or (), args.insecure_registry or (), args.registries)
 
 
 def parse_mirror(text: str, where: str = "--mirror") -> tuple[str, str, bool]:

@@ -10,8 +10,6 @@ Public API:
         .open_layer(descriptor) -> ctx[VerifyingReader]   verified when the block exits
     RemoteImage(reference, client, blobs=None, platform=("linux", "amd64"))
     OciLayoutImage(path, tag=None, platform=("linux", "amd64"))
-    open_image(location, config=None, blobs=None, stats=None) -> Image
-        ``docker-archive:`` inputs are not readable yet (KilnError).
 
 Manifests of a remote image are cached by digest under ``<cache>/manifests/`` (bytes and
 media type, re-verified on read), so an image pinned by digest opens with no network at all;
@@ -27,21 +25,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
-from kiln.cache import cache_root, write_file_atomic
+from kiln.cache import cache_root
 from kiln.errors import KilnError
 from kiln.oci.blobcache import BlobCache
 from kiln.oci.digest import VerifyingReader, check_digest, sha256_digest
-from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.manifest import Descriptor, Manifest, select_platform
 from kiln.oci.mediatypes import INDEX_TYPES, OCI_INDEX
-from kiln.oci.reference import (
-    DockerArchiveLocation,
-    ImageReference,
-    Location,
-    OciLayoutLocation,
-    RegistryLocation,
-)
-from kiln.oci.registry import RegistryClient, TransferStats
+from kiln.oci.reference import ImageReference
+from kiln.oci.registry import RegistryClient
+from kiln.staging import write_atomic
 
 
 class Image(Protocol):
@@ -139,7 +131,7 @@ class RemoteImage(_ImageBase):
     def _store(self, manifest: Manifest) -> None:
         path = self._manifests / manifest.digest.replace(":", "-")
         if not path.is_file():
-            write_file_atomic(path, manifest.media_type.encode() + b"\n" + manifest.data)
+            write_atomic(path, manifest.media_type.encode() + b"\n" + manifest.data)
 
     def config_bytes(self) -> bytes:
         return self._config_bytes
@@ -213,16 +205,3 @@ class OciLayoutImage(_ImageBase):
             reader = VerifyingReader(handle, descriptor.digest, f"{self.name} blob {descriptor.digest}", descriptor.size)
             yield reader
             reader.finish()
-
-
-def open_image(location: Location, config: RegistryConfig | None = None, blobs: BlobCache | None = None,
-               stats: TransferStats | None = None) -> Image:
-    if isinstance(location, RegistryLocation):
-        ref = location.reference
-        client = RegistryClient.for_registry(ref.registry, config, stats=stats)
-        return RemoteImage(ref, client, blobs)
-    if isinstance(location, OciLayoutLocation):
-        return OciLayoutImage(location.path, location.tag)
-    if isinstance(location, DockerArchiveLocation):
-        raise KilnError(f"{location}: reading a base image from a docker-archive is not supported; use oci: or docker://")
-    raise TypeError(location)

@@ -90,9 +90,6 @@ class LayerBuilder:
             raise KilnError(f"layer entry {path!r}: cannot white out a whiteout")
         self._put(posixpath.join(parent, WHITEOUT_PREFIX + name), _Entry("file", b"", 0o644))
 
-    def add_opaque(self, directory: str) -> None:
-        self._put(posixpath.join(normalise_path(directory), OPAQUE), _Entry("file", b"", 0o644))
-
     def _put(self, norm: str, entry: _Entry) -> None:
         if norm in self._entries:
             raise KilnError(f"layer entry {norm!r}: added twice")

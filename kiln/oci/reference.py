@@ -1,4 +1,4 @@
-"""Image references as users type them, and skopeo-style transport locations.
+"""Image references as users type them, and the OCI names they are made of.
 
 Public API:
     ImageReference(registry, repository, tag, digest)  -- a registry image, normalised
@@ -6,10 +6,7 @@ Public API:
         .pinned(digest) -> ImageReference   the same image addressed by digest
         str(ref)                canonical form, e.g. ``docker.io/vllm/vllm-openai:v0.20.1``
     parse_reference(text) -> ImageReference
-    RegistryLocation(reference) / OciLayoutLocation(path, tag) / DockerArchiveLocation(path)
-    Location                    the union of the three
-    parse_location(text) -> Location   ``docker://REF``, ``oci:DIR[:TAG]``, ``docker-archive:FILE``;
-                                       a bare reference means ``docker://``
+    check_tag(tag, where) -> str   a tag (or a pin name, which becomes part of one) by the grammar
 
 Normalisation follows Docker's rules so a reference means the same image it means to
 ``docker pull``: a first path component is a registry host only if it contains ``.`` or ``:``
@@ -21,7 +18,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from kiln.errors import KilnError
 
@@ -34,6 +30,14 @@ _COMPONENT = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*")
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _HOST = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*(?::[0-9]+)?|\[[0-9A-Fa-f:]+\](?::[0-9]+)?")
+
+
+def check_tag(tag: str, where: str) -> str:
+    """``tag`` if it is a valid OCI tag, else an error saying ``{where} is not a valid tag``."""
+    if not isinstance(tag, str) or not _TAG.fullmatch(tag):
+        raise KilnError(f"{where} is not a valid OCI tag (letters, digits, '_', '.', '-'; at most 128, "
+                        "not starting with '.' or '-')")
+    return tag
 
 
 @dataclass(frozen=True)
@@ -53,9 +57,6 @@ class ImageReference:
         if not _DIGEST.fullmatch(digest):
             raise KilnError(f"{self}: {digest!r} is not a sha256 digest")
         return replace(self, digest=digest)
-
-    def with_repository(self, repository: str) -> ImageReference:
-        return replace(self, repository=repository)
 
     @property
     def name(self) -> str:
@@ -112,62 +113,3 @@ def parse_reference(text: str) -> ImageReference:
     if not tag and not digest:
         tag = "latest"
     return ImageReference(registry=registry, repository="/".join(path), tag=tag, digest=digest)
-
-
-@dataclass(frozen=True)
-class RegistryLocation:
-    reference: ImageReference
-
-    def __str__(self) -> str:
-        return f"docker://{self.reference}"
-
-
-@dataclass(frozen=True)
-class OciLayoutLocation:
-    path: Path
-    tag: str | None = None  # the ``org.opencontainers.image.ref.name`` annotation
-
-    def __str__(self) -> str:
-        return f"oci:{self.path}" + (f":{self.tag}" if self.tag else "")
-
-
-@dataclass(frozen=True)
-class DockerArchiveLocation:
-    path: Path
-
-    def __str__(self) -> str:
-        return f"docker-archive:{self.path}"
-
-
-# skopeo transports kiln does not speak; named so they fail clearly instead of parsing as a repo.
-_OTHER_TRANSPORTS = {"containers-storage", "dir", "docker-daemon", "oci-archive", "ostree", "sif", "tarball"}
-
-Location = RegistryLocation | OciLayoutLocation | DockerArchiveLocation
-
-
-def parse_location(text: str) -> Location:
-    """Parse a skopeo-style ``transport:details`` string; a bare reference is ``docker://``."""
-    if text.startswith("docker://"):
-        return RegistryLocation(parse_reference(text[len("docker://") :]))
-    if text.startswith("oci:"):
-        rest = text[len("oci:") :]
-        if not rest:
-            raise KilnError(f"{text!r}: oci: needs a directory, e.g. oci:out/layout:tag")
-        # skopeo's rule: the last ':' separates the tag, unless what follows looks like a path.
-        directory, tag = rest, None
-        if ":" in rest:
-            head, tail = rest.rsplit(":", 1)
-            if tail and "/" not in tail:
-                if not _TAG.fullmatch(tail):
-                    raise KilnError(f"{text!r}: {tail!r} is not a valid tag")
-                directory, tag = head, tail
-        return OciLayoutLocation(Path(directory), tag)
-    if text.startswith("docker-archive:"):
-        rest = text[len("docker-archive:") :]
-        if not rest:
-            raise KilnError(f"{text!r}: docker-archive: needs a file path")
-        return DockerArchiveLocation(Path(rest))
-    transport = text.split(":", 1)[0]
-    if "://" in text or transport in _OTHER_TRANSPORTS:
-        raise KilnError(f"{text!r}: unsupported transport; use docker://, oci: or docker-archive:")
-    return RegistryLocation(parse_reference(text))

@@ -118,8 +118,10 @@ class RegistryClient:
                                                                  policy.retry_after_max)
 
     @classmethod
-    def for_registry(cls, registry: str, config: RegistryConfig | None = None, **kw) -> RegistryClient:
-        return cls((config or RegistryConfig()).endpoint(registry), **kw)
+    def for_registry(cls, registry: str, config: RegistryConfig | None = None, push: bool = False,
+                     **kw) -> RegistryClient:
+        """A client for ``registry``: through its mirror for pulls, to the registry itself for a push."""
+        return cls((config or RegistryConfig()).endpoint(registry, push=push), **kw)
 
     @property
     def name(self) -> str:
@@ -191,13 +193,6 @@ class RegistryClient:
             reader = VerifyingReader(raw, digest, f"{self.name}/{repo} blob {digest}", size)
             yield reader
             reader.finish()
-
-    def get_blob(self, repo: str, digest: str, size: int | None = None) -> bytes:
-        chunks = []
-        with self.open_blob(repo, digest, size) as reader:
-            while chunk := reader.read(1 << 20):
-                chunks.append(chunk)
-        return b"".join(chunks)
 
     def mount_blob(self, repo: str, digest: str, from_repo: str) -> bool:
         """Cross-repo mount; True when linked (201). A 202 opened an upload instead: closed again."""

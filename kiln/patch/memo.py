@@ -14,10 +14,11 @@ from functools import cache
 from importlib.metadata import version
 from pathlib import Path
 
-from kiln.cache import cache_root, write_file_atomic
+from kiln.cache import cache_root
 from kiln.patch.catalog import Catalogue
 from kiln.patch.model import BuildTarget, Outcome, Verdict
 from kiln.source.tree import SourceTree
+from kiln.staging import write_atomic
 
 _ENGINE_FILES = ("anchor.py", "catalog.py", "engine.py", "model.py", "shapes.py")
 
@@ -49,4 +50,4 @@ class VerdictMemo:
         return Outcome(data["patch"], Verdict(data["verdict"]), data.get("detail", ""), files)
 
     def put(self, key: str, outcome: Outcome) -> None:
-        write_file_atomic(self.root / key[:2] / f"{key}.json", json.dumps(outcome.to_json()).encode())
+        write_atomic(self.root / key[:2] / f"{key}.json", json.dumps(outcome.to_json()).encode())

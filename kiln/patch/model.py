@@ -36,6 +36,17 @@ class Verdict(StrEnum):
         """Verdicts under which the patch's effect is present in the output."""
         return self in (Verdict.APPLIES, Verdict.ALREADY_PATCHED)
 
+    @property
+    def blocks_build(self) -> bool:
+        """The one rule of what stops a build (and ``diff``, ``apply``, ``verify --image``).
+
+        A selected patch that cannot be placed (its anchor drifted, its file is gone, it
+        conflicts) stops everything. One that is not needed on this source (``UPSTREAM``), not
+        for this target (``GATED``), or already there (``ALREADY_PATCHED``) is left out and
+        reported: the image carries the fix either way.
+        """
+        return self in (Verdict.DRIFTED, Verdict.TARGET_GONE, Verdict.CONFLICT)
+
 
 @dataclass(frozen=True)
 class BuildTarget:

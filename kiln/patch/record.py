@@ -13,10 +13,10 @@ from pathlib import Path
 
 import tomlkit
 
-from kiln.cache import write_file_atomic
 from kiln.errors import KilnError
 from kiln.patch.catalog import patch_sort_key
 from kiln.patch.model import Outcome, Verdict
+from kiln.staging import write_atomic
 
 HEADER = (
     "Expected verdict of every patch on every pin (and candidate release). Reviewed in PRs.\n"
@@ -61,7 +61,7 @@ def compare(expected: dict[str, str], outcomes: dict[str, Outcome]) -> list[Diff
 
 
 def accept(path: Path, label: str, outcomes: dict[str, Outcome]) -> None:
-    write_file_atomic(path, accepted_text(path, label, outcomes).encode())
+    write_atomic(path, accepted_text(path, label, outcomes).encode())
 
 
 def accepted_text(path: Path, label: str, outcomes: dict[str, Outcome], drop: tuple[str, ...] = ()) -> str:
@@ -86,3 +86,13 @@ def accepted_text(path: Path, label: str, outcomes: dict[str, Outcome], drop: tu
         if gone in doc and gone != label:
             del doc[gone]
     return tomlkit.dumps(doc)
+
+
+def verdict_counts(table: dict[str, str] | None) -> dict[str, int] | None:
+    """``{"APPLIES": 9, "UPSTREAM": 3}`` from a source's table in the record (None: none)."""
+    if table is None:
+        return None
+    counts: dict[str, int] = {}
+    for verdict in table.values():
+        counts[verdict] = counts.get(verdict, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))

@@ -23,10 +23,11 @@ import requests
 from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import Version
 
-from kiln import ui
-from kiln.cache import cache_root, file_lock, install_dir, write_file_atomic
+from kiln.cache import cache_root, file_lock, install_dir
 from kiln.errors import KilnError
+from kiln.report import SILENT, Reporter
 from kiln.source.tree import SourceTree
+from kiln.staging import write_atomic
 
 DEFAULT_INDEX = "https://pypi.org/simple"
 _CHUNK = 1 << 20
@@ -114,9 +115,10 @@ def choose_wheel(version: Version, wheels: list[WheelFile]) -> WheelFile:
 class WheelSource:
     """`SourceProvider` for a vLLM release: the wheel from PyPI, verified and extracted."""
 
-    def __init__(self, version: Version | str, cache: Path | None = None):
+    def __init__(self, version: Version | str, cache: Path | None = None, reporter: Reporter = SILENT):
         self.version = Version(str(version))
         self.cache = cache or cache_root()
+        self.reporter = reporter
 
     def describe(self) -> str:
         return f"vllm=={self.version} wheel from {index_url()}"
@@ -136,7 +138,7 @@ class WheelSource:
         root = self.cache / "sources" / f"sha256-{wheel.sha256}"
         install_dir(root, lambda tmp: self._download_and_extract(wheel, tmp))
         meta = {"sha256": wheel.sha256, "filename": wheel.filename}
-        write_file_atomic(pointer, json.dumps(meta, indent=2).encode())
+        write_atomic(pointer, json.dumps(meta, indent=2).encode())
         return self._tree(root, meta)
 
     def _tree(self, root: Path, meta: dict) -> SourceTree:
@@ -155,7 +157,7 @@ class WheelSource:
             tmp = Path(tmp_name)
             try:
                 with os.fdopen(fd, "wb") as out:
-                    digest = _stream(wheel, out)
+                    digest = _stream(wheel, out, self.reporter)
                 if digest != wheel.sha256:
                     raise KilnError(
                         f"{wheel.filename}: sha256 mismatch (index says {wheel.sha256}, downloaded {digest}); refusing it"
@@ -165,19 +167,18 @@ class WheelSource:
                 tmp.unlink(missing_ok=True)
 
 
-def _stream(wheel: WheelFile, out) -> str:
+def _stream(wheel: WheelFile, out, reporter: Reporter) -> str:
     sha = hashlib.sha256()
     try:
         with requests.get(wheel.url, stream=True, timeout=120) as resp:
             if resp.status_code != 200:
                 raise KilnError(f"{wheel.url}: HTTP {resp.status_code}")
             total = int(resp.headers.get("Content-Length") or 0) or None
-            with ui.transfer_progress() as progress:
-                task = progress.add_task(f"download {wheel.filename}", total=total)
+            with reporter.task(f"download {wheel.filename}", total=total) as task:
                 for chunk in resp.iter_content(_CHUNK):
                     sha.update(chunk)
                     out.write(chunk)
-                    progress.advance(task, len(chunk))
+                    task.advance(len(chunk))
     except requests.RequestException as err:
         raise KilnError(f"{wheel.url}: download failed: {err.__class__.__name__}") from None
     return sha.hexdigest()

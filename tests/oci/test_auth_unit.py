@@ -12,6 +12,8 @@ from kiln.oci.auth import normalise_scopes, parse_challenges
 from kiln.oci.credentials import Credentials, find_credentials
 from kiln.oci.endpoints import RegistryConfig, parse_mirror
 
+pytestmark = pytest.mark.isolated
+
 
 def test_parse_bearer_challenge_with_error_and_two_scopes():
     header = ('Bearer realm="https://auth.docker.io/token",service="registry.docker.io",'

@@ -23,17 +23,17 @@ from pathlib import Path
 
 import pytest
 import requests
-from registry_fixtures import REPO, SITE, VLLM_VERSION
 
-from kiln import cli
+from kiln import commands
 from kiln.errors import KilnError
-from kiln.oci.image import open_image
-from kiln.oci.pull import read_vllm
-from kiln.oci.reference import parse_location
+from kiln.oci.image import OciLayoutImage
+from kiln.source.image import read_vllm
+from tests.support import TEST_IMAGES
+from tests.support.registry import REPO, SITE, VLLM_VERSION
 
 pytestmark = [pytest.mark.registry, pytest.mark.reliability]
 
-IMAGES = Path(__file__).parent / "images"
+IMAGES = TEST_IMAGES
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
@@ -178,9 +178,9 @@ def build(capsys, tmp_path: Path, registry, tag: str, digest: str, dest: str) ->
                     f'vllm = "{VLLM_VERSION}"\ncuda = "cu130"\ndigest = "{digest}"\n')
     argv = ["--pins", str(pins), "--images", str(IMAGES), "build", "--image", "e2e-p65", "--pin", "v0.20.1",
             "--sm", "120", "--mirror", registry.mirror, "--json", "--oci", str(tmp_path / "out"),
-            "--push", "--repository", f"docker.io/{dest}"]
+            "--push", "--repository", f"{registry.host}/{dest}"]
     capsys.readouterr()
-    code = cli.main(argv)
+    code = commands.main(argv)
     out = capsys.readouterr()
     return Outcome(code, out.err, json.loads(out.out) if code == 0 else None)
 
@@ -399,7 +399,7 @@ def test_config_digest_mismatch_from_the_registry(capsys, tmp_path, start_regist
 # -- what the registry will not store: an OCI layout written by hand -------------------------
 
 
-def _layout(tmp_path: Path, base_layout, edit: Callable[[Path, dict], dict]) -> str:
+def _layout(tmp_path: Path, base_layout, edit: Callable[[Path, dict], dict]) -> Path:
     """A copy of the fixture layout whose ``index.json`` entry for ``base`` is rewritten by ``edit``."""
     layout = tmp_path / "layout"
     os.makedirs(layout / "blobs/sha256")
@@ -409,7 +409,7 @@ def _layout(tmp_path: Path, base_layout, edit: Callable[[Path, dict], dict]) -> 
     index = json.loads((base_layout.path / "index.json").read_text())
     [base] = [m for m in index["manifests"] if m["annotations"]["org.opencontainers.image.ref.name"] == "base"]
     (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [edit(layout, dict(base))]}))
-    return f"oci:{layout}:base"
+    return layout
 
 
 def _blob_write(layout: Path, data: bytes, name: str | None = None) -> dict:
@@ -443,6 +443,6 @@ def test_malformed_oci_layout_is_a_clear_error(case, tmp_path, base_layout):
     edit, expected = LAYOUT_CASES[case]
     location = _layout(tmp_path, base_layout, edit)
     with pytest.raises(KilnError, match=re.escape(expected)) as err:
-        read_vllm(open_image(parse_location(location)), tmp_path / "kiln-cache")
+        read_vllm(OciLayoutImage(location, "base"), tmp_path / "kiln-cache")
     assert "\n" not in str(err.value)
     assert not list((tmp_path / "kiln-cache" / "sources").glob("image-*"))

@@ -1,17 +1,14 @@
 """Image references and transports, as users type them."""
 
-from pathlib import Path
 
 import pytest
 
 from kiln.errors import KilnError
 from kiln.oci.reference import (
-    DockerArchiveLocation,
-    OciLayoutLocation,
-    RegistryLocation,
-    parse_location,
     parse_reference,
 )
+
+pytestmark = pytest.mark.isolated
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -49,12 +46,3 @@ def test_pinned_keeps_tag_and_adds_digest():
     assert ref.ref == DIGEST
 
 
-def test_locations():
-    assert parse_location("docker://vllm/vllm-openai:v1") == RegistryLocation(parse_reference("vllm/vllm-openai:v1"))
-    assert parse_location("vllm/vllm-openai:v1") == RegistryLocation(parse_reference("vllm/vllm-openai:v1"))
-    assert parse_location("oci:/tmp/layout:cu130") == OciLayoutLocation(Path("/tmp/layout"), "cu130")
-    assert parse_location("oci:out/layout") == OciLayoutLocation(Path("out/layout"), None)
-    assert parse_location("docker-archive:/tmp/img.tar") == DockerArchiveLocation(Path("/tmp/img.tar"))
-    for bad in ("oci:", "docker-archive:", "s3://bucket/x", "oci-archive:x.tar"):
-        with pytest.raises(KilnError):
-            parse_location(bad)

@@ -7,7 +7,6 @@ import os
 import subprocess
 
 import pytest
-from registry_fixtures import PASSWORD, REPO, USER
 
 from kiln.errors import KilnError
 from kiln.oci.endpoints import RegistryConfig
@@ -15,6 +14,7 @@ from kiln.oci.image import RemoteImage
 from kiln.oci.mediatypes import DOCKER_MANIFEST, OCI_INDEX, OCI_MANIFEST
 from kiln.oci.reference import parse_reference
 from kiln.oci.registry import RegistryClient
+from tests.support.registry import PASSWORD, REPO, USER, read_blob
 
 pytestmark = pytest.mark.registry
 TAG = "v0.20.1"
@@ -146,7 +146,7 @@ def test_push_primitives_mount_upload_manifest(registry_token, base_layout, monk
     small = b'{"kiln": "monolithic"}'
     small_digest = "sha256:" + hashlib.sha256(small).hexdigest()
     c.upload_blob(target, small_digest, small)
-    assert c.get_blob(target, digest) == data and c.get_blob(target, small_digest) == small
+    assert read_blob(c, target, digest) == data and read_blob(c, target, small_digest) == small
     # manifest PUT: byte-exact, the digest is over the bytes sent
     assert c.put_manifest(target, "copied", base.data, base.media_type) == base.digest
     skopeo = subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false", f"--creds={USER}:{PASSWORD}",

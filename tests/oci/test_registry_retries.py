@@ -9,6 +9,8 @@ from kiln.errors import KilnError
 from kiln.oci.endpoints import Endpoint
 from kiln.oci.registry import RegistryClient
 
+pytestmark = pytest.mark.isolated
+
 DIGEST = "sha256:" + "1" * 64
 
 

@@ -27,21 +27,22 @@ from pathlib import Path
 
 import pytest
 import requests
-from faultproxy import Fault, FaultProxy
-from registry_fixtures import USER, VLLM_VERSION, RegistryServer, free_port, run
-from reliability_checks import assert_cache_verified, tag_state
 
 from kiln.errors import KilnError
 from kiln.oci.auth import RegistryAuth
 from kiln.oci.credentials import Credentials
 from kiln.oci.endpoints import Endpoint
 from kiln.oci.registry import RegistryClient, registry_session
+from tests.support import TEST_IMAGES
+from tests.support.faultproxy import Fault, FaultProxy
+from tests.support.registry import USER, VLLM_VERSION, RegistryServer, free_port, run
+from tests.support.reliability_checks import assert_cache_verified, tag_state
 
 pytestmark = [pytest.mark.registry, pytest.mark.reliability]
 
 CANARY = "s3cr3t-KILN-canary"
 ROOT = Path(__file__).resolve().parents[2]
-IMAGES = Path(__file__).parent / "images"
+IMAGES = TEST_IMAGES
 TAG = f"cu130-sm120-v{VLLM_VERSION}"
 SOURCES = ("env", "auths", "credHelpers", "credsStore")
 HELPER = "kilntest"

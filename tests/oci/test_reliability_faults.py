@@ -14,9 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from faultproxy import Fault, FaultProxy
-from registry_fixtures import VLLM_VERSION
-from reliability_checks import (
+
+from kiln.oci.endpoints import Endpoint
+from kiln.oci.registry import RegistryClient
+from tests.support import TEST_IMAGES
+from tests.support.faultproxy import Fault, FaultProxy
+from tests.support.registry import VLLM_VERSION, read_blob
+from tests.support.reliability_checks import (
     CliRun,
     assert_cache_verified,
     assert_one_line_error,
@@ -24,12 +28,9 @@ from reliability_checks import (
     tag_state,
 )
 
-from kiln.oci.endpoints import Endpoint
-from kiln.oci.registry import RegistryClient
-
 pytestmark = [pytest.mark.registry, pytest.mark.reliability]
 
-IMAGES = Path(__file__).parent / "images"
+IMAGES = TEST_IMAGES
 IMAGE, SM = "e2e-p65", 120
 TAG = f"cu130-sm{SM}-v{VLLM_VERSION}"
 FAST_RETRIES = {"KILN_REGISTRY_RETRIES": "3", "KILN_REGISTRY_BACKOFF": "0.05", "KILN_REGISTRY_BACKOFF_MAX": "0.2"}
@@ -259,7 +260,7 @@ def test_reliability_chunked_upload_reset_restarts_from_byte_zero(registry_plain
     proxy.add(Fault("PATCH", r"/blobs/uploads/", "reset_upload", nth=3, after=1000))
     client = RegistryClient(Endpoint(proxy.host, proxy.host, insecure=True))
     client.upload_blob("test/chunked", digest, data, chunk_size=256 * 1024)
-    assert client.get_blob("test/chunked", digest) == data
+    assert read_blob(client, "test/chunked", digest) == data
     patches = proxy.requests("PATCH", r"/blobs/uploads/")
     assert len(patches) == 2 + 1 + 4  # two good chunks, the cut one, then all four again
     assert [p.headers["Content-Range"] for p in patches[3:]] == [

@@ -1,0 +1,63 @@
+"""The one image value a build produces, which every publisher writes somewhere.
+
+Public API:
+    BuiltImage      prepared (the decisions), model (config + manifest), layers (kiln's, baked),
+                    blobs (every blob by digest, as verified local files)
+        .manifest, .config_digest, .tag
+    bake(prepared, workdir, reporter=SILENT) -> BuiltImage   pure given ``prepared``: no clock, no network
+
+Baking writes each of kiln's ``LayerContents`` as a deterministic gzip tar in ``workdir`` and
+derives the config and manifest with the pure ``kiln.oci.mutate`` steps (canonical JSON), so the
+same prepared build gives the same manifest digest on any machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiln import __version__
+from kiln.build.layers import write_layer
+from kiln.build.prepare import PreparedBuild
+from kiln.oci.blobstore import BlobStore
+from kiln.oci.layer import Layer
+from kiln.oci.manifest import Manifest
+from kiln.oci.mutate import ImageModel, append_layer, with_annotations, with_env, with_labels
+from kiln.report import SILENT, Reporter
+
+
+@dataclass
+class BuiltImage:
+    prepared: PreparedBuild
+    model: ImageModel
+    layers: list[Layer]  # kiln's layers, bottom first (the patched source first)
+    blobs: BlobStore
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.model.manifest()
+
+    @property
+    def config_digest(self) -> str:
+        return self.model.config_descriptor().digest
+
+    @property
+    def tag(self) -> str:
+        return self.prepared.tag
+
+
+def bake(prepared: PreparedBuild, workdir: Path, reporter: Reporter = SILENT) -> BuiltImage:
+    """Write kiln's layers into ``workdir`` and derive the image's config and manifest."""
+    model = prepared.base_model
+    baked = []
+    for contents in prepared.layers:
+        layer = write_layer(contents, workdir)
+        model = append_layer(model, layer.digest, layer.diff_id, layer.size,
+                             created_by=contents.created_by, comment=f"kiln {__version__}")
+        baked.append(layer)
+    model = with_annotations(with_labels(model, prepared.labels), prepared.labels)
+    if prepared.env:
+        model = with_env(model, prepared.env)
+    new_blobs: dict[str, Path | bytes] = {layer.digest: layer.path for layer in baked}
+    new_blobs[model.config_descriptor().digest] = model.config_bytes()
+    return BuiltImage(prepared, model, baked, BlobStore(prepared.base, new_blobs, workdir, reporter))

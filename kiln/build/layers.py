@@ -1,0 +1,132 @@
+"""The patched-source layer: changed files, stale-bytecode whiteouts, and the audit file.
+
+Public API:
+    AUDIT_PATH                       "opt/kiln/manifest.json" (inside the image)
+    pyc_whiteouts(rel, site_dir, base_files) -> list[str]
+    audit_record(...) -> dict        what ``/opt/kiln/manifest.json`` holds
+    LayerContents(files, removals, created_by)   what one layer puts over the base
+    patched_contents(changed, site_dir, base_files, audit, created_by="") -> LayerContents
+    write_layer(contents, workdir) -> Layer        the contents as a deterministic gzip layer
+
+The layer holds only what differs from the base: the patched (or added) modules under
+``<site_dir>/vllm/``, a whiteout for each ``__pycache__`` entry the base holds for a changed
+module (the base's bytecode would otherwise be trusted when size and mtime happen to match),
+and the audit file. Nothing here reads a clock: the same inputs give the same layer digest.
+
+Deciding *what* the layer holds (``patched_contents``) is separate from writing it: the
+daemonless build writes ``LayerContents`` as a tar layer (``write_layer``, removals become
+whiteouts), ``kiln/publish/context.py`` writes the very same value as a Dockerfile build context
+(removals become ``rm``). Either way there is one list of files and one list of removals.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln import __version__
+from kiln.build.provenance import kiln_revision
+from kiln.errors import KilnError
+from kiln.oci.layer import Layer, LayerBuilder
+from kiln.patch.engine import sha256_text
+from kiln.patch.model import Outcome
+
+AUDIT_PATH = "opt/kiln/manifest.json"
+AUDIT_SCHEMA = 1
+_PYVER = re.compile(r"python3\.(\d+)/")
+_OPT_SUFFIXES = ("", ".opt-1", ".opt-2")
+
+
+def pyc_whiteouts(rel: str, site_dir: str, base_files: Collection[str] | None) -> list[str]:
+    """Image paths of the base's bytecode for ``vllm/<rel>`` that must be whited out.
+
+    ``base_files`` lists the files the base shows under ``vllm/`` (``__pycache__`` included).
+    When it holds any ``.pyc`` at all, exactly the matching ones are whited out; when it holds
+    none (unknown, or a base compiled elsewhere), the names CPython would use for the site
+    dir's Python version are whited out instead — a whiteout of an absent name is harmless.
+    """
+    directory, name = posixpath.split(rel)
+    if not name.endswith(".py"):
+        return []
+    stem = name[:-3]
+    cache_dir = f"{directory}/__pycache__" if directory else "__pycache__"
+    package = f"{site_dir}/vllm"
+    known = [f for f in (base_files or ()) if f.endswith(".pyc")]
+    if known:
+        prefix = f"{cache_dir}/{stem}."
+        hits = sorted(f for f in known if f.startswith(prefix) and "/" not in f[len(prefix):])
+        return [f"{package}/{f}" for f in hits]
+    match = _PYVER.search(site_dir + "/")
+    if not match:
+        return []
+    tag = f"cpython-3{match.group(1)}"
+    return [f"{package}/{cache_dir}/{stem}.{tag}{opt}.pyc" for opt in _OPT_SUFFIXES]
+
+
+def audit_record(*, image: str, pin: dict, sm: int, base_reference: str, base_digest: str,
+                 site_dir: str, outcomes: dict[str, Outcome], before: dict[str, str],
+                 changed: dict[str, str]) -> dict:
+    """The audit file's content. ``before``: rel -> pristine text for every changed file that existed."""
+    commit, dirty = kiln_revision()
+    files = {}
+    for rel, text in sorted(changed.items()):
+        files[f"/{site_dir}/vllm/{rel}"] = {
+            "before": sha256_text(before[rel]) if rel in before else None,
+            "after": sha256_text(text),
+        }
+    return {
+        "schema": AUDIT_SCHEMA,
+        "kiln": {"version": __version__, "commit": commit, "dirty": dirty},
+        "image": image,
+        "pin": pin,
+        "sm": sm,
+        "base": {"reference": base_reference, "digest": base_digest},
+        "site_dir": f"/{site_dir}",
+        "patches": [outcomes[pid].to_json() for pid in outcomes],
+        "files": files,
+    }
+
+
+@dataclass(frozen=True)
+class LayerContents:
+    """What one layer kiln adds puts over the base, independent of how it is written.
+
+    ``files``: image path (relative, e.g. ``usr/local/lib/.../x.py``) -> bytes, mode 0644.
+    ``removals``: image paths of lower-layer files this layer hides (a tar layer writes a
+    whiteout for each; a build context deletes them with ``rm -f``, so an absent one is fine).
+    ``created_by``: the config history entry of the layer.
+    """
+
+    files: dict[str, bytes] = field(default_factory=dict)
+    removals: tuple[str, ...] = ()
+    created_by: str = ""
+
+
+def patched_contents(changed: dict[str, str], site_dir: str, base_files: Collection[str] | None,
+                     audit: dict, created_by: str = "") -> LayerContents:
+    """The patched-source layer: every changed module, its stale bytecode, the audit file."""
+    if not site_dir or site_dir.startswith("/"):
+        raise KilnError(f"site dir {site_dir!r}: expected a relative image path like usr/local/lib/python3.12/dist-packages")
+    files: dict[str, bytes] = {}
+    removals: list[str] = []
+    base = set(base_files or ())
+    for rel, text in sorted(changed.items()):
+        files[f"{site_dir}/vllm/{rel}"] = text.encode("utf-8")
+        if base_files is None or rel in base:
+            removals.extend(pyc_whiteouts(rel, site_dir, base_files))
+    files[AUDIT_PATH] = (json.dumps(audit, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+    return LayerContents(files, tuple(removals), created_by)
+
+
+def write_layer(contents: LayerContents, workdir: Path) -> Layer:
+    """Write ``contents`` as one deterministic gzip layer into ``workdir``."""
+    builder = LayerBuilder()
+    for path, data in sorted(contents.files.items()):
+        builder.add_file(path, data)
+    for path in contents.removals:
+        builder.add_whiteout(path)
+    return builder.write(workdir)

@@ -1,0 +1,191 @@
+"""Everything a build decides before it writes anything: the base, the patched source, the layers.
+
+Public API:
+    PreparedBuild      the resolved base, the verdicts, kiln's layers (``LayerContents``), labels
+    prepare_build(inputs, registry_config=None, allow_unlocked=False, cache=None,
+                  reporter=SILENT) -> PreparedBuild
+    Clock              seconds spent per step, for ``--json`` and the benchmarks
+
+Steps: resolve the pin's base reference to a digest (one manifest HEAD) and check it against
+the pin's lock; read the pristine ``vllm/`` from only the top layers that hold it
+(``ImageSource``); run the image's patch selection on it (a patch whose verdict blocks a build
+stops it here, naming the patch); decide the patched-source layer, the audit file and, when the
+definition declares kernels, the Triton cache layer; decide the labels. Baking the layers into
+an image (``kiln.build.image``) and the Dockerfile context (``kiln.publish.context``) both start
+from this one value, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln import labels as L
+from kiln.build.inputs import BuildInputs
+from kiln.build.layers import LayerContents, audit_record, patched_contents
+from kiln.build.provenance import kiln_revision, kiln_source_url
+from kiln.cache import cache_root
+from kiln.errors import KilnError
+from kiln.oci.blobcache import BlobCache
+from kiln.oci.endpoints import RegistryConfig
+from kiln.oci.image import RemoteImage
+from kiln.oci.mutate import ImageModel, to_oci
+from kiln.oci.reference import ImageReference, parse_reference
+from kiln.oci.registry import RegistryClient, TransferStats
+from kiln.patch.engine import Session, run_selection
+from kiln.patch.model import Outcome, Verdict
+from kiln.pausepoint import pause_point
+from kiln.pins import Pin
+from kiln.report import SILENT, Reporter
+from kiln.source.image import ImageSource, ImageVllm
+from kiln.triton.cachelayer import image_env, triton_cache_layer
+
+
+class Clock:
+    """Seconds spent in each step, for ``--json`` and the benchmarks."""
+
+    def __init__(self) -> None:
+        self.started = self._mark = time.monotonic()
+        self.timings: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.timings[name] = round(now - self._mark, 3)
+        self._mark = now
+
+    def total(self) -> dict[str, float]:
+        self.timings["total"] = round(time.monotonic() - self.started, 3)
+        return self.timings
+
+
+@dataclass
+class PreparedBuild:
+    """The decisions of a build, before any output is written."""
+
+    inputs: BuildInputs
+    base_ref: ImageReference  # the pin's reference, as written
+    base_digest: str  # what it resolved to (the digest a pin locks)
+    found: ImageVllm
+    base: RemoteImage
+    base_model: ImageModel  # the base, as an OCI image model
+    client: RegistryClient  # the base registry's client (reused for a same-host push)
+    stats: TransferStats
+    outcomes: dict[str, Outcome]
+    applied: list[str]
+    files_changed: int
+    layers: list[LayerContents]  # kiln's layers over the base, bottom first
+    labels: dict[str, str]  # config labels (and manifest annotations) of the image
+    clock: Clock
+    env: dict[str, str] = field(default_factory=dict)  # config Env entries kiln sets (TRITON_CACHE_DIR)
+    triton: dict = field(default_factory=dict)  # the kernel cache layer's summary, if any
+
+    @property
+    def tag(self) -> str:
+        return self.inputs.tag
+
+    @property
+    def base_by_digest(self) -> str:
+        """``registry/repository@sha256:…``: the base as a Dockerfile's ``FROM`` must name it."""
+        return f"{self.base_ref.name}@{self.base_digest}"
+
+
+def check_lock(pin: Pin, resolved: str, allow_unlocked: bool, reporter: Reporter = SILENT) -> None:
+    """A build uses the digest the pin is locked to, unless told otherwise (then it says so)."""
+    if not pin.locked:
+        if not allow_unlocked:
+            raise KilnError(
+                f"pin {pin.name} is not locked ({pin.image} now resolves to {resolved}); run "
+                f"`build.py pin lock {pin.name}` to lock it, or pass --allow-unlocked"
+            )
+        reporter.warn(f"pin {pin.name} is unlocked; building {pin.image}@{resolved}")
+    elif pin.digest != resolved:
+        if not allow_unlocked:
+            raise KilnError(
+                f"pin {pin.name} is locked to {pin.digest} but {pin.image} now resolves to {resolved}; "
+                "review the new base and re-lock the pin, or pass --allow-unlocked"
+            )
+        reporter.warn(f"pin {pin.name} lock differs; building {pin.image}@{resolved}")
+
+
+def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = None,
+                  allow_unlocked: bool = False, cache: Path | None = None,
+                  reporter: Reporter = SILENT) -> PreparedBuild:
+    """Resolve and check the base, read its pristine vLLM, patch it, and decide kiln's layers."""
+    clock = Clock()
+    definition, pin, sm = inputs.definition, inputs.pin, inputs.sm
+    config = registry_config or RegistryConfig.load()
+    cache = cache or cache_root()
+
+    # 1. resolve the base and check the lock
+    base_ref = parse_reference(pin.image)
+    stats = TransferStats()
+    source = ImageSource(base_ref, expected_version=pin.vllm, registry_config=config, cache=cache, stats=stats,
+                         reporter=reporter)
+    resolved = base_ref.digest or source.client.resolve(base_ref.repository, base_ref.ref)
+    check_lock(pin, resolved, allow_unlocked, reporter)
+    clock.lap("resolve")
+
+    # 2. the pristine vLLM, from the top layers of the base only
+    source.reference = base_ref.pinned(resolved)
+    found = source.pull()
+    base = RemoteImage(base_ref.pinned(resolved), source.client, BlobCache(cache / "blobs"),
+                       manifest_cache=cache / "manifests")
+    base_config = base.config()
+    # One flavour for every output (skopeo's layout reader ignores Docker v2 manifests).
+    base_model = to_oci(ImageModel.from_base(base.manifest(), base.config_bytes()))
+    clock.lap("pull")
+
+    # 3. patch
+    tree = found.tree
+    result = run_selection(inputs.catalogue, Session(tree), inputs.target(), list(definition.patches))
+    for outcome in result.outcomes.values():
+        if outcome.verdict.blocks_build:
+            raise KilnError(
+                f"patch {outcome.patch_id} is {outcome.verdict} on {pin.name} ({base_ref}): {outcome.detail}"
+            )
+    changed = result.changed_text()
+    before = {rel: tree.read(rel) for rel in changed if tree.exists(rel)}
+    applied = [pid for pid, o in result.outcomes.items() if o.verdict is Verdict.APPLIES]
+    clock.lap("patch")
+    pause_point("patch")
+
+    # 4. what kiln's layers hold, and the image's labels
+    pin_json = {"name": pin.name, "image": pin.image, "vllm": str(pin.vllm), "cuda": pin.cuda,
+                "digest": pin.digest or None}
+    audit = audit_record(image=definition.name, pin=pin_json, sm=sm, base_reference=str(base_ref),
+                         base_digest=resolved, site_dir=found.site_dir, outcomes=result.outcomes,
+                         before=before, changed=changed)
+    layers = [patched_contents(
+        changed, found.site_dir, found.vllm_files, audit,
+        created_by=f"kiln bake {definition.name} {pin.name} sm{sm}: {','.join(applied) or 'no patch'}")]
+    env: dict[str, str] = {}
+    triton: dict = {}
+    if definition.model.kernels:  # the ahead-of-time Triton kernel cache, one layer per SM
+        runtime_env = {**image_env(base_config), **definition.serve_env}
+        kernel_layer = triton_cache_layer(definition.model.kernels, sm, found, changed, runtime_env, cache,
+                                          f"{definition.path}: model.kernels", reporter)
+        layers.append(kernel_layer.contents)
+        env, triton = kernel_layer.env, kernel_layer.summary
+        clock.lap("triton")
+    labels = {
+        L.BASE_NAME: str(base_ref),
+        L.BASE_DIGEST: resolved,
+        L.VERSION: inputs.tag,
+        L.IMAGE: definition.name,
+        L.PIN: pin.name,
+        L.SM: str(sm),
+        L.PATCHES: ",".join(applied),
+        L.VLLM: str(tree.vllm_version),
+    }
+    commit, _ = kiln_revision()
+    if commit:
+        labels[L.REVISION] = commit
+    source_url = kiln_source_url()
+    if source_url:
+        labels[L.SOURCE] = source_url
+    return PreparedBuild(
+        inputs=inputs, base_ref=base_ref, base_digest=resolved, found=found, base=base, base_model=base_model,
+        client=source.client, stats=stats, outcomes=result.outcomes, applied=applied,
+        files_changed=len(changed), layers=layers, labels=labels, clock=clock, env=env, triton=triton,
+    )

@@ -1,0 +1,113 @@
+"""``build.py build``, ``context`` and ``values``: one image, its outputs, its Helm values."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rich.markup import escape
+
+from kiln.build.inputs import destination, load_build_inputs
+from kiln.commands.options import (
+    add_json_option,
+    add_registry_options,
+    add_target_options,
+    registry_config,
+    repo_files,
+)
+from kiln.pipeline import run_build
+from kiln.publish import Publisher
+from kiln.publish.archive import ArchivePublisher
+from kiln.publish.context import ContextPublisher
+from kiln.publish.layout import LayoutPublisher
+from kiln.publish.registry import RegistryPublisher
+from kiln.publish.values import ValuesPublisher, built_values, values_bytes
+
+
+def register(sub) -> None:
+    p = sub.add_parser("build", help="build a patched image for one pin and SM (pull, bake, publish)")
+    add_target_options(p)
+    p.add_argument("--push", action="store_true", help="push to the image's repository (or --repository)")
+    p.add_argument("--oci", type=Path, metavar="DIR", help="add the image to the OCI image layout DIR")
+    p.add_argument("--docker-archive", type=Path, metavar="FILE", help="write a docker-archive tarball (podman load)")
+    p.add_argument("--values", type=Path, metavar="FILE", help="write the image's Helm values (JSON) to FILE")
+    p.add_argument("--repository", help="destination repository instead of the image definition's")
+    p.add_argument("--force", action="store_true", help="replace an existing --docker-archive file")
+    add_registry_options(p)
+    p.add_argument("--allow-unlocked", action="store_true", help="build an unlocked or mismatching pin")
+    add_json_option(p)
+    p.set_defaults(run=run_build_command)
+
+    p = sub.add_parser("context", help="write a build context for the Dockerfile (same files as build)")
+    add_target_options(p)
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="the context directory to write")
+    p.add_argument("--force", action="store_true", help="replace an existing build context in DIR")
+    add_registry_options(p)
+    p.add_argument("--allow-unlocked", action="store_true", help="use an unlocked or mismatching pin")
+    add_json_option(p)
+    p.set_defaults(run=run_context)
+
+    p = sub.add_parser("values", help="print the Helm values of an image already built and pushed")
+    add_target_options(p)
+    p.add_argument("--repository", help="the repository it was pushed to, instead of the image definition's")
+    add_registry_options(p)
+    p.set_defaults(run=run_values)
+
+
+def run_build_command(args, out) -> int:
+    inputs = load_build_inputs(repo_files(args), args.image, args.pin, args.sm)
+    config = registry_config(args)
+    reporter = out.reporter()
+    name = destination(inputs.definition, args.repository,
+                       purpose="--push" if args.push else "--values" if args.values else "local")
+    publishers: list[Publisher] = []
+    if args.oci:
+        publishers.append(LayoutPublisher(args.oci, inputs.tag))
+    if args.docker_archive:
+        publishers.append(ArchivePublisher(args.docker_archive, [f"{name.name}:{inputs.tag}"], args.force))
+    if args.values:
+        publishers.append(ValuesPublisher(args.values, name))
+    if args.push:
+        publishers.append(RegistryPublisher(name, [inputs.tag], config, reporter))
+    result = run_build(inputs, publishers, name.name, config, args.allow_unlocked, reporter=reporter)
+    result.warnings = list(reporter.warnings)
+    if args.json:
+        out.json(result.to_json())
+        return 0
+    where = ", ".join(result.outputs.values()) or "no output requested (digest only)"
+    out.stdout.print(escape(
+        f"built {result.repository}:{result.tag} {result.manifest_digest}\n"
+        f"  base {result.base}@{result.base_digest}; layer {result.layer_digest} "
+        f"({result.files_changed} file(s), {result.layer_size} bytes)\n"
+        f"  pulled {result.bytes_pulled} bytes, pushed {result.bytes_pushed} bytes "
+        f"in {result.timings.get('total', 0):.2f}s -> {where}"
+    ))
+    if "push" in result.outputs:
+        print(result.manifest_digest)
+    return 0
+
+
+def run_context(args, out) -> int:
+    inputs = load_build_inputs(repo_files(args), args.image, args.pin, args.sm)
+    publisher = ContextPublisher(args.out, args.force)
+    result = run_build(inputs, [publisher], destination(inputs.definition, purpose="local").name,
+                       registry_config(args), args.allow_unlocked, reporter=out.reporter())
+    record = publisher.record
+    dest = publisher.path
+    if args.json:
+        out.json({**record, "out": str(dest), "timings": result.timings})
+        return 0
+    out.stdout.print(escape(
+        f"wrote {dest}: {len(record['files'])} file(s), {len(record['removals'])} removal(s) over "
+        f"{record['base']}\n  podman build $(sed 's/^/--build-arg=/' {dest}/build-args) "
+        f"-t {inputs.definition.name}:{inputs.tag} {dest}"
+    ))
+    return 0
+
+
+def run_values(args, out) -> int:
+    inputs = load_build_inputs(repo_files(args), args.image, args.pin, args.sm)
+    values = built_values(inputs, registry_config(args), args.repository)
+    sys.stdout.write(values_bytes(values).decode())
+    return 0
+

@@ -1,0 +1,81 @@
+"""The options commands share, declared once: data files, sources, targets, registries, output.
+
+Public API:
+    KilnParser                       argparse that reports a usage error in one line (exit 2)
+    add_repo_options(parser)         --pins --patchsets --record --images (on the top parser)
+    repo_files(args) -> RepoFiles
+    add_source_options(parser)       --pin NAME | --vllm VERSION
+    add_target_options(parser)       --image --pin --sm   (build, context, values)
+    add_registry_options(parser)     --mirror --insecure-registry --registries
+    registry_config(args) -> RegistryConfig
+    add_json_option(parser)
+    sm_option(text) -> int           the one SM validation, as an argparse type
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kiln import paths
+from kiln.definitions import check_sm
+from kiln.errors import KilnError
+from kiln.oci.endpoints import RegistryConfig
+from kiln.paths import RepoFiles
+
+
+class KilnParser(argparse.ArgumentParser):
+    """A usage error is one line naming the option, not argparse's usage banner."""
+
+    def error(self, message: str):
+        sys.stderr.write(f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+        sys.exit(2)
+
+
+def sm_option(text: str) -> int:
+    try:
+        return check_sm(text, "--sm")
+    except KilnError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--sm: ")) from None
+
+
+def add_repo_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pins", type=Path, default=paths.PINS, help="pins file (default: %(default)s)")
+    parser.add_argument("--patchsets", type=Path, default=paths.PATCHSETS, help="patch catalogue directory")
+    parser.add_argument("--record", type=Path, default=paths.RECORD, help="expected-verdict record")
+    parser.add_argument("--images", type=Path, default=paths.IMAGES, help="image definitions directory")
+
+
+def repo_files(args: argparse.Namespace) -> RepoFiles:
+    return RepoFiles(pins=args.pins, patchsets=args.patchsets, record=args.record, images=args.images)
+
+
+def add_source_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--pin", help="a pin from pins.toml, e.g. v0.20.1")
+    group.add_argument("--vllm", help="an unpinned vLLM release as a candidate, e.g. 0.33.0")
+
+
+def add_target_options(parser: argparse.ArgumentParser) -> None:
+    """``--image/--pin/--sm``: which image, pin and GPU arch."""
+    parser.add_argument("--image", required=True, help="an image definition in images/, e.g. qwen3.6-27b-tq")
+    parser.add_argument("--pin", required=True, help="a pin from pins.toml, e.g. v0.20.1")
+    parser.add_argument("--sm", type=sm_option, required=True, help="target SM, one of the image's sms (e.g. 120)")
+
+
+def add_registry_options(parser: argparse.ArgumentParser) -> None:
+    """The options of every command that talks to registries."""
+    parser.add_argument("--mirror", action="append", metavar="REGISTRY=HOST",
+                        help="pull REGISTRY's images from HOST, e.g. docker.io=127.0.0.1:5000 (never used for a push)")
+    parser.add_argument("--insecure-registry", action="append", metavar="HOST",
+                        help="HOST speaks plain HTTP; https://HOST: TLS without certificate verification")
+    parser.add_argument("--registries", type=Path, help="registries config file (mirrors, insecure hosts)")
+
+
+def registry_config(args: argparse.Namespace) -> RegistryConfig:
+    return RegistryConfig.load(args.mirror or (), args.insecure_registry or (), args.registries)
+
+
+def add_json_option(parser: argparse.ArgumentParser, what: str = "a JSON summary") -> None:
+    parser.add_argument("--json", action="store_true", help=f"print {what} on stdout")

@@ -1,0 +1,155 @@
+"""``build.py verify``, ``diff`` and ``apply``: verdicts, the patched source as a diff or a tree."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rich.markup import escape
+from rich.table import Table
+
+from kiln.commands.options import add_json_option, add_source_options, repo_files, sm_option
+from kiln.commands.output import styled
+from kiln.definitions import load_definition
+from kiln.errors import KilnError
+from kiln.patch.catalog import load_catalogue
+from kiln.patch.memo import VerdictMemo
+from kiln.patch.model import Verdict
+from kiln.patch.output import unified_diff
+from kiln.pins import load_pins
+from kiln.publish.tree import TreePublisher
+from kiln.staging import commit_all
+from kiln.verify import (
+    DefinitionVerdicts,
+    SourceVerdicts,
+    choose_source,
+    patch_selection,
+    verify_definition,
+    verify_source,
+)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("verify", help="compute every patch's verdict on a pin and compare with the record")
+    add_source_options(p)
+    p.add_argument("--image", help="check that every patch this image selects can be built on its pins")
+    p.add_argument("--sm", type=sm_option, help="also evaluate SM gates for this arch (e.g. 86)")
+    p.add_argument("--accept", action="store_true", help="rewrite the record for this source")
+    p.add_argument("--no-memo", action="store_true", help="recompute every verdict (ignore the verdict cache)")
+    add_json_option(p, "the verdicts as JSON")
+    p.set_defaults(run=run_verify)
+
+    p = sub.add_parser("diff", help="unified diff of the patched source")
+    add_source_options(p)
+    p.add_argument("--patch", action="append", metavar="ID", help="only these patches (and what they require)")
+    p.add_argument("--sm", type=sm_option)
+    p.set_defaults(run=run_diff)
+
+    p = sub.add_parser("apply", help="write the patched vllm/ tree and a JSON report")
+    add_source_options(p)
+    p.add_argument("--patch", action="append", metavar="ID", help="only these patches (and what they require)")
+    p.add_argument("--sm", type=sm_option)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    add_json_option(p, "the report as JSON")
+    p.set_defaults(run=run_apply)
+
+
+def run_verify(args, out) -> int:
+    files = repo_files(args)
+    catalogue = load_catalogue(files.patchsets)
+    if args.image:
+        if args.pin or args.vllm or args.accept:
+            raise KilnError("verify --image takes no --pin/--vllm/--accept: it checks the image's own pins")
+        pins = load_pins(files.pins)
+        definition = load_definition(files.images, args.image, catalogue, pins)
+        result = verify_definition(definition, pins, catalogue, out.reporter())
+        _show_definition(args, out, result)
+        return 1 if result.failures else 0
+    choice = choose_source(files, args.pin, args.vllm, out.reporter())
+    memo = None if args.no_memo else VerdictMemo()
+    result = verify_source(catalogue, choice, files.record, args.sm, args.accept, memo)
+    _show_source(args, out, catalogue, result, files.record)
+    return 1 if result.differences else 0
+
+
+def _show_source(args, out, catalogue, result: SourceVerdicts, record) -> None:
+    choice = result.choice
+    if args.json:
+        out.json({
+            "source": choice.label, "vllm_version": str(choice.version), "origin": result.origin,
+            "patches": [{**o.to_json(), "family": catalogue.get(pid).family, "expected": result.expected.get(pid, "")}
+                        for pid, o in result.outcomes.items()],
+            "counts": result.counts(),
+            "differences": [d.__dict__ for d in result.differences],
+        })
+        return
+    different = {d.patch_id for d in result.differences}
+    table = Table(title=f"verdicts on {choice.label} ({result.origin})")
+    for column in ("patch", "family", "verdict", "recorded", "detail"):
+        table.add_column(column, overflow="fold")
+    for pid, outcome in result.outcomes.items():
+        recorded = result.expected.get(pid, "unrecorded")
+        mark = f"[red]{recorded} ≠[/]" if pid in different else recorded
+        table.add_row(pid, catalogue.get(pid).family, styled(outcome.verdict), mark, escape(outcome.detail))
+    out.stdout.print(table)
+    summary = ", ".join(f"{n} {v}" for v, n in result.counts().items())
+    if not result.differences:
+        out.stdout.print(f"{len(result.outcomes)} patches on {escape(choice.label)}: {summary}; equal to the record")
+        return
+    out.stdout.print(f"{len(result.outcomes)} patches on {escape(choice.label)}: {summary}")
+    out.stderr.print(
+        f"[red]{len(result.differences)} verdict(s) differ from {escape(str(record))} ({escape(choice.label)})[/]: "
+        + escape(", ".join(f"{d.patch_id} {d.expected or 'unrecorded'} -> {d.actual or 'removed'}"
+                           for d in result.differences))
+        + " (review, then `verify --accept`)"
+    )
+
+
+def _show_definition(args, out, result: DefinitionVerdicts) -> None:
+    definition = result.definition
+    rows = [{"pin": pin.name, **outcome.to_json()} for pin, outcome in result.rows]
+    if args.json:
+        out.json({"image": definition.name, "patches": rows, "failures": result.failures})
+        return
+    table = Table(title=f"image {definition.name}: {len(definition.patches)} patches x {len(result.pins)} pin(s)")
+    for column in ("pin", "patch", "verdict", "detail"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(row["pin"], row["patch"], styled(row["verdict"]), escape(row["detail"]))
+    out.stdout.print(table)
+    if result.failures:
+        out.stderr.print(f"[red]{escape(str(definition.path))}: {len(result.failures)} selected patch(es) cannot be "
+                         "built:[/] " + escape("; ".join(result.failures)))
+    else:
+        left_out = sum(1 for _, o in result.rows if not o.verdict.ok)
+        out.stdout.print(f"image {escape(definition.name)} builds on {', '.join(p.name for p in result.pins)}"
+                         + (f" ({left_out} patch verdict(s) leave a patch out: UPSTREAM or GATED)" if left_out else ""))
+
+
+def run_diff(args, out) -> int:
+    files = repo_files(args)
+    catalogue = load_catalogue(files.patchsets)
+    choice = choose_source(files, args.pin, args.vllm, out.reporter())
+    tree, result = patch_selection(catalogue, choice, args.patch, args.sm)
+    sys.stdout.write(unified_diff(tree, result))
+    return 0
+
+
+def run_apply(args, out) -> int:
+    files = repo_files(args)
+    publisher = TreePublisher(args.out, args.force)
+    publisher.check()  # before any work: a taken --out fails now, not after the patching
+    catalogue = load_catalogue(files.patchsets)
+    choice = choose_source(files, args.pin, args.vllm, out.reporter())
+    tree, result = patch_selection(catalogue, choice, args.patch, args.sm)
+    commit_all([publisher.stage(tree, choice.label, result)])
+    data = publisher.report
+    if args.json:
+        out.json(data)
+        return 0
+    applied = [p["patch"] for p in data["patches"] if p["verdict"] == Verdict.APPLIES]
+    out.stdout.print(escape(
+        f"wrote {publisher.path}: {len(data['files'])} file(s) changed by {', '.join(applied) or 'no patch'}; "
+        f"report in {publisher.path / 'kiln-report.json'}"))
+    return 0

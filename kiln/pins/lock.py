@@ -1,0 +1,94 @@
+"""Lock pins to their base image's digest (``build.py pin lock``).
+
+Public API:
+    LockResult(name, image, digest, previous)   .status -> "unchanged" | "locked" | "re-locked"
+    resolve_pin(pin, config) -> str             the digest the pin's ``image`` names now
+    lock_pins(path, names, config) -> list[LockResult]   resolve, then rewrite ``pins.toml``
+    write_digests(path, digests)                the tomlkit writer (comments and order kept)
+
+A lock resolves the reference exactly as ``build`` does (one manifest HEAD through the same
+registry client, mirrors and insecure hosts), so a freshly locked pin builds without
+``--allow-unlocked``. For a manifest list / OCI index the digest is the index's, as the build
+checks it. Every pin named is resolved before anything is written; the file is then rewritten
+with tomlkit (comments, order and formatting kept) to a temporary file beside it, checked by
+``load_pins`` and renamed over the original. Any error leaves the file untouched; a lock that
+changes nothing does not rewrite it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import tomlkit
+
+from kiln.errors import KilnError
+from kiln.oci.endpoints import RegistryConfig
+from kiln.oci.reference import parse_reference
+from kiln.oci.registry import RegistryClient
+from kiln.pins import Pin, get_pin, load_pins
+from kiln.staging import write_atomic
+
+
+@dataclass(frozen=True)
+class LockResult:
+    name: str
+    image: str
+    digest: str
+    previous: str  # "" when the pin was unlocked
+
+    @property
+    def status(self) -> str:
+        if self.previous == self.digest:
+            return "unchanged"
+        return "re-locked" if self.previous else "locked"
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "status": self.status}
+
+
+def resolve_pin(pin: Pin, config: RegistryConfig, clients: dict | None = None) -> str:
+    """The manifest digest ``pin.image`` names now; errors name the pin."""
+    try:
+        ref = parse_reference(pin.image)
+        clients = {} if clients is None else clients
+        host = config.endpoint(ref.registry).host
+        client = clients.get(host) or clients.setdefault(host, RegistryClient.for_registry(ref.registry, config))
+        digest = client.resolve(ref.repository, ref.ref)
+        if ref.digest and digest != ref.digest:
+            raise KilnError(f"{pin.image} answers with digest {digest}")
+        return digest
+    except KilnError as err:
+        raise KilnError(f"pin {pin.name}: {err}") from None
+
+
+def lock_pins(path: Path, names: list[str], config: RegistryConfig) -> list[LockResult]:
+    """Resolve the named pins (all when ``names`` is empty) and write their digests."""
+    pins = load_pins(path)
+    chosen = [get_pin(pins, name, path) for name in dict.fromkeys(names)] if names else list(pins.values())
+    clients: dict = {}
+    results = [LockResult(pin.name, pin.image, resolve_pin(pin, config, clients), pin.digest) for pin in chosen]
+    changed = {r.name: r.digest for r in results if r.status != "unchanged"}
+    if changed:
+        write_digests(path, changed)
+    return results
+
+
+def write_digests(path: Path, digests: dict[str, str]) -> None:
+    """Set ``pins.<name>.digest`` for each entry, keeping everything else byte-for-byte."""
+    target = path.resolve()
+    text = target.read_text()
+    try:
+        document = tomlkit.parse(text)
+    except tomlkit.exceptions.TOMLKitError as err:
+        raise KilnError(f"{path}: not valid TOML: {err}") from None
+    for name, digest in digests.items():
+        document["pins"][name]["digest"] = digest
+
+    def check(staged: Path) -> None:  # never install a file kiln could not read back
+        written = load_pins(staged)
+        for name, digest in digests.items():
+            if written[name].digest != digest:
+                raise KilnError(f"{path}: pins.{name}.digest did not round-trip")
+
+    write_atomic(target, tomlkit.dumps(document).encode(), check)

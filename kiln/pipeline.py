@@ -1,0 +1,99 @@
+"""A build from start to end: check every output, prepare, bake, publish (the pipeline).
+
+Public API:
+    BuildResult      digests, tags, where each output went, bytes pulled/pushed, timings (``.to_json()``)
+    run_build(inputs, publishers, registry_config=None, allow_unlocked=False, cache=None,
+              reporter=SILENT) -> BuildResult
+
+Every destination is checked before the first network request (``check_outputs``); the pull,
+the patching and the bake happen once; then every publisher writes the one ``BuiltImage``
+(``kiln.publish.publish``: staged, committed together, the push last).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kiln.build.image import bake
+from kiln.build.inputs import BuildInputs
+from kiln.build.prepare import prepare_build
+from kiln.cache import cache_root
+from kiln.oci.endpoints import RegistryConfig
+from kiln.pausepoint import pause_point
+from kiln.publish import Publisher, check_outputs, publish
+from kiln.publish.registry import RegistryPublisher
+from kiln.publish.values import ValuesPublisher
+from kiln.report import SILENT, Reporter
+
+
+@dataclass
+class BuildResult:
+    image: str
+    pin: str
+    sm: int
+    tag: str
+    repository: str  # the name the image carries, e.g. ghcr.io/you/vllm-qwen3.6-27b-tq
+    base: str  # the pin's reference
+    base_digest: str  # what it resolved to (the digest a pin locks)
+    base_manifest_digest: str  # the linux/amd64 manifest built on
+    manifest_digest: str
+    config_digest: str
+    layer_digest: str  # the patched-source layer
+    layer_diff_id: str
+    layer_size: int
+    media_type: str
+    patches: list[dict]
+    files_changed: int
+    outputs: dict[str, str] = field(default_factory=dict)  # publisher kind -> where it went
+    bytes_pulled: int = 0
+    bytes_pushed: int = 0
+    blobs_uploaded: int = 0
+    blobs_mounted: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    helm_values: dict = field(default_factory=dict)  # what --values writes (kiln.publish.values)
+    triton: dict = field(default_factory=dict)  # the Triton kernel cache layer's summary, if any
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
+              registry_config: RegistryConfig | None = None, allow_unlocked: bool = False,
+              cache: Path | None = None, reporter: Reporter = SILENT) -> BuildResult:
+    """Build ``inputs`` and hand the image to every publisher; ``repository`` names it in the result."""
+    check_outputs(publishers)
+    config = registry_config or RegistryConfig.load()
+    cache = cache or cache_root()
+    prepared = prepare_build(inputs, config, allow_unlocked, cache, reporter)
+    clock = prepared.clock
+    work_root = cache / "build"
+    work_root.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(dir=work_root, prefix=".tmp-"))
+    try:
+        image = bake(prepared, workdir, reporter)
+        clock.lap("bake")
+        pause_point("bake")
+        written = publish(image, publishers)
+        clock.lap("publish")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    push = next((p for p in publishers if isinstance(p, RegistryPublisher)), None)
+    values = next((p.values(image) for p in publishers if isinstance(p, ValuesPublisher)), {})
+    report = push.report if push else None
+    layer = image.layers[0]
+    return BuildResult(
+        image=inputs.definition.name, pin=inputs.pin.name, sm=inputs.sm, tag=inputs.tag, repository=repository,
+        base=str(prepared.base_ref), base_digest=prepared.base_digest,
+        base_manifest_digest=prepared.found.manifest_digest, manifest_digest=image.manifest.digest,
+        config_digest=image.config_digest, layer_digest=layer.digest, layer_diff_id=layer.diff_id,
+        layer_size=layer.size, media_type=image.manifest.media_type,
+        patches=[o.to_json() for o in prepared.outcomes.values()], files_changed=prepared.files_changed,
+        outputs=written, helm_values=values, triton=prepared.triton, bytes_pulled=prepared.stats.bytes_down,
+        bytes_pushed=report.bytes_uploaded if report else 0,
+        blobs_uploaded=len(report.uploaded) if report else 0, blobs_mounted=len(report.mounted) if report else 0,
+        timings=clock.total(),
+    )

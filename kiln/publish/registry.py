@@ -1,0 +1,103 @@
+"""``build --push``: the image into a registry, blobs first, the manifest (the tag) last.
+
+Public API:
+    RegistryPublisher(destination, tags, config, reporter=SILENT)
+    PushReport        what a push did (uploaded / mounted / present blobs, bytes)
+
+Staging uploads (or mounts, or finds) every blob; committing PUTs the manifest once per tag,
+byte-exact, and ``publish`` does that after every local output is committed: no tag can name
+an incomplete image, or an image whose other outputs failed. The push goes to the registry the
+destination names, never to a pull mirror standing in for it; the reported place names the
+host actually contacted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kiln.errors import KilnError
+from kiln.oci.endpoints import RegistryConfig
+from kiln.oci.reference import ImageReference
+from kiln.oci.registry import RegistryClient, TransferStats
+from kiln.pausepoint import pause_point
+from kiln.publish import Publisher
+from kiln.report import SILENT, Reporter
+from kiln.staging import Staged
+
+_CHUNKED_ABOVE = 512 << 20  # bigger blobs are pushed in PATCH chunks of this size
+
+
+@dataclass
+class PushReport:
+    repository: str
+    digest: str
+    tags: list[str]
+    uploaded: list[str] = field(default_factory=list)
+    mounted: list[str] = field(default_factory=list)
+    present: list[str] = field(default_factory=list)
+    bytes_uploaded: int = 0
+
+
+class RegistryPublisher(Publisher):
+    kind = "push"
+    option = "--push"
+    last = True
+
+    def __init__(self, destination: ImageReference, tags: list[str], config: RegistryConfig,
+                 reporter: Reporter = SILENT):
+        if not tags:
+            raise KilnError(f"{destination.name}: nothing to push, no tag given")
+        self.destination = destination
+        self.tags = list(tags)
+        self.config = config
+        self.reporter = reporter
+        self.client: RegistryClient | None = None
+        self.report: PushReport | None = None
+
+    def _client_for(self, image) -> tuple[RegistryClient, str | None]:
+        """The base's client when the push goes to the host the base came from (mount from it)."""
+        prepared = image.prepared
+        endpoint = self.config.endpoint(self.destination.registry, push=True)
+        base_client = prepared.client
+        if base_client.endpoint.host == endpoint.host and base_client.endpoint.scheme == endpoint.scheme:
+            return base_client, prepared.base_ref.repository
+        return RegistryClient(endpoint, stats=TransferStats()), None
+
+    def stage(self, image) -> Staged:
+        client, mount_from = self._client_for(image)
+        self.client = client
+        model, blobs = image.model, image.blobs
+        repository = self.destination.repository
+        manifest = model.manifest()
+        report = PushReport(repository, manifest.digest, list(self.tags))
+        descriptors = model.blobs()
+        with self.reporter.task(f"push {repository}", total=sum(d.size for d in descriptors)) as task:
+            for descriptor in descriptors:
+                digest = descriptor.digest
+                if client.blob_exists(repository, digest):
+                    report.present.append(digest)
+                elif mount_from and not blobs.is_new(digest) and client.mount_blob(repository, digest, mount_from):
+                    report.mounted.append(digest)
+                else:
+                    path = blobs.path(descriptor)
+                    chunk = _CHUNKED_ABOVE if descriptor.size > _CHUNKED_ABOVE else None
+                    client.upload_blob(repository, digest, path, chunk_size=chunk)
+                    report.uploaded.append(digest)
+                    report.bytes_uploaded += descriptor.size
+                task.advance(descriptor.size)
+        # Every blob is now confirmed (HEAD 200, mount 201 or upload 201): tags may name it.
+        pause_point("push")
+        self.report = report
+
+        def put_manifests():
+            for tag in self.tags:
+                client.put_manifest(repository, tag, manifest.data, manifest.media_type)
+            report.bytes_uploaded += len(manifest.data) * len(self.tags)
+            return lambda: None  # a tag cannot be taken back; it is committed last for that reason
+
+        return Staged(None, None, on_commit=put_manifests)
+
+    def where(self, image) -> str:
+        host = self.client.endpoint.host if self.client else self.destination.registry
+        via = "" if host == self.destination.registry else f" (pushed to {host})"
+        return f"{self.destination.name}:{self.tags[0]}@{image.manifest.digest}{via}"

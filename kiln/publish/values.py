@@ -1,0 +1,109 @@
+"""Helm values for a kiln image: what a chart needs to run it, the image pinned by digest.
+
+Public API:
+    VALUES_SCHEMA                          ``ci/helm/values.schema.json`` (JSON Schema 2020-12)
+    helm_values(definition, pin, sm, repository, tag, digest) -> dict
+    values_bytes(values) -> bytes          the values file's exact bytes
+    ValuesPublisher(path, repository)      ``build --values FILE``
+    built_values(inputs, config, repository=None) -> dict   values of a pushed image (``values``)
+
+The values hold only what the build knows: the image (repository, tag, manifest digest), the
+model preset's id, the image definition's ``[serve]`` args and env, one GPU, and a node
+selector on the GPU feature discovery labels of the SM the image is built for (an sm_86 image
+carries sm_86 Triton kernels and SM-gated patches). ``build --values FILE`` writes them at
+build time; ``build.py values`` derives the same bytes later from the registry, so the
+values of an image are a function of (image definition, pin, SM, digest) only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kiln import labels as L
+from kiln import paths
+from kiln.build.inputs import BuildInputs, destination
+from kiln.definitions import ImageDefinition
+from kiln.errors import KilnError
+from kiln.oci.endpoints import RegistryConfig
+from kiln.oci.mediatypes import INDEX_TYPES
+from kiln.oci.reference import ImageReference
+from kiln.oci.registry import RegistryClient
+from kiln.pins import Pin
+from kiln.publish import Publisher
+from kiln.staging import Staged, stage_bytes
+
+VALUES_SCHEMA = paths.REPO / "ci" / "helm" / "values.schema.json"
+GPU_RESOURCE = "nvidia.com/gpu"
+# Node labels set by NVIDIA GPU feature discovery (part of the GPU operator).
+COMPUTE_MAJOR = "nvidia.com/gpu.compute.major"
+COMPUTE_MINOR = "nvidia.com/gpu.compute.minor"
+
+
+def helm_values(definition: ImageDefinition, pin: Pin, sm: int, repository: str, tag: str, digest: str) -> dict:
+    return {
+        "image": {
+            "repository": repository,
+            "tag": tag,
+            "digest": digest,
+            "pullPolicy": "IfNotPresent",  # addressed by digest: what is cached is what was built
+        },
+        "model": {"id": definition.model.id},
+        "serve": {
+            "args": list(definition.serve_args),
+            "env": [{"name": name, "value": value} for name, value in definition.serve_env.items()],
+        },
+        "resources": {"requests": {GPU_RESOURCE: 1}, "limits": {GPU_RESOURCE: 1}},
+        "nodeSelector": {COMPUTE_MAJOR: str(sm // 10), COMPUTE_MINOR: str(sm % 10)},
+        "kiln": {"image": definition.name, "pin": pin.name, "vllm": str(pin.vllm), "sm": sm},
+    }
+
+
+def values_bytes(values: dict) -> bytes:
+    """JSON (which Helm reads as YAML): no implicit typing of values like ``"1"`` or ``"on"``."""
+    return (json.dumps(values, indent=2) + "\n").encode()
+
+
+class ValuesPublisher(Publisher):
+    kind = "values"
+    option = "--values"
+
+    def __init__(self, path: Path, repository: ImageReference):
+        self.path = path
+        self.repository = repository
+
+    def values(self, image) -> dict:
+        inputs = image.prepared.inputs
+        return helm_values(inputs.definition, inputs.pin, inputs.sm, self.repository.name, image.tag,
+                           image.manifest.digest)
+
+    def stage(self, image) -> Staged:
+        return stage_bytes(self.path, values_bytes(self.values(image)))
+
+    def where(self, image) -> str:
+        return str(self.path)
+
+
+def built_values(inputs: BuildInputs, config: RegistryConfig, repository: str | None = None) -> dict:
+    """The values of the image ``build --push`` published for (definition, pin, sm)."""
+    definition, pin, sm = inputs.definition, inputs.pin, inputs.sm
+    dest = destination(definition, repository, purpose="Helm values")
+    tag = inputs.tag
+    where = f"{dest.name}:{tag}"
+    client = RegistryClient.for_registry(dest.registry, config)
+    try:
+        manifest = client.get_manifest(dest.repository, tag)
+    except KilnError as err:
+        if "not found" not in str(err):
+            raise
+        raise KilnError(
+            f"{where}: no such image, {definition.name} was never built for pin {pin.name} sm {sm} "
+            f"(build.py build --image {definition.name} --pin {pin.name} --sm {sm} --push)"
+        ) from None
+    annotations = {} if manifest.media_type in INDEX_TYPES else manifest.json.get("annotations") or {}
+    expected = {L.IMAGE: definition.name, L.PIN: pin.name, L.SM: str(sm)}
+    wrong = {k: annotations.get(k) for k, v in expected.items() if annotations.get(k) != v}
+    if wrong:
+        found = ", ".join(f"{k}={v!r}" for k, v in wrong.items())
+        raise KilnError(f"{where}@{manifest.digest}: not kiln's {definition.name} {pin.name} sm {sm} image ({found})")
+    return helm_values(definition, pin, sm, dest.name, tag, manifest.digest)

@@ -1,0 +1,69 @@
+"""The build step: an image's ahead-of-time Triton kernel cache as one more layer.
+
+Public API:
+    TritonLayer(contents, env, summary)
+    triton_cache_layer(preset, sm, found, changed, runtime_env, cache, label, reporter=SILENT)
+        -> TritonLayer
+    image_env(config) -> dict       a base config's Env as a dict
+
+Called by ``kiln.build.prepare`` for images whose ``[model]`` declares ``kernels``:
+checks that every declared launcher exists in the patched source, picks the toolchain for
+the Triton the base carries, compiles and self-checks the SM's cache (reused from the kiln
+cache when nothing changed), and returns the layer's contents (the cache under
+``RUNTIME_CACHE_DIR`` plus ``/opt/kiln/triton-kernels.json``) and the environment the image
+needs (``TRITON_CACHE_DIR``). Kernels that cannot be built for a known reason (bf16 fp8 store
+on sm < 89) are reported as a warning and listed in the audit file and the build summary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiln.build.layers import LayerContents
+from kiln.report import SILENT, Reporter
+from kiln.source.image import ImageVllm
+from kiln.triton.aot import KernelSources, compile_kernel_caches, kernel_cache_files
+from kiln.triton.kernels import RUNTIME_CACHE_DIR, KernelPreset, check_kernels
+from kiln.triton.toolchain import toolchain_for
+
+
+@dataclass(frozen=True)
+class TritonLayer:
+    contents: LayerContents
+    env: dict[str, str]
+    summary: dict  # for the build's --json
+
+
+def triton_cache_layer(preset: KernelPreset, sm: int, found: ImageVllm, changed: dict[str, str],
+                       runtime_env: dict[str, str], cache: Path, label: str,
+                       reporter: Reporter = SILENT) -> TritonLayer:
+    """``label`` names the preset in errors and the layer's history (``images/x.toml: model.kernels``)."""
+    sources = KernelSources(changed, found.tree.root)
+    check_kernels(preset, sources.read, label)
+    toolchain = toolchain_for(found.triton_version, found.image, cache)
+    with reporter.status(f"compiling Triton kernels for sm_{sm} (Triton {toolchain.version})"):
+        result = compile_kernel_caches(preset, [sm], sources, toolchain, cache, runtime_env=runtime_env)[sm]
+    for failure in result.failures:
+        reporter.warn(f"sm_{sm}: kernel {failure['kernel']} "
+                      f"({', '.join(f'{k}={v}' for k, v in failure['params'].items())}) is not in the cache: "
+                      f"Triton {toolchain.version} cannot build it for sm_{sm} ({failure['error']}); "
+                      "see docs/TRITON.md")
+    files = kernel_cache_files(result, toolchain, preset)
+    kernels = sorted({k["name"] for launch in result.launches for k in launch["kernels"]})
+    summary = {"sm": sm, "triton": toolchain.version, "cache_dir": RUNTIME_CACHE_DIR, "key": result.key,
+               "kernels": len({k["hash"] for launch in result.launches for k in launch["kernels"]}),
+               "kernel_names": kernels, "compiled": result.compiled, "from_cache": result.cached,
+               "not_built": result.failures, "seconds": result.seconds}
+    contents = LayerContents(files=files, removals=(),
+                             created_by=f"kiln triton cache sm{sm}: {', '.join(kernels) or 'none'}")
+    return TritonLayer(contents, {"TRITON_CACHE_DIR": RUNTIME_CACHE_DIR}, summary)
+
+
+def image_env(config: dict) -> dict[str, str]:
+    """The base config's ``Env`` as a dict."""
+    env = {}
+    for entry in (config.get("config") or {}).get("Env") or []:
+        key, _, value = entry.partition("=")
+        env[key] = value
+    return env

@@ -1,0 +1,133 @@
+"""Verdicts on a source, compared with the record; an image definition checked on its pins.
+
+Public API:
+    SourceChoice(label, version, provider)     which source a command reads
+    choose_source(files, pin=None, vllm=None, reporter=SILENT) -> SourceChoice
+    provider_for_pin(pin, reporter=SILENT) -> SourceProvider
+    SourceVerdicts       .outcomes, .expected, .differences, .origin, .counts()
+    verify_source(catalogue, choice, record_path, sm=None, accept=False, memo=None) -> SourceVerdicts
+    DefinitionVerdicts   .rows (pin, Outcome), .failures
+    verify_definition(definition, pins, catalogue, reporter=SILENT) -> DefinitionVerdicts
+    patch_selection(catalogue, choice, ids, sm=None) -> (tree, RunResult)   for ``diff`` and ``apply``
+    selection_ids(catalogue, ids) -> list[str]
+
+The rule that decides failure is ``Verdict.blocks_build``, the same one ``build`` uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
+
+from kiln.definitions import ImageDefinition
+from kiln.errors import KilnError
+from kiln.patch.catalog import Catalogue
+from kiln.patch.engine import RunResult, Session, run_isolated, run_selection
+from kiln.patch.memo import VerdictMemo
+from kiln.patch.model import BuildTarget, Outcome
+from kiln.patch.record import Difference, accept, compare, load_record
+from kiln.paths import RepoFiles
+from kiln.pins import Pin, get_pin, load_pins
+from kiln.report import SILENT, Reporter
+from kiln.source.tree import SourceProvider, SourceTree
+from kiln.source.wheel import WheelSource
+
+
+@dataclass
+class SourceChoice:
+    label: str  # key in the verdict record: the pin name, or vllm-X for a candidate
+    version: Version
+    provider: SourceProvider
+
+
+def provider_for_pin(pin: Pin, reporter: Reporter = SILENT) -> SourceProvider:
+    """Where a pin's pristine source is read from."""
+    return WheelSource(pin.vllm, reporter=reporter)
+
+
+def choose_source(files: RepoFiles, pin: str | None = None, vllm: str | None = None,
+                  reporter: Reporter = SILENT) -> SourceChoice:
+    if vllm:
+        try:
+            version = Version(vllm)
+        except InvalidVersion:
+            raise KilnError(f"--vllm {vllm!r} is not a version") from None
+        return SourceChoice(f"vllm-{version}", version, WheelSource(version, reporter=reporter))
+    if not pin:
+        raise KilnError("say which source: --pin NAME (from pins.toml) or --vllm VERSION")
+    chosen = get_pin(load_pins(files.pins), pin, files.pins)
+    return SourceChoice(chosen.name, chosen.vllm, provider_for_pin(chosen, reporter))
+
+
+@dataclass
+class SourceVerdicts:
+    choice: SourceChoice
+    origin: str
+    outcomes: dict[str, Outcome]
+    expected: dict[str, str]
+    differences: list[Difference]
+
+    def counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for outcome in self.outcomes.values():
+            counts[str(outcome.verdict)] = counts.get(str(outcome.verdict), 0) + 1
+        return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
+def verify_source(catalogue: Catalogue, choice: SourceChoice, record_path: Path, sm: int | None = None,
+                  accept_record: bool = False, memo: VerdictMemo | None = None) -> SourceVerdicts:
+    """Every patch of the catalogue on the source (isolated), compared with the record."""
+    record = load_record(record_path)  # a broken record fails before the fetch
+    tree = choice.provider.fetch()
+    outcomes = run_isolated(catalogue, Session(tree), BuildTarget(choice.version, sm), list(catalogue.patches), memo)
+    expected = record.get(choice.label, {})
+    if accept_record:
+        accept(record_path, choice.label, outcomes)
+        expected = {pid: str(o.verdict) for pid, o in outcomes.items()}
+    return SourceVerdicts(choice, tree.origin, outcomes, expected, compare(expected, outcomes))
+
+
+@dataclass
+class DefinitionVerdicts:
+    definition: ImageDefinition
+    pins: list[Pin]
+    rows: list[tuple[Pin, Outcome]] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[str]:
+        return [f"{o.patch_id} on {pin.name}: {o.verdict} {o.detail}".strip()
+                for pin, o in self.rows if o.verdict.blocks_build]
+
+
+def verify_definition(definition: ImageDefinition, pins: dict[str, Pin], catalogue: Catalogue,
+                      reporter: Reporter = SILENT) -> DefinitionVerdicts:
+    """The image's selection on each of its pins, cumulatively, as ``build`` runs it."""
+    result = DefinitionVerdicts(definition, definition.pins_of(pins))
+    for pin in result.pins:
+        tree = provider_for_pin(pin, reporter).fetch()
+        run = run_selection(catalogue, Session(tree), definition.target(pin), list(definition.patches))
+        result.rows.extend((pin, outcome) for outcome in run.outcomes.values())
+    return result
+
+
+def selection_ids(catalogue: Catalogue, ids: list[str] | None) -> list[str]:
+    if not ids:
+        return catalogue.default_selection()
+    for pid in ids:
+        catalogue.get(pid)  # unknown id -> error naming it
+    return list(dict.fromkeys(ids))
+
+
+def patch_selection(catalogue: Catalogue, choice: SourceChoice, ids: list[str] | None,
+                    sm: int | None = None) -> tuple[SourceTree, RunResult]:
+    """The selection applied on the source; a blocking verdict stops it, naming the patch."""
+    ids = selection_ids(catalogue, ids)
+    tree = choice.provider.fetch()
+    result = run_selection(catalogue, Session(tree), BuildTarget(choice.version, sm), ids)
+    for outcome in result.outcomes.values():
+        if outcome.verdict.blocks_build:
+            raise KilnError(f"patch {outcome.patch_id} is {outcome.verdict} on {choice.label}: {outcome.detail} "
+                            "(re-anchor it, or leave it out with --patch)")
+    return tree, result

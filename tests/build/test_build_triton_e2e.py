@@ -1,0 +1,108 @@
+"""``build.py build`` with an ahead-of-time Triton kernel cache, against a real docker-registry.
+
+The base is the fixture image with Triton 3.6.0's dist-info (``v0.20.1-triton36``): the build
+reads the version from it, compiles the image's kernels for the SM with the project's Triton,
+and adds the cache as one more layer at ``/opt/kiln/triton-cache`` with ``TRITON_CACHE_DIR``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from kiln import commands
+from tests.support import TEST_IMAGES
+from tests.support.registry import VLLM_VERSION
+
+pytestmark = pytest.mark.registry
+
+IMAGES = TEST_IMAGES
+IMAGE = "e2e-triton"
+
+
+def _pins(root: Path, registry, variant: str) -> Path:
+    name = f"vllm/vllm-openai:v{VLLM_VERSION}-{variant}"
+    path = root / f"pins-{variant}.toml"
+    path.write_text('[pins."v0.20.1"]\nrole = "current"\n'
+                    f'image = "docker.io/{name}"\nvllm = "{VLLM_VERSION}"\ncuda = "cu130"\n'
+                    f'digest = "{registry.digest_of(name)}"\n')
+    return path
+
+
+def _build(capsys, pins: Path, registry, sm: int, *extra: str):
+    capsys.readouterr()
+    code = commands.main(["--pins", str(pins), "--images", str(IMAGES), "build", "--image", IMAGE, "--pin", "v0.20.1",
+                     "--sm", str(sm), "--mirror", registry.mirror, "--json", *extra])
+    out = capsys.readouterr()
+    return code, (json.loads(out.out) if code == 0 else None), out.err
+
+
+def _blob(layout: Path, digest: str) -> bytes:
+    data = (layout / "blobs/sha256" / digest.split(":")[1]).read_bytes()
+    assert "sha256:" + hashlib.sha256(data).hexdigest() == digest
+    return data
+
+
+def _image(layout: Path) -> tuple[dict, dict]:
+    [entry] = json.loads((layout / "index.json").read_text())["manifests"]
+    manifest = json.loads(_blob(layout, entry["digest"]))
+    return manifest, json.loads(_blob(layout, manifest["config"]["digest"]))
+
+
+def test_build_adds_a_checked_kernel_cache_layer(tmp_path, capsys, registry_plain):
+    pins = _pins(tmp_path, registry_plain, "triton36")
+    code, first, err = _build(capsys, pins, registry_plain, 120, "--oci", str(tmp_path / "one"))
+    assert code == 0, err
+    manifest, config = _image(tmp_path / "one")
+    assert "TRITON_CACHE_DIR=/opt/kiln/triton-cache" in config["config"]["Env"]
+    assert config["history"][-1]["created_by"].startswith("kiln triton cache e2e-triton sm120:")
+    top = manifest["layers"][-1]
+    raw = gzip.decompress(_blob(tmp_path / "one", top["digest"]))
+    assert config["rootfs"]["diff_ids"][-1] == "sha256:" + hashlib.sha256(raw).hexdigest()
+    with tarfile.open(tmp_path / "one/blobs/sha256" / top["digest"].split(":")[1], "r:gz") as tar:
+        files = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    cubins = [n for n in files if n.endswith(".cubin")]
+    assert cubins and all(n.startswith("opt/kiln/triton-cache/") for n in cubins)
+    for name, data in files.items():
+        if "/__grp__" in name:
+            for path in json.loads(data)["child_paths"].values():
+                assert path.lstrip("/") in files  # the runtime path of a file the layer holds
+    audit = json.loads(files["opt/kiln/triton-kernels.json"])
+    assert audit["sm"] == 120 and audit["triton"]["version"] == "3.6.0" and audit["not_built"] == []
+    assert first["triton"]["sm"] == 120 and first["triton"]["kernels"] == len(cubins)
+    assert {"_tq_fused_store_fp8", "_tq_decode_stage1", "_fwd_kernel_stage2"} <= set(first["triton"]["kernel_names"])
+
+    # same inputs, same digests: a second build (kernel entries now from the kiln cache)
+    code, second, err = _build(capsys, pins, registry_plain, 120, "--oci", str(tmp_path / "two"))
+    assert code == 0, err
+    assert second["triton"]["from_cache"] and second["triton"]["compiled"] == 0
+    assert second["manifest_digest"] == first["manifest_digest"]
+
+
+def test_sm86_bf16_build_warns_and_records_the_missing_store_kernel(tmp_path, capsys, registry_plain):
+    pins = _pins(tmp_path, registry_plain, "triton36")
+    code, result, err = _build(capsys, pins, registry_plain, 86, "--oci", str(tmp_path / "out"))
+    assert code == 0, err
+    assert "warning:" in err and "turboquant_store" in err and "sm_86" in err
+    [failure] = result["triton"]["not_built"]
+    assert failure["kernel"] == "turboquant_store" and "float8e4b15" in failure["error"]
+    assert "_tq_decode_stage1" in result["triton"]["kernel_names"]
+
+
+def test_base_without_triton_fails_naming_the_image(tmp_path, capsys, registry_plain):
+    pins = _pins(tmp_path, registry_plain, "notriton")
+    code, _, err = _build(capsys, pins, registry_plain, 120, "--oci", str(tmp_path / "out"), "--push",
+                          "--repository", "docker.io/test/e2e-notriton")
+    assert code == 2
+    assert f"error: docker.io/vllm/vllm-openai:v{VLLM_VERSION}-notriton@sha256:" in err
+    assert ": base image has no Triton" in err
+    assert not (tmp_path / "out").exists()
+    import requests
+
+    tags = requests.get(f"{registry_plain.url}/v2/test/e2e-notriton/tags/list", timeout=10)
+    assert tags.status_code == 404 or not tags.json().get("tags")

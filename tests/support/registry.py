@@ -1,0 +1,526 @@
+"""Real-registry fixtures: ``docker-registry`` processes and a vLLM-shaped base image.
+
+Everything here uses independent tools (docker-registry, umoci, skopeo, GNU tar, openssl,
+PyJWT) and never kiln's own OCI code, so the tests check kiln against the real thing.
+
+Fixtures (all session-scoped; re-exported by ``tests/oci/conftest.py``):
+    vllm_wheel        Path of the real vllm 0.20.1 wheel (pip-downloaded once into the kiln
+                      cache's ``test-assets/wheels``; outside this session's KILN_CACHE_DIR)
+    base_layout       BaseLayout: OCI layout built with umoci (tags ``base``, ``overlay``, ``index``)
+                      plus the facts tests assert (layer digests by role, the overlay's edits)
+    registry_plain    RegistryServer, no auth, holding every fixture image
+    registry_basic    RegistryServer, htpasswd Basic auth (testuser/testpass), holding ``base``
+    registry_token    RegistryServer, Bearer tokens from a TokenServer (anonymous: pull;
+                      testuser/testpass: pull+push), holding ``base``
+    start_registry    factory(flavour="plain", copy_from=None, password=PASSWORD) -> RegistryServer,
+                      stopped at session end; ``copy_from`` clones another server's storage (for
+                      tests that corrupt blobs); ``password`` is testuser's (basic and token)
+
+Images, under the real Docker Hub name so a mirror ``docker.io=<host>`` stands in for Hub:
+    vllm/vllm-openai:v0.20.1          rootfs, filler-cuda, filler-torch, vllm, app (top)
+    vllm/vllm-openai:v0.20.1-overlay  rootfs, filler-cuda, filler-torch, vllm, overlay
+    vllm/vllm-openai:v0.20.1-docker   ``base`` converted to Docker v2 schema 2 by skopeo
+    vllm/vllm-openai:v0.20.1-index    OCI index: attestation (unknown/unknown), linux/arm64
+                                      (no vLLM), linux/amd64 (= ``base``)
+    vllm/vllm-openai:v0.20.1-triton36 ``base`` + a layer replacing triton 3.5.0's dist-info with
+                                      3.6.0's (the Triton the test toolchain runs)
+    vllm/vllm-openai:v0.20.1-notriton ``base`` + a layer whiting out triton's dist-info
+    test/no-vllm:1                    rootfs + filler-cuda only (plain registry only)
+registry_basic and registry_token hold only ``vllm/vllm-openai:v0.20.1``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+import zipfile
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+import requests
+
+from kiln.cache import cache_root
+
+VLLM_VERSION = "0.20.1"
+SITE = "usr/local/lib/python3.12/dist-packages"
+REPO = "vllm/vllm-openai"
+USER, PASSWORD = "testuser", "testpass"
+TOOLS = ("docker-registry", "skopeo", "umoci", "openssl", "htpasswd", "busybox", "tar")
+
+# Resolved at import, before any test points KILN_CACHE_DIR at a temporary directory.
+_ASSETS = cache_root() / "test-assets"
+
+
+def missing_tools() -> list[str]:
+    return [tool for tool in TOOLS if shutil.which(tool) is None]
+
+
+def require_tools() -> None:
+    missing = missing_tools()
+    if missing:
+        # ci/test installs them; a missing tool is a broken environment, never a pass
+        pytest.fail(f"registry tools missing: {', '.join(missing)} (run ci/test, which installs them)")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(*cmd: str | Path, cwd: Path | None = None) -> str:
+    result = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({result.returncode}): {result.stderr[-2000:]}")
+    return result.stdout
+
+
+# -- token server --------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenServer:
+    """A minimal distribution token service: RS256 JWTs carrying the cert in ``x5c``."""
+
+    port: int
+    key_pem: bytes
+    cert_der: bytes
+    service: str = "test-registry"
+    issuer: str = "test-issuer"
+    password: str = PASSWORD  # testuser's
+    requests_seen: list[dict] = field(default_factory=list)
+    issued: list[str] = field(default_factory=list)  # every token handed out (tests grep for leaks)
+    _server: ThreadingHTTPServer | None = None
+
+    @property
+    def realm(self) -> str:
+        return f"http://127.0.0.1:{self.port}/token"
+
+    def start(self) -> None:
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep pytest output clean
+                pass
+
+            def do_GET(self):  # noqa: N802 (http.server's naming)
+                owner._answer(self)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        if self._server:
+            self._server.shutdown()
+            self._server.server_close()
+
+    def _answer(self, handler: BaseHTTPRequestHandler) -> None:
+        import jwt  # PyJWT, a test dependency
+
+        query = parse_qs(urlsplit(handler.path).query)
+        scopes = [s for value in query.get("scope", []) for s in value.split()]
+        user = None
+        header = handler.headers.get("Authorization", "")
+        if header.startswith("Basic "):
+            user, _, password = base64.b64decode(header[6:]).decode().partition(":")
+            if (user, password) != (USER, self.password):
+                self.requests_seen.append({"scopes": scopes, "user": user, "ok": False})
+                handler.send_response(401)
+                handler.send_header("Content-Type", "application/json")
+                handler.end_headers()
+                handler.wfile.write(b'{"details":"wrong credentials"}')
+                return
+        access = []
+        for scope in scopes:
+            kind, _, rest = scope.partition(":")
+            name, _, actions = rest.rpartition(":")
+            granted = [a for a in actions.split(",") if user == USER or a == "pull"]
+            access.append({"type": kind, "name": name, "actions": granted})
+        self.requests_seen.append({"scopes": scopes, "user": user, "ok": True})
+        now = int(time.time())
+        claims = {"iss": self.issuer, "sub": user or "", "aud": self.service, "exp": now + 300,
+                  "nbf": now - 10, "iat": now, "jti": uuid.uuid4().hex, "access": access}
+        x5c = [base64.b64encode(self.cert_der).decode()]
+        token = jwt.encode(claims, self.key_pem, algorithm="RS256", headers={"x5c": x5c})
+        self.issued.append(token)
+        body = json.dumps({"token": token, "access_token": token, "expires_in": 300,
+                           "issued_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))}).encode()
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+
+# -- registry processes -------------------------------------------------------------------------
+
+
+@dataclass
+class RegistryServer:
+    flavour: str  # "plain", "basic", "token"
+    host: str  # "127.0.0.1:PORT"
+    root: Path
+    pid: int
+    token_server: TokenServer | None = None
+    username: str | None = None
+    password: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}"
+
+    @property
+    def mirror(self) -> str:
+        """The ``--mirror`` option making this registry stand in for Docker Hub."""
+        return f"docker.io=http://{self.host}"
+
+    def blob_file(self, digest: str) -> Path:
+        """Where the filesystem driver keeps a blob (tests corrupt it to check verification)."""
+        hexdigest = digest.split(":", 1)[1]
+        return self.root / "data/docker/registry/v2/blobs/sha256" / hexdigest[:2] / hexdigest / "data"
+
+    def log(self) -> str:
+        return (self.root / "log.txt").read_text(errors="replace")
+
+    def skopeo_creds(self, direction: str) -> list[str]:
+        flags = [f"--{direction}-tls-verify=false"]
+        if self.username:
+            flags.append(f"--{direction}-creds={self.username}:{self.password}")
+        return flags
+
+    def push(self, source: str, name: str, *extra: str) -> None:
+        run("skopeo", "copy", "--quiet", *self.skopeo_creds("dest"), *extra, source, f"docker://{self.host}/{name}")
+
+    def digest_of(self, name: str) -> str:
+        """The manifest digest as skopeo (not kiln) sees it: sha256 of the raw manifest bytes."""
+        flags = ["--tls-verify=false"] + ([f"--creds={self.username}:{self.password}"] if self.username else [])
+        result = subprocess.run(["skopeo", "inspect", "--raw", *flags, f"docker://{self.host}/{name}"],
+                                capture_output=True, check=True)
+        return "sha256:" + hashlib.sha256(result.stdout).hexdigest()
+
+    def stop(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGTERM)
+            for _ in range(50):
+                if _reaped(self.pid):
+                    break
+                time.sleep(0.1)
+            else:
+                os.kill(self.pid, signal.SIGKILL)
+                _reaped(self.pid)
+        except ProcessLookupError:
+            pass
+        if self.token_server:
+            self.token_server.stop()
+
+
+def _reaped(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == pid
+    except ChildProcessError:
+        return True
+
+
+def start_registry_process(root: Path, flavour: str = "plain", copy_from: RegistryServer | None = None,
+                           password: str = PASSWORD) -> RegistryServer:
+    root.mkdir(parents=True, exist_ok=True)
+    if copy_from:
+        shutil.copytree(copy_from.root / "data", root / "data")
+    else:
+        (root / "data").mkdir(exist_ok=True)
+    port = free_port()
+    auth, token_server, user = "", None, None
+    if flavour == "basic":
+        run("htpasswd", "-Bbc", root / "htpasswd", USER, password)
+        auth = f"auth:\n  htpasswd:\n    realm: basic-realm\n    path: {root}/htpasswd\n"
+        user = USER
+    elif flavour == "token":
+        run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", root / "key.pem",
+            "-out", root / "cert.pem", "-days", "2", "-subj", "/CN=test-issuer",
+            "-addext", "basicConstraints=critical,CA:TRUE")
+        cert_der = base64.b64decode("".join(
+            line for line in (root / "cert.pem").read_text().splitlines() if not line.startswith("-----")))
+        token_server = TokenServer(free_port(), (root / "key.pem").read_bytes(), cert_der, password=password)
+        token_server.start()
+        auth = (f"auth:\n  token:\n    realm: {token_server.realm}\n    service: {token_server.service}\n"
+                f"    issuer: {token_server.issuer}\n    rootcertbundle: {root}/cert.pem\n")
+        user = USER
+    elif flavour != "plain":
+        raise ValueError(flavour)
+    (root / "config.yml").write_text(
+        "version: 0.1\nlog:\n  level: info\n  accesslog:\n    disabled: false\n"
+        f"storage:\n  filesystem:\n    rootdirectory: {root}/data\n  delete:\n    enabled: true\n"
+        f"http:\n  addr: 127.0.0.1:{port}\n{auth}"
+    )
+    with open(root / "log.txt", "wb") as log:
+        process = subprocess.Popen(["docker-registry", "serve", str(root / "config.yml")],
+                                   stdout=log, stderr=subprocess.STDOUT)
+    server = RegistryServer(flavour, f"127.0.0.1:{port}", root, process.pid, token_server, user,
+                            password if user else None)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"docker-registry exited: {server.log()[-2000:]}")
+        try:
+            requests.get(f"{server.url}/v2/", timeout=1)
+            return server
+        except requests.RequestException:
+            time.sleep(0.05)
+    server.stop()
+    raise RuntimeError(f"docker-registry did not answer on {server.host}: {server.log()[-2000:]}")
+
+
+# -- the base image -----------------------------------------------------------------------------
+
+
+def fetch_vllm_wheel() -> Path:
+    """The real wheel, downloaded once with pip into the kiln cache (reused across sessions)."""
+    wheels = _ASSETS / "wheels"
+    found = sorted(wheels.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+    if found:
+        return found[0]
+    wheels.mkdir(parents=True, exist_ok=True)
+    staging = wheels / f".tmp-{os.getpid()}"
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                        f"vllm=={VLLM_VERSION}", "-d", str(staging)], check=True, capture_output=True)
+        wheel = next(staging.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+        os.replace(wheel, wheels / wheel.name)
+        return wheels / wheel.name
+    except (subprocess.CalledProcessError, StopIteration) as err:
+        pytest.fail(f"cannot download vllm=={VLLM_VERSION} with pip: {err}")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+@dataclass
+class BaseLayout:
+    path: Path  # OCI layout (umoci) holding tags stem, base, overlay, novllm, arm64, index
+    layers: dict[str, str]  # role -> layer digest (compressed): rootfs, filler-cuda, filler-torch, vllm, app, overlay
+    layer_sizes: dict[str, int]
+    wheel_files: dict[str, bytes]  # "vllm/..." .py path relative to site dir -> bytes (from the wheel)
+    overridden: str  # vllm-relative path the overlay replaces
+    override_bytes: bytes
+    whited_out: str  # vllm-relative path the overlay deletes
+    opaque_dir: str  # vllm-relative dir the overlay marks opaque
+    opaque_files: dict[str, bytes]  # what the overlay puts in that dir
+
+    def oci(self, tag: str) -> str:
+        return f"oci:{self.path}:{tag}"
+
+
+def _tar(src: Path, out: Path) -> Path:
+    run("tar", "--sort=name", "--owner=0", "--group=0", "--numeric-owner", "--format=pax",
+        "--mtime=2024-01-01T00:00:00Z", "-C", src, "-cf", out, ".")
+    return out
+
+
+def _blob(layout: Path, data: bytes) -> tuple[str, int]:
+    digest = hashlib.sha256(data).hexdigest()
+    (layout / "blobs/sha256" / digest).write_bytes(data)
+    return f"sha256:{digest}", len(data)
+
+
+def build_base_layout(work: Path, wheel: Path) -> BaseLayout:
+    work.mkdir(parents=True, exist_ok=True)
+    rnd = random.Random(20240101)
+    trees = {role: work / "trees" / role for role in ("rootfs", "filler-cuda", "filler-torch", "vllm", "app", "overlay")}
+    for tree in trees.values():
+        tree.mkdir(parents=True)
+    # rootfs: busybox-static with a few applets, as a distro base would provide a shell.
+    bin_dir = trees["rootfs"] / "bin"
+    bin_dir.mkdir()
+    shutil.copy(shutil.which("busybox"), bin_dir / "busybox")
+    for applet in ("sh", "cat", "ls", "sha256sum"):
+        (bin_dir / applet).symlink_to("busybox")
+    (trees["rootfs"] / "etc").mkdir()
+    (trees["rootfs"] / "etc/os-release").write_text("ID=kiln-fixture\n")
+    # fillers standing in for CUDA and torch: incompressible, so their bytes are noticed if pulled.
+    cuda = trees["filler-cuda"] / "usr/local/cuda/lib64"
+    cuda.mkdir(parents=True)
+    (cuda / "libcudart.so.13").write_bytes(rnd.randbytes(3 << 20))
+    torch = trees["filler-torch"] / SITE / "torch"
+    (torch / "lib").mkdir(parents=True)
+    (torch / "lib/libtorch_cuda.so").write_bytes(rnd.randbytes(3 << 20))
+    (torch / "__init__.py").write_text("__version__ = '2.9.0'\n")
+    # vllm: the wheel's python files and dist-info, as pip installs them; plus triton's metadata.
+    site = trees["vllm"] / SITE
+    wheel_files: dict[str, bytes] = {}
+    with zipfile.ZipFile(wheel) as archive:
+        for name in archive.namelist():
+            keep_py = name.startswith("vllm/") and name.endswith(".py")
+            if keep_py or name.startswith(f"vllm-{VLLM_VERSION}.dist-info/"):
+                data = archive.read(name)
+                (site / name).parent.mkdir(parents=True, exist_ok=True)
+                (site / name).write_bytes(data)
+                if keep_py:
+                    wheel_files[name] = data
+    (site / "triton-3.5.0.dist-info").mkdir()
+    (site / "triton-3.5.0.dist-info/METADATA").write_text("Metadata-Version: 2.1\nName: triton\nVersion: 3.5.0\n")
+    # app: a small top layer that touches no vLLM file (the real image has a few like it).
+    (trees["app"] / "usr/local/bin").mkdir(parents=True)
+    (trees["app"] / "usr/local/bin/serve.sh").write_text("#!/bin/sh\nexec vllm serve \"$@\"\n")
+    # overlay: replaces one file, whites out one, makes one directory opaque with a new file.
+    overridden, whited_out, opaque_dir = "envs.py", "collect_env.py", "benchmarks"
+    osite = trees["overlay"] / SITE / "vllm"
+    (osite / opaque_dir).mkdir(parents=True)
+    override = wheel_files[f"vllm/{overridden}"] + b"\n# overridden by the kiln fixture overlay layer\n"
+    (osite / overridden).write_bytes(override)
+    (osite / f".wh.{whited_out}").write_bytes(b"")
+    (osite / opaque_dir / ".wh..wh..opq").write_bytes(b"")
+    opaque_files = {"__init__.py": b"# opaque replacement\n", "only_in_overlay.py": b"X = 1\n"}
+    for name, data in opaque_files.items():
+        (osite / opaque_dir / name).write_bytes(data)
+
+    layout = work / "layout"
+    run("umoci", "init", "--layout", layout)
+    run("umoci", "new", "--image", f"{layout}:stem")
+    run("umoci", "config", "--image", f"{layout}:stem", "--architecture", "amd64", "--os", "linux",
+        "--config.cmd", "/bin/sh")
+    for role in ("rootfs", "filler-cuda", "filler-torch", "vllm"):
+        run("umoci", "raw", "add-layer", "--image", f"{layout}:stem", "--history.created_by", f"fixture {role}",
+            _tar(trees[role], work / f"{role}.tar"))
+    for role, tag in (("app", "base"), ("overlay", "overlay")):
+        run("umoci", "raw", "add-layer", "--image", f"{layout}:stem", "--tag", tag,
+            "--history.created_by", f"fixture {role}", _tar(trees[role], work / f"{role}.tar"))
+    # Triton variants of ``base`` (kernel-cache builds): 3.6.0's dist-info instead of 3.5.0's, or none.
+    for tag, triton in (("triton36", "3.6.0"), ("notriton", None)):
+        site = work / "trees" / tag / SITE
+        site.mkdir(parents=True)
+        (site / ".wh.triton-3.5.0.dist-info").write_bytes(b"")
+        if triton:
+            (site / f"triton-{triton}.dist-info").mkdir()
+            (site / f"triton-{triton}.dist-info/METADATA").write_text(
+                f"Metadata-Version: 2.1\nName: triton\nVersion: {triton}\n")
+        run("umoci", "raw", "add-layer", "--image", f"{layout}:base", "--tag", tag,
+            "--history.created_by", f"fixture {tag}", _tar(work / "trees" / tag, work / f"{tag}.tar"))
+    # an amd64 image without vLLM (rootfs + a filler), for the "base has no vLLM" error.
+    run("umoci", "new", "--image", f"{layout}:novllm")
+    run("umoci", "config", "--image", f"{layout}:novllm", "--architecture", "amd64", "--os", "linux")
+    for role in ("rootfs", "filler-cuda"):
+        run("umoci", "raw", "add-layer", "--image", f"{layout}:novllm", work / f"{role}.tar")
+    # an arm64 image without vLLM: picking it instead of amd64 would fail loudly.
+    run("umoci", "new", "--image", f"{layout}:arm64")
+    run("umoci", "config", "--image", f"{layout}:arm64", "--architecture", "arm64", "--os", "linux")
+    run("umoci", "raw", "add-layer", "--image", f"{layout}:arm64", work / "rootfs.tar")
+
+    index = json.loads((layout / "index.json").read_text())
+    by_tag = {m["annotations"]["org.opencontainers.image.ref.name"]: m for m in index["manifests"]}
+    layers: dict[str, str] = {}
+    sizes: dict[str, int] = {}
+    for tag, roles in (("base", ("rootfs", "filler-cuda", "filler-torch", "vllm", "app")),
+                       ("overlay", ("rootfs", "filler-cuda", "filler-torch", "vllm", "overlay"))):
+        manifest = json.loads((layout / "blobs/sha256" / by_tag[tag]["digest"].split(":")[1]).read_bytes())
+        for role, layer in zip(roles, manifest["layers"], strict=True):
+            layers[role], sizes[role] = layer["digest"], layer["size"]
+    # the OCI index with a BuildKit-style attestation entry first.
+    att_layer = _blob(layout, json.dumps({"_type": "https://in-toto.io/Statement/v0.1"}).encode())
+    att_config = _blob(layout, json.dumps({"architecture": "unknown", "os": "unknown", "rootfs": {"type": "layers", "diff_ids": [att_layer[0]]}}).encode())
+    att_manifest = _blob(layout, json.dumps({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": att_config[0], "size": att_config[1]},
+        "layers": [{"mediaType": "application/vnd.in-toto+json", "digest": att_layer[0], "size": att_layer[1]}],
+    }).encode())
+    entry = lambda tag, plat: {  # noqa: E731
+        "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": by_tag[tag]["digest"],
+        "size": by_tag[tag]["size"], "platform": plat}
+    image_index = _blob(layout, json.dumps({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [
+            {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": att_manifest[0], "size": att_manifest[1],
+             "platform": {"architecture": "unknown", "os": "unknown"},
+             "annotations": {"vnd.docker.reference.type": "attestation-manifest",
+                             "vnd.docker.reference.digest": by_tag["base"]["digest"]}},
+            entry("arm64", {"architecture": "arm64", "os": "linux"}),
+            entry("base", {"architecture": "amd64", "os": "linux"}),
+        ],
+    }).encode())
+    index["manifests"].append({"mediaType": "application/vnd.oci.image.index.v1+json", "digest": image_index[0],
+                               "size": image_index[1], "annotations": {"org.opencontainers.image.ref.name": "index"}})
+    (layout / "index.json").write_text(json.dumps(index))
+    return BaseLayout(layout, layers, sizes, wheel_files, overridden, override, whited_out, opaque_dir, opaque_files)
+
+
+# -- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def vllm_wheel() -> Path:
+    return fetch_vllm_wheel()
+
+
+@pytest.fixture(scope="session")
+def base_layout(tmp_path_factory, vllm_wheel) -> BaseLayout:
+    require_tools()
+    return build_base_layout(tmp_path_factory.mktemp("base-image"), vllm_wheel)
+
+
+@pytest.fixture(scope="session")
+def start_registry(tmp_path_factory):
+    require_tools()
+    servers: list[RegistryServer] = []
+
+    def start(flavour: str = "plain", copy_from: RegistryServer | None = None, password: str = PASSWORD) -> RegistryServer:
+        server = start_registry_process(tmp_path_factory.mktemp(f"registry-{flavour}"), flavour, copy_from, password)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def _push_all(server: RegistryServer, layout: BaseLayout, full: bool) -> None:
+    server.push(layout.oci("base"), f"{REPO}:v{VLLM_VERSION}")
+    if full:
+        server.push(layout.oci("overlay"), f"{REPO}:v{VLLM_VERSION}-overlay")
+        server.push(layout.oci("base"), f"{REPO}:v{VLLM_VERSION}-docker", "--format", "v2s2")
+        server.push(layout.oci("index"), f"{REPO}:v{VLLM_VERSION}-index", "--all")
+        server.push(layout.oci("novllm"), "test/no-vllm:1")
+        server.push(layout.oci("triton36"), f"{REPO}:v{VLLM_VERSION}-triton36")
+        server.push(layout.oci("notriton"), f"{REPO}:v{VLLM_VERSION}-notriton")
+
+
+@pytest.fixture(scope="session")
+def registry_plain(start_registry, base_layout) -> RegistryServer:
+    server = start_registry("plain")
+    _push_all(server, base_layout, full=True)
+    return server
+
+
+@pytest.fixture(scope="session")
+def registry_basic(start_registry, base_layout) -> RegistryServer:
+    server = start_registry("basic")
+    _push_all(server, base_layout, full=False)
+    return server
+
+
+@pytest.fixture(scope="session")
+def registry_token(start_registry, base_layout) -> RegistryServer:
+    server = start_registry("token")
+    _push_all(server, base_layout, full=False)
+    return server
+
+
+def read_blob(client, repo: str, digest: str, size: int | None = None) -> bytes:
+    """A whole blob through the client's verifying reader (tests only; kiln streams blobs)."""
+    chunks = []
+    with client.open_blob(repo, digest, size) as reader:
+        while chunk := reader.read(1 << 20):
+            chunks.append(chunk)
+    return b"".join(chunks)
