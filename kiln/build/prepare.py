@@ -164,7 +164,7 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     if definition.model.kernels:  # the ahead-of-time Triton kernel cache, one layer per SM
         runtime_env = {**image_env(base_config), **definition.serve_env}
         kernel_layer = triton_cache_layer(definition.model.kernels, sm, found, changed, runtime_env, cache,
-                                          f"{definition.path}: model.kernels", reporter)
+                                          f"{definition.path}: model.kernels", definition.name, reporter)
         layers.append(kernel_layer.contents)
         env, triton = kernel_layer.env, kernel_layer.summary
         clock.lap("triton")

@@ -2,7 +2,7 @@
 
 Public API:
     TritonLayer(contents, env, summary)
-    triton_cache_layer(preset, sm, found, changed, runtime_env, cache, label, reporter=SILENT)
+    triton_cache_layer(preset, sm, found, changed, runtime_env, cache, label, image_name, reporter=SILENT)
         -> TritonLayer
     image_env(config) -> dict       a base config's Env as a dict
 
@@ -36,9 +36,9 @@ class TritonLayer:
 
 
 def triton_cache_layer(preset: KernelPreset, sm: int, found: ImageVllm, changed: dict[str, str],
-                       runtime_env: dict[str, str], cache: Path, label: str,
+                       runtime_env: dict[str, str], cache: Path, label: str, image_name: str,
                        reporter: Reporter = SILENT) -> TritonLayer:
-    """``label`` names the preset in errors and the layer's history (``images/x.toml: model.kernels``)."""
+    """``label`` names the preset in errors (``images/x.toml: model.kernels``); ``image_name`` the layer."""
     sources = KernelSources(changed, found.tree.root)
     check_kernels(preset, sources.read, label)
     toolchain = toolchain_for(found.triton_version, found.image, cache)
@@ -56,7 +56,7 @@ def triton_cache_layer(preset: KernelPreset, sm: int, found: ImageVllm, changed:
                "kernel_names": kernels, "compiled": result.compiled, "from_cache": result.cached,
                "not_built": result.failures, "seconds": result.seconds}
     contents = LayerContents(files=files, removals=(),
-                             created_by=f"kiln triton cache sm{sm}: {', '.join(kernels) or 'none'}")
+                             created_by=f"kiln triton cache {image_name} sm{sm}: {', '.join(kernels) or 'none'}")
     return TritonLayer(contents, {"TRITON_CACHE_DIR": RUNTIME_CACHE_DIR}, summary)
 
 

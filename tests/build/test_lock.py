@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from packaging.version import Version
 
@@ -11,8 +9,9 @@ from kiln import commands
 from kiln.build.prepare import check_lock
 from kiln.errors import KilnError
 from kiln.pins import Pin
+from tests.support import TEST_IMAGES
 
-IMAGES = ["--images", str(Path(__file__).parent / "oci" / "images")]
+IMAGES = ["--images", str(TEST_IMAGES)]
 DIGEST = "sha256:" + "a" * 64
 OTHER = "sha256:" + "b" * 64
 
