@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln import __version__
-from kiln.build.layers import write_layer
 from kiln.build.prepare import PreparedBuild
 from kiln.oci.blobstore import BlobStore
-from kiln.oci.layer import Layer
+from kiln.oci.layer import Layer, write_layer
 from kiln.oci.manifest import Manifest
 from kiln.oci.mutate import ImageModel, append_layer, with_annotations, with_env, with_labels
 from kiln.report import SILENT, Reporter

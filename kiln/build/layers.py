@@ -4,9 +4,7 @@ Public API:
     AUDIT_PATH                       "opt/kiln/manifest.json" (inside the image)
     pyc_whiteouts(rel, site_dir, base_files) -> list[str]
     audit_record(...) -> dict        what ``/opt/kiln/manifest.json`` holds
-    LayerContents(files, removals, created_by)   what one layer puts over the base
     patched_contents(changed, site_dir, base_files, audit, created_by="") -> LayerContents
-    write_layer(contents, workdir) -> Layer        the contents as a deterministic gzip layer
 
 The layer holds only what differs from the base: the patched (or added) modules under
 ``<site_dir>/vllm/``, a whiteout for each ``__pycache__`` entry the base holds for a changed
@@ -25,13 +23,11 @@ import json
 import posixpath
 import re
 from collections.abc import Collection
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from kiln import __version__
 from kiln.build.provenance import kiln_revision
 from kiln.errors import KilnError
-from kiln.oci.layer import Layer, LayerBuilder
+from kiln.oci.layer import LayerContents
 from kiln.patch.engine import sha256_text
 from kiln.patch.model import Outcome
 
@@ -91,21 +87,6 @@ def audit_record(*, image: str, pin: dict, sm: int, base_reference: str, base_di
     }
 
 
-@dataclass(frozen=True)
-class LayerContents:
-    """What one layer kiln adds puts over the base, independent of how it is written.
-
-    ``files``: image path (relative, e.g. ``usr/local/lib/.../x.py``) -> bytes, mode 0644.
-    ``removals``: image paths of lower-layer files this layer hides (a tar layer writes a
-    whiteout for each; a build context deletes them with ``rm -f``, so an absent one is fine).
-    ``created_by``: the config history entry of the layer.
-    """
-
-    files: dict[str, bytes] = field(default_factory=dict)
-    removals: tuple[str, ...] = ()
-    created_by: str = ""
-
-
 def patched_contents(changed: dict[str, str], site_dir: str, base_files: Collection[str] | None,
                      audit: dict, created_by: str = "") -> LayerContents:
     """The patched-source layer: every changed module, its stale bytecode, the audit file."""
@@ -120,13 +101,3 @@ def patched_contents(changed: dict[str, str], site_dir: str, base_files: Collect
             removals.extend(pyc_whiteouts(rel, site_dir, base_files))
     files[AUDIT_PATH] = (json.dumps(audit, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
     return LayerContents(files, tuple(removals), created_by)
-
-
-def write_layer(contents: LayerContents, workdir: Path) -> Layer:
-    """Write ``contents`` as one deterministic gzip layer into ``workdir``."""
-    builder = LayerBuilder()
-    for path, data in sorted(contents.files.items()):
-        builder.add_file(path, data)
-    for path in contents.removals:
-        builder.add_whiteout(path)
-    return builder.write(workdir)

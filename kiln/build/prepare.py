@@ -23,13 +23,14 @@ from pathlib import Path
 
 from kiln import labels as L
 from kiln.build.inputs import BuildInputs
-from kiln.build.layers import LayerContents, audit_record, patched_contents
+from kiln.build.layers import audit_record, patched_contents
 from kiln.build.provenance import kiln_revision, kiln_source_url
 from kiln.cache import cache_root
 from kiln.errors import KilnError
 from kiln.oci.blobcache import BlobCache
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.image import RemoteImage
+from kiln.oci.layer import LayerContents
 from kiln.oci.mutate import ImageModel, to_oci
 from kiln.oci.reference import ImageReference, parse_reference
 from kiln.oci.registry import RegistryClient, TransferStats

@@ -12,10 +12,10 @@ from kiln.errors import KilnError
 from kiln.patch.catalog import load_catalogue
 from kiln.patch.memo import VerdictMemo
 from kiln.patch.record import load_record, verdict_counts
+from kiln.pinning.bump import Preflight, old_pin_tree, resolve_candidate, run_preflight
+from kiln.pinning.lock import lock_pins
+from kiln.pinning.rotate import write_bump
 from kiln.pins import current_pin, load_pins, rollback_pin
-from kiln.pins.bump import Preflight, old_pin_tree, resolve_candidate, run_preflight
-from kiln.pins.lock import lock_pins
-from kiln.pins.rotate import write_bump
 
 _ACTION_STYLE = {"keep": "green", "new": "green", "retire": "cyan", "retired": "dim", "re-anchor": "red",
                  "blocked": "red", "gated": "yellow", "-": "red"}

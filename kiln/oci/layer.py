@@ -6,12 +6,13 @@ Public API:
     LayerBuilder()
         .add_file(path, data, mode=0o644)   data: bytes or a Path to copy from
         .add_whiteout(path)                 hides ``path`` of a lower layer (``.wh.<name>``)
-        .add_opaque(directory)              hides everything a lower layer has in ``directory``
         .paths() -> list[str]               every entry the layer will hold, sorted
         .write(directory) -> Layer          streams tar -> gzip into ``directory``
     Layer(path, digest, diff_id, size, uncompressed_size)
     normalise_path(path) -> str          ``/usr/x`` -> ``usr/x``; KilnError for ``..`` or empty
     diff_id_of(path) -> str              sha256 of a gzip layer's uncompressed bytes (for checks)
+    LayerContents(files, removals, created_by)   what one layer puts over the base, however written
+    write_layer(contents, workdir) -> Layer      ``LayerContents`` as a deterministic gzip layer
 
 The recipe (see shared research, "Determinism rules for layer tarballs"): entries sorted by
 path with every parent directory present explicitly, one fixed integer mtime, uid/gid 0 with
@@ -33,7 +34,7 @@ import os
 import posixpath
 import tarfile
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.errors import KilnError
@@ -179,3 +180,28 @@ def diff_id_of(path: Path) -> str:
         while chunk := handle.read(_CHUNK):
             sha.update(chunk)
     return "sha256:" + sha.hexdigest()
+
+
+@dataclass(frozen=True)
+class LayerContents:
+    """What one layer kiln adds puts over the base, independent of how it is written.
+
+    ``files``: image path (relative, e.g. ``usr/local/lib/.../x.py``) -> bytes, mode 0644.
+    ``removals``: image paths of lower-layer files this layer hides (a tar layer writes a
+    whiteout for each; a build context deletes them with ``rm -f``, so an absent one is fine).
+    ``created_by``: the config history entry of the layer.
+    """
+
+    files: dict[str, bytes] = field(default_factory=dict)
+    removals: tuple[str, ...] = ()
+    created_by: str = ""
+
+
+def write_layer(contents: LayerContents, workdir: Path) -> Layer:
+    """Write ``contents`` as one deterministic gzip layer into ``workdir``."""
+    builder = LayerBuilder()
+    for path, data in sorted(contents.files.items()):
+        builder.add_file(path, data)
+    for path in contents.removals:
+        builder.add_whiteout(path)
+    return builder.write(workdir)

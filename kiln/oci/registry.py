@@ -13,7 +13,6 @@ Public API:
         .blob_stream(repo, digest) -> ctx[readable]     raw bytes, NOT verified (for the blob cache);
                                                         resumed with ``Range`` when the connection breaks
         .open_blob(repo, digest, size=None) -> ctx[VerifyingReader]  verified on leaving the block
-        .get_blob(repo, digest, size=None) -> bytes     verified
         .mount_blob(repo, digest, from_repo) -> bool    False when the registry refused (202)
         .upload_blob(repo, digest, data, chunk_size=None)   bytes or Path; monolithic or PATCH chunks;
                                                         a broken session is abandoned and restarted
@@ -36,7 +35,6 @@ credentials or upload-session state.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -50,15 +48,16 @@ from kiln.errors import KilnError
 from kiln.oci.auth import RegistryAuth, pull_scope, push_scope
 from kiln.oci.digest import VerifyingReader, check_digest, sha256_digest
 from kiln.oci.endpoints import Endpoint, RegistryConfig
+from kiln.oci.failures import connection_problem, describe_failure, tls_failure
 from kiln.oci.manifest import Manifest
 from kiln.oci.mediatypes import IMAGE_MANIFEST_TYPES, INDEX_TYPES, MANIFEST_ACCEPT
+from kiln.oci.resumable import ResumableBlob
 from kiln.oci.retry import BROKEN_CONNECTION, RETRY_STATUS, RetryPolicy, TransferError, retry_after
 
 _TIMEOUT = (30, 300)  # connect, read
 # One read of a blob body asks for at most this much: bytes of a read that a reset interrupts
 # are lost, so a resume starts at most this far back.
 _READ_MAX = 256 << 10
-_CERT_PROBLEM = re.compile(r"certificate verify failed: ([^(]*?)\s*\(|hostname mismatch|self.signed certificate")
 
 
 @dataclass
@@ -179,7 +178,7 @@ class RegistryClient:
     def blob_stream(self, repo: str, digest: str) -> Iterator:
         """The blob's raw bytes as a readable; unverified, callers must hash what they read."""
         check_digest(digest, f"{self.name}/{repo} blob")
-        stream = _ResumableBlob(self, repo, digest)
+        stream = ResumableBlob(self, repo, digest, _READ_MAX)
         self.stats.blobs_fetched.append(digest)
         try:
             yield stream
@@ -296,7 +295,7 @@ class RegistryClient:
             scopes = self.auth.retry_scopes(resp, scopes, bool(auth_headers), attempt)
             attempt += 1
         if resp.status_code not in ok:
-            message = _describe_failure(self.name, what, resp)
+            message = describe_failure(self.name, what, resp)
             wait = retry_after(resp)
             resp.close()
             if resp.status_code in RETRY_STATUS:
@@ -321,10 +320,10 @@ class RegistryClient:
                 resp = self.session.request(method, url, headers=headers, data=data, stream=stream,
                                             verify=self.verify, timeout=_TIMEOUT, allow_redirects=True)
             except requests.exceptions.SSLError as err:
-                raise KilnError(_tls_failure(self.endpoint.host, err)) from None
+                raise KilnError(tls_failure(self.endpoint, err)) from None
             except BROKEN_CONNECTION as err:
                 if last:
-                    raise TransferError(f"{self.name}: {_connection_problem(err)} for {method} {_path(url)}"
+                    raise TransferError(f"{self.name}: {connection_problem(self.endpoint.host, err)} for {method} {_path(url)}"
                                         + (f" (after {attempt + 1} attempts)" if attempt else "")) from None
                 time.sleep(self.policy.delay(attempt))
                 self.stats.retries += 1
@@ -342,86 +341,6 @@ class RegistryClient:
         raise AssertionError("unreachable")
 
 
-class _ResumableBlob:
-    """A blob's bytes as one readable (compressed, as on the wire), across broken connections.
-
-    When a read fails mid-body (a reset, a body cut short of its Content-Length, a timeout),
-    the rest is requested with ``Range: bytes=<received>-``; a registry that answers 200
-    instead is read from the start and the bytes already handed out are skipped. At most
-    ``policy.retries`` resumes per blob; the caller still verifies the digest of the whole.
-    """
-
-    def __init__(self, client: RegistryClient, repo: str, digest: str):
-        self._client, self._repo, self._digest = client, repo, digest
-        self.received = 0  # bytes handed to the reader
-        self.resumes = 0
-        self._total: int | None = None
-        self._offset = 0  # blob offset of the current response's next byte
-        self._resp = self._open()
-
-    def _open(self) -> requests.Response:
-        client = self._client
-        headers = {"Range": f"bytes={self.received}-"} if self.received else None
-        resp = client._request("GET", client._url(self._repo, "blobs", self._digest), {pull_scope(self._repo)},
-                               headers=headers, ok=(200, 206), stream=True, what=f"{self._repo}@{self._digest}")
-        if resp.status_code == 206:
-            start, total = _content_range(resp.headers.get("Content-Range", ""))
-            if start != self.received:
-                resp.close()
-                raise TransferError(f"{client.name}/{self._repo}@{self._digest}: asked for bytes from "
-                                    f"{self.received}, the registry sent from {start}")
-            self._offset, self._total = start, total if total is not None else self._total
-        else:
-            self._offset = 0
-            length = resp.headers.get("Content-Length", "")
-            self._total = int(length) if length.isdigit() else self._total
-        return resp
-
-    def read(self, n: int = -1) -> bytes:
-        size = _READ_MAX if n is None or n < 0 else min(n, _READ_MAX)
-        while True:
-            try:
-                data = self._resp.raw.read(size, decode_content=False)
-            except BROKEN_CONNECTION as err:
-                self._resume(_connection_problem(err))
-                continue
-            if not data:
-                if self._total is not None and self._offset < self._total:
-                    self._resume(f"body ended at byte {self._offset} of {self._total}")
-                    continue
-                return b""
-            start, self._offset = self._offset, self._offset + len(data)
-            if start < self.received:  # a 200 answer to a resume: skip what was handed out
-                data = data[self.received - start:]
-                if not data:
-                    continue
-            self.received += len(data)
-            self._client.stats.bytes_down += len(data)
-            return data
-
-    def _resume(self, why: str) -> None:
-        self._resp.close()
-        client = self._client
-        if self.resumes >= client.policy.retries:
-            raise TransferError(f"{client.name}/{self._repo}@{self._digest}: download broken ({why}) after "
-                                f"{self.received} bytes and {self.resumes} resumes; giving up")
-        time.sleep(client.policy.delay(self.resumes))
-        self.resumes += 1
-        client.stats.resumes += 1
-        self._resp = self._open()
-
-    def close(self) -> None:
-        self._resp.close()
-
-
-def _content_range(value: str) -> tuple[int | None, int | None]:
-    """``bytes 10-99/100`` -> (10, 100); the total may be ``*``."""
-    match = re.fullmatch(r"\s*bytes\s+(\d+)-\d+/(\d+|\*)\s*", value)
-    if not match:
-        return None, None
-    return int(match.group(1)), None if match.group(2) == "*" else int(match.group(2))
-
-
 def _slice(data: bytes | Path, start: int, end: int) -> bytes:
     if isinstance(data, bytes):
         return data[start:end]
@@ -430,39 +349,6 @@ def _slice(data: bytes | Path, start: int, end: int) -> bytes:
         return handle.read(end - start)
 
 
-def _connection_problem(err: Exception) -> str:
-    text = str(err)
-    if isinstance(err, requests.exceptions.ConnectTimeout) or "NewConnectionError" in text or "refused" in text:
-        return f"unreachable ({err.__class__.__name__})"
-    if "reset" in text.lower():
-        return "connection reset"
-    return f"connection broken ({err.__class__.__name__})"
-
-
-def _tls_failure(host: str, err: Exception) -> str:
-    """One line for a certificate the system does not trust; the exception text holds URLs."""
-    match = _CERT_PROBLEM.search(str(err))
-    reason = (match.group(1) or match.group(0)).strip() if match else "TLS handshake failed"
-    return (f"{host}: TLS certificate not trusted ({reason}); add its CA to the system trust store "
-            f"(or REQUESTS_CA_BUNDLE), or mark it insecure: --insecure-registry https://{host}")
-
-
 def _path(url: str) -> str:
     """The URL without its query: upload locations carry opaque state worth not printing."""
     return url.split("?", 1)[0]
-
-
-def _describe_failure(registry: str, what: str, resp: requests.Response) -> str:
-    codes = []
-    try:
-        for error in resp.json().get("errors", []):
-            codes.append(f"{error.get('code')}: {error.get('message')}")
-    except (ValueError, AttributeError):
-        pass
-    detail = "; ".join(codes)
-    status = resp.status_code
-    if status == 404 and "MANIFEST_UNKNOWN" in detail or (status == 404 and "/manifests/" in resp.url):
-        return f"{registry}/{what}: not found (no such tag, digest or repository)"
-    if status == 403:
-        return f"{registry}/{what}: forbidden (HTTP 403){': ' + detail if detail else ''}"
-    return f"{registry}/{what}: HTTP {status}{': ' + detail if detail else ''}"

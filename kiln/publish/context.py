@@ -35,9 +35,8 @@ from pathlib import Path
 
 from kiln import labels as L
 from kiln import paths
-from kiln.build.layers import LayerContents
 from kiln.errors import KilnError
-from kiln.oci.layer import LAYER_MTIME, normalise_path
+from kiln.oci.layer import LAYER_MTIME, LayerContents, normalise_path
 from kiln.publish import Publisher
 from kiln.staging import Staged, stage_dir
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.build.layers import LayerContents
+from kiln.oci.layer import LayerContents
 from kiln.report import SILENT, Reporter
 from kiln.source.image import ImageVllm
 from kiln.triton.aot import KernelSources, compile_kernel_caches, kernel_cache_files

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from kiln.build.layers import AUDIT_PATH, patched_contents, pyc_whiteouts, write_layer
+from kiln.build.layers import AUDIT_PATH, patched_contents, pyc_whiteouts
 from kiln.errors import KilnError
-from kiln.oci.layer import GZIP_LEVEL, LAYER_MTIME, LayerBuilder, diff_id_of
+from kiln.oci.layer import GZIP_LEVEL, LAYER_MTIME, LayerBuilder, diff_id_of, write_layer
 from kiln.oci.manifest import Manifest
 from kiln.oci.mediatypes import DOCKER_LAYER_GZIP, DOCKER_MANIFEST, OCI_LAYER_GZIP, OCI_MANIFEST
 from kiln.oci.mutate import (

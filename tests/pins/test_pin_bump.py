@@ -18,9 +18,9 @@ import pytest
 
 from kiln import commands, paths
 from kiln.patch.catalog import load_catalogue
+from kiln.pinning.bump import Candidate
+from kiln.pinning.rotate import rotated_pins_text
 from kiln.pins import Pin
-from kiln.pins.bump import Candidate
-from kiln.pins.rotate import rotated_pins_text
 
 PINS_TEXT = """\
 # kiln pins -- the header comment must survive

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from kiln import commands, paths
-from kiln.build.layers import LayerContents
 from kiln.errors import KilnError
+from kiln.oci.layer import LayerContents
 from kiln.publish.context import (
     CONTEXT_MARKER,
     ENV_ARGS,

@@ -8,8 +8,8 @@ Public API:
     check_pin_name(name, where) -> str    a pin name is part of image tags: the OCI tag grammar
     check_cuda(value, where) -> str       ``cu130``
 
-Lifecycle: ``kiln.pins.lock`` (resolve and record digests), ``kiln.pins.bump`` (preflight a new
-vLLM), ``kiln.pins.rotate`` (write the bump).
+Lifecycle: ``kiln.pinning.lock`` (resolve and record digests), ``kiln.pinning.bump`` (preflight a new
+vLLM), ``kiln.pinning.rotate`` (write the bump).
 """
 
 from __future__ import annotations

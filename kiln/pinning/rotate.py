@@ -21,8 +21,8 @@ import tomlkit
 
 from kiln.errors import KilnError
 from kiln.patch.record import accepted_text, load_record
+from kiln.pinning.bump import Candidate, Preflight
 from kiln.pins import Pin, load_pins
-from kiln.pins.bump import Candidate, Preflight
 from kiln.staging import commit_all, discard_all, stage_bytes
 
 _TABLE_HEADER = re.compile(r"^\s*\[(?!\[)")

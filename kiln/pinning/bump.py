@@ -9,7 +9,7 @@ stop applying. Every image definition is also run as it would be built on the ca
 preflight fails (exit 1) on any retire impact, on an image built on every pin that would break,
 and on an image that names the pin the bump would drop.
 
-``--write`` then rotates the pins and records the candidate's verdicts (``kiln.pins.rotate``).
+``--write`` then rotates the pins and records the candidate's verdicts (``kiln.pinning.rotate``).
 
 Public API:
     Candidate                      the pin a bump adds, with the pristine tree it was judged on
@@ -35,8 +35,8 @@ from kiln.patch.catalog import Catalogue
 from kiln.patch.engine import Session, run_isolated, run_selection
 from kiln.patch.memo import VerdictMemo
 from kiln.patch.model import BuildTarget, Outcome, Verdict
+from kiln.pinning.lock import resolve_pin
 from kiln.pins import Pin, check_cuda, check_pin_name
-from kiln.pins.lock import resolve_pin
 from kiln.report import SILENT, Reporter
 from kiln.source.image import ImageSource
 from kiln.source.tree import SourceTree

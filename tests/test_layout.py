@@ -1,0 +1,110 @@
+"""The shape of the code: one-way imports, the command line in one package, small modules.
+
+These hold the layout docs/ARCHITECTURE.md describes: only ``kiln/commands/`` parses argv or
+prints; library code reports through a ``Reporter``; the import graph of ``kiln/`` has no cycle,
+between modules or between packages.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from kiln import paths
+
+KILN = paths.REPO / "kiln"
+MODULES = sorted(KILN.rglob("*.py"))
+MAX_LINES = 420
+# A test hook, not output: with KILN_TEST_PAUSE_AT set, it announces the pause the crash tests wait for.
+TEST_HOOKS = {"kiln/pausepoint.py"}
+
+
+def _name(path: Path) -> str:
+    rel = path.relative_to(paths.REPO).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """The kiln modules ``path`` imports at module level or in functions (``from kiln.x import y``
+    counts ``kiln.x.y`` when that is a module)."""
+    names = {_name(p) for p in MODULES}
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("kiln"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kiln") and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in names else node.module)
+    return {name for name in found if name in names}
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_name(p): _imports(p) - {_name(p)} for p in MODULES}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_no_import_cycle_between_modules():
+    assert _cycle(_graph()) is None, " -> ".join(_cycle(_graph()) or [])
+
+
+def test_no_import_cycle_between_packages():
+    packages: dict[str, set[str]] = {}
+    for module, targets in _graph().items():
+        packages.setdefault(_package(module), set()).update(
+            _package(t) for t in targets if _package(t) != _package(module))
+    # importing a package's __init__ from inside it is not an edge between packages
+    assert _cycle(packages) is None, " -> ".join(_cycle(packages) or [])
+
+
+def test_only_the_commands_package_parses_argv_or_prints():
+    offenders = []
+    for path in MODULES:
+        if "commands" in path.relative_to(KILN).parts or str(path.relative_to(paths.REPO)) in TEST_HOOKS:
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+                if any(n and (n == "argparse" or n.startswith("rich")) for n in names):
+                    offenders.append(f"{path.relative_to(paths.REPO)}:{node.lineno} imports {names}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+                offenders.append(f"{path.relative_to(paths.REPO)}:{node.lineno} calls print()")
+            if isinstance(node, ast.Attribute) and node.attr in ("stdout", "stderr") \
+                    and isinstance(node.value, ast.Name) and node.value.id == "sys":
+                offenders.append(f"{path.relative_to(paths.REPO)}:{node.lineno} writes sys.{node.attr}")
+    assert not offenders, offenders
+
+
+def test_modules_stay_small():
+    big = {str(p.relative_to(paths.REPO)): n for p in MODULES if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not big, big
