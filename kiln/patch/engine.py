@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from kiln.errors import KilnError
-from kiln.patch.anchor import resolve, symbol_of
+from kiln.patch.anchor import line_of, resolve, symbol_of
 from kiln.patch.catalog import Catalogue
 from kiln.patch.model import BuildTarget, Codemod, NewFile, Outcome, Patch, Verdict
 from kiln.source.tree import SourceTree
@@ -217,29 +217,7 @@ def _evaluate_edits(patch: Patch, state: State) -> tuple[Outcome, dict[str, cst.
                 places = session.where_is(symbol)
                 hint = f"; {symbol} is now in {', '.join(places[:3])}" if places else f"; {symbol} not found anywhere"
             return Outcome(patch.id, Verdict.TARGET_GONE, f"{edit.target} does not exist{hint}"), {}
-        if edit.is_patched(module):
-            statuses.append((edit_cls, "patched", ""))
-            continue
-        if edit.is_upstream(module):
-            statuses.append((edit_cls, "upstream", f"{edit_cls.name()}: upstream shape present in {edit.target}"))
-            continue
-        found = resolve(module, edit.anchor)
-        node = found.unique
-        if node is None:
-            statuses.append((edit_cls, "drifted", f"{edit.target}: {found.explain()}"))
-            continue
-        try:
-            new_module = replace_node(module, node, edit.rewrite(node), found.scope)
-        except KilnError:
-            raise
-        except Exception as err:
-            raise KilnError(f"patch {patch.id}: codemod {edit_cls.name()} failed: {err.__class__.__name__}: {err}") from None
-        if not edit.is_patched(new_module):
-            raise KilnError(
-                f"patch {patch.id}: codemod {edit_cls.name()} ran but its `patched` matcher does not find the result"
-            )
-        working[edit.target] = new_module
-        statuses.append((edit_cls, "applies", ""))
+        statuses.append(_apply_edit(patch, edit, module, working))
 
     kinds = {status for _, status, _ in statuses}
     if kinds == {"patched"}:
@@ -254,6 +232,55 @@ def _evaluate_edits(patch: Patch, state: State) -> tuple[Outcome, dict[str, cst.
     return Outcome(patch.id, Verdict.DRIFTED, "; ".join(details)), {}
 
 
+def _raised(stage: str, err: Exception, target: str, module: cst.Module, node: cst.CSTNode | None) -> str:
+    """A codemod that raised on this source: what it was doing, why, and where (file:line)."""
+    line = None
+    if node is not None:
+        try:
+            line = line_of(module, node)
+        except Exception:  # the report must not fail where the codemod did
+            line = None
+    where = f"{target}:{line}" if line else target
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"
+    return f"{where}: {stage} raised {err.__class__.__name__}: {reason}"
+
+
+def _apply_edit(patch: Patch, edit: Codemod, module: cst.Module, working: dict[str, cst.Module]):
+    """One codemod's status on ``module``; when it applies, its result goes into ``working``.
+
+    A codemod is written against the shape of the code it was made for. On a source whose
+    shape moved, its matchers or its rewrite may raise (a structure check in ``rewrite``, a
+    matcher predicate meeting an unexpected node): that is drift of this patch on this source,
+    reported with the stage, the reason and the place, never a crash of the whole run. Only a
+    ``KilnError`` (bad input, a codemod that cannot see its own result) stops the run.
+    """
+    name = edit.name()
+    stage, node = "`patched` matcher", None
+    try:
+        if edit.is_patched(module):
+            return type(edit), "patched", ""
+        stage = "`upstream` matcher"
+        if edit.is_upstream(module):
+            return type(edit), "upstream", f"{name}: upstream shape present in {edit.target}"
+        stage = "anchor"
+        found = resolve(module, edit.anchor)
+        node = found.unique
+        if node is None:
+            return type(edit), "drifted", f"{edit.target}: {found.explain()}"
+        stage = "rewrite"
+        new_module = replace_node(module, node, edit.rewrite(node), found.scope)
+        stage = "`patched` matcher on the result"
+        sees_result = edit.is_patched(new_module)
+    except KilnError:
+        raise
+    except Exception as err:
+        return type(edit), "drifted", _raised(stage, err, edit.target, module, node)
+    if not sees_result:
+        raise KilnError(f"patch {patch.id}: codemod {name} ran but its `patched` matcher does not find the result")
+    working[edit.target] = new_module
+    return type(edit), "applies", ""
+
+
 def _add_file(patch: Patch, edit: NewFile, module: cst.Module | None, working: dict[str, cst.Module]):
     """A ``NewFile``'s status: it applies where the file is absent (its anchor is the absence).
 
@@ -262,10 +289,13 @@ def _add_file(patch: Patch, edit: NewFile, module: cst.Module | None, working: d
     """
     name = type(edit).__name__
     if module is not None:
-        if edit.is_patched(module):
-            return type(edit), "patched", ""
-        if edit.is_upstream(module):
-            return type(edit), "upstream", f"{name}: upstream shape present in {edit.target}"
+        try:
+            if edit.is_patched(module):
+                return type(edit), "patched", ""
+            if edit.is_upstream(module):
+                return type(edit), "upstream", f"{name}: upstream shape present in {edit.target}"
+        except Exception as err:
+            return type(edit), "drifted", _raised("matcher", err, edit.target, module, None)
         return type(edit), "drifted", f"{edit.target} already exists and is not this patch's file"
     try:
         new_module = cst.parse_module(edit.text(patch))
@@ -298,7 +328,13 @@ def evaluate(patch: Patch, state: State, target: BuildTarget, verdicts: dict[str
         if dep_outcome is None or not dep_outcome.verdict.ok:
             shown = dep_outcome.verdict if dep_outcome else "not selected"
             return Outcome(patch.id, Verdict.GATED, f"requires {dep}, which is {shown}")
-    upstream = patch.upstream_fix(state.module)
+    try:
+        upstream = patch.upstream_fix(state.module)
+    except KilnError:
+        raise
+    except Exception as err:  # a recogniser written for other shapes: drift, not a crash
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"
+        return Outcome(patch.id, Verdict.DRIFTED, f"upstream_fix raised {err.__class__.__name__}: {reason}")
     if upstream:
         return Outcome(patch.id, Verdict.UPSTREAM, upstream)
     outcome, modules = _evaluate_edits(patch, state)
