@@ -18,6 +18,7 @@ from rich.table import Table
 
 from kiln import paths, ui
 from kiln.build import add_build_parser
+from kiln.cache import write_file_atomic
 from kiln.context import add_context_parser
 from kiln.errors import KilnError
 from kiln.helm import add_values_parser
@@ -28,11 +29,19 @@ from kiln.patch.memo import VerdictMemo
 from kiln.patch.model import BuildTarget, Outcome, Verdict
 from kiln.patch.output import unified_diff, write_tree
 from kiln.patch.record import accept, compare, load_record
+from kiln.patch.train import (
+    TRAIN_RECORD,
+    accepted_train_text,
+    compare_with_record,
+    is_release_range,
+    releases_in,
+    run_train,
+)
 from kiln.pinlock import add_pin_parser
 from kiln.pins import get_pin, load_pins
 from kiln.plan import add_plan_parser
 from kiln.source.tree import SourceProvider
-from kiln.source.wheel import WheelSource
+from kiln.source.wheel import WheelSource, list_releases
 
 VERDICT_STYLE = {
     Verdict.APPLIES: "green",
@@ -116,6 +125,8 @@ def cmd_verify(args) -> int:
     catalogue = load_catalogue(args.patchsets)
     if args.image:
         return _verify_image(args, catalogue)
+    if args.vllm and is_release_range(args.vllm):
+        return _verify_train(args, catalogue)
     choice = _source(args)
     tree = choice.provider.fetch()
     session = Session(tree)
@@ -167,6 +178,51 @@ def _verify_image(args, catalogue: Catalogue) -> int:
         if failures:
             ui.stderr.print(f"[red]{image.path}: {len(failures)} selected patch(es) do not apply:[/] " + escape("; ".join(failures)))
     return 1 if failures else 0
+
+
+def _verify_train(args, catalogue: Catalogue) -> int:
+    """``verify --vllm FIRST..LAST``: the catalogue on every release of the range, compared
+    with ``release-train.toml`` beside the catalogue (exit 1 on any difference)."""
+    if args.sm is not None:
+        raise KilnError("verify --vllm FIRST..LAST takes no --sm: the train is per release, not per arch")
+    record_path = args.patchsets / TRAIN_RECORD
+    releases = releases_in(args.vllm, list_releases())
+
+    def progress(label: str, done: int, total: int) -> None:
+        if not args.json and done < total:
+            ui.stderr.print(f"verify {label} ({done + 1}/{total})")
+
+    memo = None if args.no_memo else VerdictMemo()
+    matrix = run_train(catalogue, releases, WheelSource, memo=memo, on_progress=progress)
+    if args.accept:
+        write_file_atomic(record_path, accepted_train_text(record_path, matrix).encode())
+    differences = compare_with_record(matrix, record_path)
+    if args.json:
+        payload = {
+            **matrix.to_json(),
+            "differences": {label: [d.__dict__ for d in diffs] for label, diffs in differences.items()},
+        }
+        print(json.dumps(payload, indent=2))
+    else:
+        table = Table(title=f"verdicts on {len(matrix.labels)} releases ({args.vllm})")
+        table.add_column("patch")
+        for label in matrix.labels:
+            table.add_column(label.removeprefix("vllm-"))
+        for pid in matrix.patch_ids:
+            cells = []
+            for label in matrix.labels:
+                verdict = matrix.verdict(pid, label)
+                mark = "≠" if any(d.patch_id == pid for d in differences.get(label, [])) else ""
+                style = VERDICT_STYLE[Verdict(verdict)] if verdict else "red"
+                cells.append(f"[{style}]{verdict or '-'}[/]{mark}")
+            table.add_row(pid, *cells)
+        ui.stdout.print(table)
+        for label, diffs in differences.items():
+            ui.stderr.print(
+                f"[red]{label}: {len(diffs)} verdict(s) differ from {escape(str(record_path))}[/]: "
+                + ", ".join(f"{d.patch_id} {d.expected or 'unrecorded'} -> {d.actual or 'removed'}" for d in diffs)
+            )
+    return 1 if differences else 0
 
 
 def _print_verdicts(args, choice, origin, catalogue, outcomes: dict[str, Outcome], expected, differences) -> None:
@@ -244,7 +300,11 @@ def cmd_apply(args) -> int:
 def _add_source_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--pin", help="a pin from pins.toml, e.g. v0.20.1")
-    group.add_argument("--vllm", help="an unpinned vLLM release as a candidate, e.g. 0.33.0")
+    group.add_argument(
+        "--vllm",
+        help="an unpinned vLLM release as a candidate, e.g. 0.33.0; for verify also a range "
+        "FIRST..LAST (every release on the index, compared with patchsets/release-train.toml)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

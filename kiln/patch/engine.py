@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from kiln.errors import KilnError
-from kiln.patch.anchor import line_of, resolve, symbol_of
+from kiln.patch.anchor import line_of, reach, resolve, symbol_of
 from kiln.patch.catalog import Catalogue
 from kiln.patch.model import BuildTarget, Codemod, NewFile, Outcome, Patch, Verdict
 from kiln.source.tree import SourceTree
@@ -217,7 +217,7 @@ def _evaluate_edits(patch: Patch, state: State) -> tuple[Outcome, dict[str, cst.
                 places = session.where_is(symbol)
                 hint = f"; {symbol} is now in {', '.join(places[:3])}" if places else f"; {symbol} not found anywhere"
             return Outcome(patch.id, Verdict.TARGET_GONE, f"{edit.target} does not exist{hint}"), {}
-        statuses.append(_apply_edit(patch, edit, module, working))
+        statuses.append(_apply_edit(patch, edit, module, working, session.module(edit.target)))
 
     kinds = {status for _, status, _ in statuses}
     if kinds == {"patched"}:
@@ -232,20 +232,41 @@ def _evaluate_edits(patch: Patch, state: State) -> tuple[Outcome, dict[str, cst.
     return Outcome(patch.id, Verdict.DRIFTED, "; ".join(details)), {}
 
 
-def _raised(stage: str, err: Exception, target: str, module: cst.Module, node: cst.CSTNode | None) -> str:
-    """A codemod that raised on this source: what it was doing, why, and where (file:line)."""
-    line = None
-    if node is not None:
+def _line(node: cst.CSTNode, *modules: cst.Module | None) -> int | None:
+    """The line of ``node`` in the first of ``modules`` that holds it.
+
+    Reports give lines of the pristine file: an edit may run on a module an earlier edit of
+    the same patch already changed, but the nodes it did not touch are the pristine objects.
+    """
+    for module in modules:
+        if module is None:
+            continue
         try:
             line = line_of(module, node)
-        except Exception:  # the report must not fail where the codemod did
+        except Exception:  # a report must not fail where the codemod did
             line = None
+        if line:
+            return line
+    return None
+
+
+def _upstream_place(edit: Codemod, module: cst.Module, pristine: cst.Module | None) -> str:
+    nodes = reach(module, edit.upstream) if edit.upstream else []
+    line = _line(nodes[0], pristine, module) if nodes else None
+    return f"{edit.target}:{line}" if line else edit.target
+
+
+def _raised(stage: str, err: Exception, target: str, node: cst.CSTNode | None, *modules) -> str:
+    """A codemod that raised on this source: what it was doing, why, and where (file:line)."""
+    line = _line(node, *modules) if node is not None else None
     where = f"{target}:{line}" if line else target
     reason = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"
     return f"{where}: {stage} raised {err.__class__.__name__}: {reason}"
 
 
-def _apply_edit(patch: Patch, edit: Codemod, module: cst.Module, working: dict[str, cst.Module]):
+def _apply_edit(
+    patch: Patch, edit: Codemod, module: cst.Module, working: dict[str, cst.Module], pristine: cst.Module | None
+):
     """One codemod's status on ``module``; when it applies, its result goes into ``working``.
 
     A codemod is written against the shape of the code it was made for. On a source whose
@@ -261,7 +282,7 @@ def _apply_edit(patch: Patch, edit: Codemod, module: cst.Module, working: dict[s
             return type(edit), "patched", ""
         stage = "`upstream` matcher"
         if edit.is_upstream(module):
-            return type(edit), "upstream", f"{name}: upstream shape present in {edit.target}"
+            return type(edit), "upstream", f"{name}: upstream shape present in {_upstream_place(edit, module, pristine)}"
         stage = "anchor"
         found = resolve(module, edit.anchor)
         node = found.unique
@@ -274,7 +295,7 @@ def _apply_edit(patch: Patch, edit: Codemod, module: cst.Module, working: dict[s
     except KilnError:
         raise
     except Exception as err:
-        return type(edit), "drifted", _raised(stage, err, edit.target, module, node)
+        return type(edit), "drifted", _raised(stage, err, edit.target, node, pristine, module)
     if not sees_result:
         raise KilnError(f"patch {patch.id}: codemod {name} ran but its `patched` matcher does not find the result")
     working[edit.target] = new_module
@@ -293,9 +314,9 @@ def _add_file(patch: Patch, edit: NewFile, module: cst.Module | None, working: d
             if edit.is_patched(module):
                 return type(edit), "patched", ""
             if edit.is_upstream(module):
-                return type(edit), "upstream", f"{name}: upstream shape present in {edit.target}"
+                return type(edit), "upstream", f"{name}: upstream shape present in {_upstream_place(edit, module, module)}"
         except Exception as err:
-            return type(edit), "drifted", _raised("matcher", err, edit.target, module, None)
+            return type(edit), "drifted", _raised("matcher", err, edit.target, None)
         return type(edit), "drifted", f"{edit.target} already exists and is not this patch's file"
     try:
         new_module = cst.parse_module(edit.text(patch))

@@ -29,6 +29,8 @@ from kiln.source.tree import SourceProvider
 
 Progress = Callable[[str, int, int], None]
 
+TRAIN_RECORD = "release-train.toml"  # beside the catalogue (patchsets/)
+
 HEADER = (
     "The release train: the reviewed verdict of every patch on every vLLM release it was run on.\n"
     "Rewritten by `python build.py verify --vllm FIRST..LAST --accept`; every change between\n"

@@ -43,7 +43,7 @@ import libcst.matchers as m
 
 from kiln.patch.anchor import find
 from kiln.patch.model import Codemod, Gates, Patch
-from kiln.patch.shapes import cls, func, marked, marker_line
+from kiln.patch.shapes import cls, func, marked, marker_line, place
 
 CONV = "model_executor/layers/mamba/ops/causal_conv1d.py"
 GDN_LAYER = "model_executor/layers/mamba/gdn_linear_attn.py"
@@ -329,6 +329,11 @@ class P60b(Patch):
                 )
             ),
         )
-        if any(find(kernel, unmarked) for kernel in find(conv, KERNEL)):
-            return f"{CONV}: _causal_conv1d_fwd_kernel takes num_accepted_tokens_ptr (vllm#40738)"
+        for kernel in find(conv, KERNEL):
+            params = find(kernel, unmarked)
+            if params:
+                return (
+                    f"{place(CONV, conv, params[0])}: _causal_conv1d_fwd_kernel takes "
+                    "num_accepted_tokens_ptr (vllm#40738)"
+                )
         return None

@@ -30,9 +30,11 @@ raise only if none, ``return []``), and ``create_engine_config`` calls it with
 
 import libcst.matchers as m
 
-from kiln.patch.anchor import count
 from kiln.patch.model import Codemod, Gates, Patch
-from kiln.patch.shapes import cls, func, marked, statements, with_marker
+from kiln.patch.shapes import cls, func, marked, place_of, statements, with_marker
+
+TQ_CONFIG = "model_executor/layers/quantization/turboquant/config.py"
+ENGINE_ARGS_FILE = "engine/arg_utils.py"
 
 ENGINE_ARGS = cls("EngineArgs")
 CREATE = func("create_engine_config")
@@ -62,7 +64,7 @@ WHY_BOUNDARY = "no boundary skip for hybrids: 2+2 of their ~10 attention layers 
 class HybridBoundaryFromAttentionLayers(Codemod):
     """Replace the hybrid ``raise`` and make the boundary set empty for hybrids."""
 
-    target = "engine/arg_utils.py"
+    target = ENGINE_ARGS_FILE
     anchor = (ENGINE_ARGS, CREATE, TQ_BLOCK)
     patched = (ENGINE_ARGS, CREATE, TQ_BLOCK, m.If(test=IS_HYBRID, leading_lines=marked("P4")))
 
@@ -148,14 +150,12 @@ class P4(Patch):
     edits = (HybridBoundaryFromAttentionLayers,)
 
     def upstream_fix(self, module_of) -> str | None:
-        config = module_of("model_executor/layers/quantization/turboquant/config.py")
-        engine = module_of("engine/arg_utils.py")
-        if config is None or engine is None:
-            return None
-        if count(config, UPSTREAM_HYBRID_BRANCH) and count(engine, UPSTREAM_CALL):
+        branch = place_of(TQ_CONFIG, module_of(TQ_CONFIG), UPSTREAM_HYBRID_BRANCH)
+        call = place_of(ENGINE_ARGS_FILE, module_of(ENGINE_ARGS_FILE), UPSTREAM_CALL)
+        if branch and call:
             return (
-                "TurboQuantConfig.get_boundary_skip_layers(model_config) handles hybrids "
-                "(model_executor/layers/quantization/turboquant/config.py) and "
-                "create_engine_config passes model_config (engine/arg_utils.py)"
+                f"{branch}: TurboQuantConfig.get_boundary_skip_layers(model_config) returns no "
+                f"boundary layers for hybrids (raising only when no full-attention layer is "
+                f"found); {call}: create_engine_config passes model_config (vllm#39931)"
             )
         return None

@@ -38,9 +38,8 @@ decoder reads; the route is skipped there.
 import libcst as cst
 import libcst.matchers as m
 
-from kiln.patch.anchor import count
 from kiln.patch.model import Codemod, Gates, Patch
-from kiln.patch.shapes import cls, func, insert_after, marked, statements, with_marker
+from kiln.patch.shapes import cls, func, insert_after, marked, place_of, statements, with_marker
 
 TARGET = "v1/attention/backends/turboquant_attn.py"
 IMPL = cls("TurboQuantAttentionImpl")
@@ -181,7 +180,7 @@ class P67b(Patch):
     edits = (AddSpecVerifyMethods, RouteSpecVerifyBatches)
 
     def upstream_fix(self, module_of):
-        module = module_of(TARGET)
-        if module is not None and count(module, SPEC_AS_DECODE) > 0:
-            return "TurboQuantMetadataBuilder treats spec verify as decode (supports_spec_as_decode=True)"
+        where = place_of(TARGET, module_of(TARGET), SPEC_AS_DECODE)
+        if where:
+            return f"{where}: TurboQuantMetadataBuilder treats spec verify as decode (supports_spec_as_decode=True)"
         return None

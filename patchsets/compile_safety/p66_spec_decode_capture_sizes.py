@@ -40,9 +40,17 @@ upstream_fix`` recognises the ``uniform_decode_sizes`` shape.
 
 import libcst.matchers as m
 
-from kiln.patch.anchor import count
 from kiln.patch.model import Codemod, Gates, Patch
-from kiln.patch.shapes import assign_to, cls, func, insert_after, marked, statements, with_marker
+from kiln.patch.shapes import (
+    assign_to,
+    cls,
+    func,
+    insert_after,
+    marked,
+    place_of,
+    statements,
+    with_marker,
+)
 
 TARGET = "config/vllm.py"
 SET_SIZES = (cls("VllmConfig"), func("_set_cudagraph_sizes"))
@@ -108,11 +116,11 @@ class P66(Patch):
     edits = (RoundCaptureSizesForSpecDecode,)
 
     def upstream_fix(self, module_of):
-        module = module_of(TARGET)
-        if module is not None and count(module, (*SET_SIZES, assign_to("uniform_decode_sizes"))):
+        where = place_of(TARGET, module_of(TARGET), (*SET_SIZES, assign_to("uniform_decode_sizes")))
+        if where:
             return (
-                "VllmConfig._set_cudagraph_sizes appends uniform_decode_sizes (multiples of "
-                "1 + num_speculative_tokens) in every cudagraph mode; FULL decode sizes are still "
-                "rounded by CompilationConfig.adjust_cudagraph_sizes_for_spec_decode"
+                f"{where}: VllmConfig._set_cudagraph_sizes appends uniform_decode_sizes (multiples of "
+                "1 + num_speculative_tokens) to the default sizes in every cudagraph mode; FULL decode "
+                "sizes are still rounded by CompilationConfig.adjust_cudagraph_sizes_for_spec_decode"
             )
         return None

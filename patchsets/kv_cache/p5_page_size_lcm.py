@@ -32,9 +32,9 @@ packed TQ page), so the mismatch no longer arises. Detected by ``upstream_fix`` 
 import libcst as cst
 import libcst.matchers as m
 
-from kiln.patch.anchor import find
+from kiln.patch.anchor import find, reach
 from kiln.patch.model import Codemod, Gates, Patch
-from kiln.patch.shapes import func, marked, statements, with_marker
+from kiln.patch.shapes import assign_to, cls, func, marked, place, statements, with_marker
 
 UNIFY = "unify_kv_cache_spec_page_size"
 WHY = "unify hybrid pages at a common multiple of the attention pages; pad Mamba pages up to it"
@@ -112,7 +112,20 @@ class UnifyPagesAtAttentionLcm(Codemod):
         return with_marker(new.with_changes(leading_lines=node.leading_lines), "P5", WHY)
 
 
-# -- upstream detection: the unify function pads pages instead of raising -------------------
+# -- upstream detection ------------------------------------------------------------------------
+# Two places upstream prevents the failure (see "Verdicts across releases" above): the platform
+# sizes the hybrid attention page from TurboQuant's packed layout, so the Mamba page is padded
+# to the page the TurboQuant layers really have; and ``unify_kv_cache_spec_page_size`` pads
+# Mamba pages itself instead of scaling their block size.
+
+PLATFORM = "platforms/interface.py"
+PLANNING = "v1/core/kv_cache_planning.py"  # where unify lives from 0.33.0
+UTILS = "v1/core/kv_cache_utils.py"  # where it lived before
+ALIGN = (cls("Platform"), func("_align_hybrid_block_size"))
+TQ_CACHE_DTYPE = m.Call(
+    func=m.Attribute(attr=m.Name("startswith")), args=[m.Arg(value=m.SimpleString('"turboquant_"'))]
+)
+PAGE_PER_TOKEN = assign_to("attn_page_size_1_token")
 
 PADS_TO_PAGE = m.Call(
     func=m.Name("replace"),
@@ -125,10 +138,23 @@ def _kiln_marked(node: cst.FunctionDef) -> bool:
     return any(line.comment is not None and line.comment.value.startswith("# kiln ") for line in node.leading_lines)
 
 
-def upstream_unify_pads(module_of) -> str | None:
-    """Where vLLM's own ``unify_kv_cache_spec_page_size`` pads Mamba pages (and others) to the
-    largest page instead of raising; kiln's own rewrites (marked) do not count."""
-    for rel in ("v1/core/kv_cache_planning.py", "v1/core/kv_cache_utils.py"):
+def platform_sizes_turboquant_pages(module_of) -> str | None:
+    """``file:line`` of the branch of ``Platform._align_hybrid_block_size`` that sizes the
+    per-token attention page of a ``turboquant_*`` cache from its packed layout (vllm#39931)."""
+    module = module_of(PLATFORM)
+    if module is None:
+        return None
+    for branch in reach(module, (*ALIGN, m.If())):
+        if m.findall(branch.test, TQ_CACHE_DTYPE) and find(branch.body, PAGE_PER_TOKEN):
+            return place(PLATFORM, module, branch)
+    return None
+
+
+def unify_pads_mamba(module_of) -> str | None:
+    """``file:line`` of vLLM's own ``unify_kv_cache_spec_page_size`` where it pads Mamba pages
+    to the largest page instead of scaling their block size (vllm#45207); kiln's own rewrites
+    (marked) do not count."""
+    for rel in (PLANNING, UTILS):
         module = module_of(rel)
         if module is None:
             continue
@@ -136,7 +162,7 @@ def upstream_unify_pads(module_of) -> str | None:
             if _kiln_marked(fn):
                 continue
             if m.findall(fn, PADS_TO_PAGE) and m.findall(fn, MAMBA_BRANCH):
-                return rel
+                return place(rel, module, fn)
     return None
 
 
@@ -153,7 +179,15 @@ class P5(Patch):
     edits = (UnifyPagesAtAttentionLcm,)
 
     def upstream_fix(self, module_of) -> str | None:
-        where = upstream_unify_pads(module_of)
-        if where:
-            return f"{where}: {UNIFY} pads Mamba/attention pages to the largest page instead of raising"
-        return None
+        found = []
+        platform = platform_sizes_turboquant_pages(module_of)
+        if platform:
+            found.append(
+                f"{platform}: Platform._align_hybrid_block_size sizes the attention page from "
+                "TurboQuant's packed layout, so Mamba pages are padded to the real TurboQuant page "
+                "(vllm#39931)"
+            )
+        unify = unify_pads_mamba(module_of)
+        if unify:
+            found.append(f"{unify}: {UNIFY} pads Mamba pages to the largest page instead of raising (vllm#45207)")
+        return "; ".join(found) or None

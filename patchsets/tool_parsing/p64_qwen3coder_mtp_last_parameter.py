@@ -34,8 +34,18 @@ which has no per-phase early returns to patch.
 import libcst as cst
 import libcst.matchers as m
 
+from kiln.patch.anchor import find
 from kiln.patch.model import Codemod, Gates, Patch
-from kiln.patch.shapes import cls, func, insert_after, marked, statements, with_marker
+from kiln.patch.shapes import (
+    cls,
+    func,
+    insert_after,
+    marked,
+    place,
+    place_of,
+    statements,
+    with_marker,
+)
 
 TARGET = "tool_parsers/qwen3coder_tool_parser.py"
 STREAMING = (cls("Qwen3CoderToolParser"), func("extract_tool_calls_streaming"))
@@ -137,6 +147,60 @@ class CloseInTheSameDelta(Codemod):
         )
 
 
+# -- upstream detection -------------------------------------------------------------------------
+# 0.24.0 maps ``qwen3_coder`` to a parser built on the streaming parser engine (vllm#45413): a
+# delta is lexed whole into events and all of them become one DeltaMessage, so the last
+# parameter and the close of the call leave together (no phase returns early).
+
+REGISTRY = "tool_parsers/__init__.py"
+ENGINE = "parser/engine/parser_engine.py"
+
+
+def _registry_entry(registry: cst.Module) -> tuple[cst.CSTNode, str, str] | None:
+    """The ``"qwen3_coder": (module, class)`` entry of the lazy tool-parser registry."""
+    entry = m.DictElement(
+        key=m.SimpleString('"qwen3_coder"'),
+        value=m.Tuple(elements=[m.Element(value=m.SimpleString()), m.Element(value=m.SimpleString()), m.ZeroOrMore()]),
+    )
+    found = m.findall(registry, entry)
+    if len(found) != 1:
+        return None
+    module_name, class_name = (e.value.evaluated_value for e in found[0].value.elements[:2])
+    return found[0], module_name, class_name
+
+
+ENGINE_STREAMING = (
+    cls("ParserEngine"),
+    func("extract_tool_calls_streaming"),
+    m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("_events_to_delta"))),
+)
+
+
+def engine_parser_for_qwen3_coder(module_of) -> str | None:
+    registry = module_of(REGISTRY)
+    hit = _registry_entry(registry) if registry is not None else None
+    if hit is None or hit[1] == "qwen3coder_tool_parser":
+        return None
+    node, module_name, class_name = hit
+    parser_file = f"tool_parsers/{module_name}.py"
+    parser = module_of(parser_file)
+    adapter = m.ClassDef(
+        name=m.Name(class_name),
+        bases=[m.AtLeastN(m.Arg(value=m.Name(m.MatchIfTrue(lambda n: n.endswith("ToolAdapter")))), n=1)],
+    )
+    if parser is None or not find(parser, adapter):
+        return None
+    engine_at = place_of(ENGINE, module_of(ENGINE), ENGINE_STREAMING)
+    if engine_at is None:
+        return None
+    return (
+        f"{place(REGISTRY, registry, node)}: qwen3_coder is {class_name} ({parser_file}), a "
+        f"parser-engine adapter; {engine_at}: ParserEngine.extract_tool_calls_streaming turns all "
+        "events of a delta into one DeltaMessage, so the last parameter and </function> leave "
+        "together (vllm#45413)"
+    )
+
+
 class P64(Patch):
     id = "P64"
     family = "tool_parsing"
@@ -149,3 +213,7 @@ class P64(Patch):
     upstream_refs = ("vllm#39598", "vllm#45335", "vllm#45413")
     gates = Gates(vllm=">=0.20.1")
     edits = (HoldFragmentsForTheClose, CloseInTheSameDelta)
+
+    def upstream_fix(self, module_of) -> str | None:
+        found = engine_parser_for_qwen3_coder(module_of)
+        return f"fixed upstream in a new module: {found}" if found else None
