@@ -46,6 +46,20 @@ takes the speculative path, whose kernels apply the accepted offset to both stat
 approach of vllm#56531). Only prompt chunks stay non-speculative, and they carry no offset.
 ``spec_decode_src_indices`` (the shape of vllm#40738) is not in 0.33.0; the research note
 expected DRIFTED, but the source carries the fix.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1-0.21.0: APPLIES.
+- 0.22.0-0.31.0: TARGET_GONE. vllm#41126 (the Mamba attention module refactor) split
+  ``model_executor/layers/mamba/gdn_linear_attn.py`` into the ``gdn/`` package
+  (``GatedDeltaNetAttention`` in ``gdn/base.py``, Qwen's layer in
+  ``gdn/qwen_gdn_linear_attn.py``). The failure is still there: ``GPUModelRunner`` sets
+  ``use_spec_decode`` from the step's scheduled drafts (``gpu_model_runner.py:2128`` on 0.22.0)
+  and ``spec_decode_src_indices`` never lands. The patch needs re-targeting, not retiring.
+- 0.32.0 on: UPSTREAM. ``GPUModelRunner`` sets ``use_spec_decode = self.speculative_config is
+  not None`` and gives draftless decode rows 0 drafts (``gpu_model_runner.py:2220`` on
+  0.32.0), and ``GDNAttentionMetadataBuilder.build`` keeps them on the spec path
+  (``gdn_attn.py:288``): the approach of vllm#56531.
 """
 
 import textwrap

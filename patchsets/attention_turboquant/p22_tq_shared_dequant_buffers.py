@@ -39,6 +39,22 @@ dequant buffers from ``current_workspace_manager().get_simultaneous`` (one works
 all layers), ``TurboQuantMetadataBuilder._reserve_workspace`` reserves them at
 ``max_model_len`` before the workspace is locked, and ``cu_seqlens`` are persistent
 ``self._cu_2_q``/``self._cu_2_k`` filled in place. ``Patch.upstream_fix`` checks that shape.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1, 0.20.2: APPLIES.
+- 0.21.0-0.23.0: DRIFTED, half upstream. ``_continuation_prefill`` takes its K/V dequant
+  buffers from the shared ``WorkspaceManager`` (``turboquant_attn.py:747``) and fills
+  persistent ``cu_seqlens`` in place (``:822``): ``DequantIntoSharedBuffers`` and
+  ``DeviceSideCuSeqlens`` report "upstream shape present". But nothing reserves that
+  workspace at ``max_model_len`` before ``GPUModelRunner`` locks it after cudagraph capture
+  (``lock_workspace``), so the first long continuation chunk fails with "Workspace is locked"
+  (vllm#41726 on a 0.20.2 nightly, #46767 on 0.23.0) where 0.20.1 ran out of memory. The
+  failure is live and the anchors are gone: re-anchoring would mean reserving the workspace,
+  which is what upstream did next.
+- 0.24.0 on: UPSTREAM. ``TurboQuantMetadataBuilder._reserve_workspace`` reserves the
+  continuation buffers at ``max_model_len`` when chunked prefill can take that path
+  (``turboquant_attn.py:223`` on 0.24.0, ``:243`` on 0.33.0); the PR was not identified.
 """
 
 import libcst as cst

@@ -26,6 +26,14 @@ KV savings that are the point of TurboQuant on 24-32 GB cards.
 handles hybrids itself (``if model_config.is_hybrid:`` → ``_get_full_attention_layer_indices``,
 raise only if none, ``return []``), and ``create_engine_config`` calls it with
 ``model_config``, no hybrid raise left. Detected by ``upstream_fix`` on both shapes.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1, 0.20.2: APPLIES (the hybrid ``raise`` above).
+- 0.21.0 on: UPSTREAM. vllm#39931 (TurboQuant on hybrid models) moved the hybrid handling
+  into ``TurboQuantConfig.get_boundary_skip_layers(model_config)`` (``turboquant/config.py:187``
+  on 0.21.0, ``:194`` on 0.33.0) and ``create_engine_config`` passes ``model_config``
+  (``engine/arg_utils.py:1719`` on 0.21.0). The same shape through 0.33.0.
 """
 
 import libcst.matchers as m

@@ -33,6 +33,12 @@ loop (now over ``query_start_loc_cpu``, no sync but still frozen into a FULL gra
 ``supports_spec_as_decode=False`` (the shape ``upstream_fix`` looks for). New on 0.33.0: the
 ROCm FlyDSL path stores the cache in an SoA layout (``self._soa_store``) that only its own
 decoder reads; the route is skipped there.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0): APPLIES on every one. ``forward`` keeps its
+decode/prefill-only/mixed chain, ``_prefill_attention`` stays a per-request host loop (over
+``query_start_loc_cpu`` from 0.21.0) and the builder keeps ``supports_spec_as_decode=False``.
+0.28.0 adds the ROCm SoA layout (``self._soa_store``), which the route skips.
 """
 
 import libcst as cst

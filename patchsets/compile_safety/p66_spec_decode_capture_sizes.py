@@ -36,6 +36,16 @@ on purpose (its comments: dispatch needs an exact multiple of the decode query l
 decode on model runner v1, and v2 sizes its graphs in ``cudagraph_utils``. The sequence-
 parallelism filter P66's Genesis anchor sat on is gone from this method. ``Patch.
 upstream_fix`` recognises the ``uniform_decode_sizes`` shape.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1-0.28.0: APPLIES. Capture sizes are rounded for spec decode only when the decode mode
+  is FULL (``CompilationConfig``; from 0.28.0 only for model runner v1, v2 sizes its own
+  graphs, vllm#45953, and hybrids like Qwen3.6 default to v1).
+- 0.29.0 on: UPSTREAM. ``_set_cudagraph_sizes`` builds ``uniform_decode_sizes``
+  (``config/vllm.py:2002`` on 0.29.0; PR not identified) in every mode. Partly: upstream fills
+  them in only when it computes the default list; an explicit ``cudagraph_capture_sizes``
+  stays exactly as configured, by design, where P66 would have rounded it.
 """
 
 import libcst.matchers as m

@@ -26,7 +26,29 @@ read as drift), and there it no longer raises for these layouts: Mamba pages and
 attention pages that do not divide the largest one are padded to it
 (``replace(layer_spec, page_size_padded=max_page_size)``). The platform alignment is also
 TurboQuant-aware there (``platforms/interface.py``, ``_align_hybrid_block_size`` uses the
-packed TQ page), so the mismatch no longer arises. Detected by ``upstream_fix`` in either file.
+packed TQ page), so the mismatch no longer arises. ``upstream_fix`` detects both, in every file
+they have lived in (see below).
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1, 0.20.2: APPLIES.
+- 0.21.0 on: UPSTREAM, in the platform layer. vllm#39931 made
+  ``Platform._align_hybrid_block_size`` (``platforms/interface.py:548`` on 0.21.0) size the
+  per-token attention page of a ``turboquant_*`` cache from its packed layout (a
+  ``TQFullAttentionSpec``; from 0.28.0 ``TurboQuantAttentionBackend.customize_spec``; from
+  0.32.0 the same branch also serves ``ultraquant_4bit``), with the LCM of the TurboQuant and
+  the unquantized page when skip layers exist. The Mamba page is padded to the page the
+  TurboQuant layers really have, so ``unify`` sees pages that divide: the failure this patch
+  was written for cannot happen. Before this review the recogniser only read ``unify`` and
+  these releases read APPLIES until 0.26.0.
+- Partly fixed, kept with the evidence: the second path P5's function covers, a layer whose
+  page is larger than the platform-aligned one (a draft model with more KV bytes per token,
+  vllm#43626), still trips ``unify``'s assertion on a Mamba page until 0.26.0, where
+  vllm#45207 pads Mamba pages in ``unify`` (``v1/core/kv_cache_utils.py:1067``; moved to
+  ``v1/core/kv_cache_planning.py:346`` in 0.33.0). That path is not TurboQuant's and does not
+  arise in kiln's images (their MTP layer has the target's TurboQuant page), so P5 is retired
+  from 0.21.0; 0.21.0-0.25.1 with such a draft would need a patch of its own. The UPSTREAM
+  detail lists every place found (the platform branch, and ``unify`` from 0.26.0).
 """
 
 import libcst as cst

@@ -38,8 +38,28 @@ Mamba pages and non-MLA attention pages that do not divide the largest page to i
 (``replace(layer_spec, page_size_padded=max_page_size)``), and the TurboQuant store kernels
 take the cache tensor itself. The runner-side counterpart is a different design there (the KV
 layout is planned in ``kv_cache_planning.py`` with per-layer padded block strides,
-``_get_layer_block_stride``); it was read, not run. Detected by ``upstream_fix`` (padding
-``unify`` in ``kv_cache_planning.py`` and both store launches without ``.view(-1)``).
+``_get_layer_block_stride``); it was read, not run. Detected by ``upstream_fix``: the
+platform's TurboQuant page (the fix that matters, from 0.21.0), and padding ``unify`` with both
+store launches without ``.view(-1)`` (from 0.26.0), in whichever file ``unify`` lives.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1, 0.20.2: APPLIES.
+- 0.21.0 on: UPSTREAM, in the platform layer (vllm#39931, ``platforms/interface.py:548`` on
+  0.21.0): ``Platform._align_hybrid_block_size`` sizes the attention page from TurboQuant's
+  packed layout, so the TurboQuant and Mamba pages come out equal and no TurboQuant page is
+  ever padded; the runner-stride and store edits only exist to read padded TurboQuant pages.
+  Upstream's layout is also the smaller one: it pads the Mamba page a little up to the
+  TurboQuant page, where P5b pads the TurboQuant pages up to the Mamba page. Before this review
+  the recogniser read only ``kv_cache_planning.py`` (0.33.0), and 0.24.0-0.32.0 read DRIFTED:
+  the padded-page view moved from ``GPUModelRunner._reshape_kv_cache_tensors`` to
+  ``v1/worker/gpu/attn_utils.py::_reshape_attention_kv_cache`` in 0.24.0.
+- What upstream left as it was: that view still gives every kernel block the whole padded
+  page as stride (0.24.0-0.28.0), which matters only for a padded attention page holding
+  several kernel blocks, a layout upstream does not produce for TurboQuant hybrids. From 0.26.0
+  the detail also lists ``unify`` padding Mamba pages (vllm#45207) and non-dividing attention
+  pages (opt-in from 0.24.0, every non-MLA page from 0.29.0), and the store kernels taking the
+  strided cache (``v1/attention/ops/triton_turboquant_store.py:389``).
 """
 
 import libcst as cst

@@ -34,6 +34,31 @@ and ``validate_tokens`` for drafts (``v1/core/sched/scheduler.py``); ``should_ad
 gone (vllm#44297, #44993, #48200; #36138 itself was never merged). ``upstream_fix`` detects
 that shape, so the pin bump reports a retired patch instead of the anchor drift a text
 search for ``should_advance`` would report.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1-0.24.0: APPLIES. 0.24.0 hoists the draft loop's iterable of ``grammar_bitmask`` into
+  ``token_iter`` (diffusion LLMs take no bonus row); ``ConstrainRowsAfterReasoningEnd``'s
+  anchor takes both shapes (before this review it read DRIFTED there), and the behaviour
+  tests run on 0.24.0 as well as 0.20.1.
+- 0.25.0-0.26.0: DRIFTED, half upstream. ``grammar_bitmask`` finds a reasoning end inside the
+  draft window and constrains the rows after it (its loop, the anchor, is rewritten), and
+  ``update_from_output`` trims reasoning tokens before the grammar
+  (``trim_reasoning_for_advance``). But ``should_advance`` still reads the end from the
+  counter-derived window (the last accepted token) and advances in the same step only for
+  structural tags: the failure stays. ``AcceptTokensPastReasoningEnd``'s structure check
+  raises there ("the grammar-rejection branch is not where expected",
+  ``scheduler.py:1638`` on 0.25.0), reported as this patch's drift.
+- 0.27.0-0.29.0: UPSTREAM, shape A. ``should_advance(request, new_token_ids)`` reads the end
+  from the tokens accepted this step (the fix of vllm#43388;
+  ``structured_output/__init__.py:381`` on 0.27.0), ``update_from_output`` calls it so and
+  hands the tokens after the end to the grammar in the same step, and ``grammar_bitmask``
+  constrains the rows after an end inside the window.
+- 0.30.0 on: UPSTREAM, shape B. ``StructuredOutputManager._get_constraint_start`` (renamed
+  ``_get_constraint_bounds`` in 0.32.0) drives ``accept_tokens``, ``validate_tokens`` and
+  ``grammar_bitmask``, which the scheduler calls; ``should_advance`` is gone. ``upstream_fix``
+  finds the helper by its role (called by all three, looks for the reasoning end), not by
+  name, and ignores kiln's own marked methods (a re-run stays ALREADY_PATCHED).
 """
 
 import libcst as cst

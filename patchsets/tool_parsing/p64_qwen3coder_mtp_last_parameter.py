@@ -25,10 +25,23 @@ changes nothing here, and the ``_create_remaining_args_delta`` change (``id: nul
 is cosmetic. Not covered (neither by vllm#39598): a final delta that also carries the header
 or the opening ``{`` phase, which still return early.
 
-On 0.33.0: TARGET_GONE. ``tool_parsers/qwen3coder_tool_parser.py`` no longer exists and no
-``Qwen3CoderToolParser`` class is left: ``qwen3_coder`` now maps to ``Qwen3EngineToolParser``
-in ``tool_parsers/qwen3_engine_tool_parser.py`` (the streaming parser engine, vllm#45413),
-which has no per-phase early returns to patch.
+On 0.33.0: UPSTREAM, in a new module. ``tool_parsers/qwen3coder_tool_parser.py`` no longer
+exists and no ``Qwen3CoderToolParser`` class is left: ``qwen3_coder`` maps to
+``Qwen3EngineToolParser`` in ``tool_parsers/qwen3_engine_tool_parser.py`` (the streaming
+parser engine, vllm#45413), which has no per-phase early returns; ``upstream_fix`` recognises
+that shape (a TARGET_GONE would send a reviewer looking for a class that was replaced on
+purpose).
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1-0.23.0: APPLIES (the parser changed around it, not its streaming method).
+- 0.24.0 on: UPSTREAM, in a new module. ``tool_parsers/__init__.py`` maps ``qwen3_coder`` to
+  ``Qwen3EngineToolParser`` (``:157`` on 0.24.0), an adapter over the streaming parser engine
+  (vllm#45413), and ``qwen3coder_tool_parser.py`` is gone. ``ParserEngine.
+  extract_tool_calls_streaming`` lexes the whole delta and turns all of its events into one
+  ``DeltaMessage`` (``parser/engine/parser_engine.py:568`` on 0.24.0), so there is no
+  per-phase early return left to drop the close of the call. Read, not run. Before this
+  review these releases read TARGET_GONE (the recogniser did not look at the new module).
 """
 
 import libcst as cst
