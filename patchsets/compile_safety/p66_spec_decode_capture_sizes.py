@@ -43,8 +43,9 @@ Verdicts across releases (``patchsets/release-train.toml``, reviewed on every re
   is FULL (``CompilationConfig``; from 0.28.0 only for model runner v1, v2 sizes its own
   graphs, vllm#45953, and hybrids like Qwen3.6 default to v1).
 - 0.29.0 on: UPSTREAM. ``_set_cudagraph_sizes`` builds ``uniform_decode_sizes``
-  (``config/vllm.py:2002`` on 0.29.0; PR not identified) in every mode. Partly: upstream fills
-  them in only when it computes the default list; an explicit ``cudagraph_capture_sizes``
+  (``config/vllm.py:2002`` on 0.29.0) in every mode: most likely vllm#50488, whose review
+  discusses the 581-versus-100 sizes trade-off the 0.29.0 comment records. Partly: upstream
+  fills them in only when it computes the default list; an explicit ``cudagraph_capture_sizes``
   stays exactly as configured, by design, where P66 would have rounded it.
 """
 

@@ -60,3 +60,19 @@ def test_verdicts_on_the_spread_equal_the_recorded_train(catalogue):
 def test_the_record_covers_the_catalogue_on_every_release(catalogue):
     for label, table in load_record(RECORD).items():
         assert set(table) == set(catalogue.patches), label
+
+
+def test_verify_command_on_a_range(capsys):
+    """``build.py verify --vllm A..B --json``: every release of the index in the range, compared
+    with the record (exit 0: it equals the record)."""
+    import json
+
+    from kiln.cli import main
+
+    code = main(["verify", "--vllm", "0.20.1..0.21.0", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["releases"] == ["vllm-0.20.1", "vllm-0.20.2", "vllm-0.21.0"]
+    assert out["differences"] == {} and code == 0
+    p4 = out["patches"]["P4"]
+    assert [p4[label]["verdict"] for label in out["releases"]] == ["APPLIES", "APPLIES", "UPSTREAM"]
+    assert "turboquant/config.py:187" in p4["vllm-0.21.0"]["detail"]
