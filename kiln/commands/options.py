@@ -51,10 +51,13 @@ def repo_files(args: argparse.Namespace) -> RepoFiles:
     return RepoFiles(pins=args.pins, patchsets=args.patchsets, record=args.record, images=args.images)
 
 
-def add_source_options(parser: argparse.ArgumentParser) -> None:
+def add_source_options(parser: argparse.ArgumentParser, train: bool = False) -> None:
+    """``--pin NAME | --vllm VERSION``; with ``train``, ``--vllm FIRST..LAST`` too."""
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--pin", help="a pin from pins.toml, e.g. v0.20.1")
-    group.add_argument("--vllm", help="an unpinned vLLM release as a candidate, e.g. 0.33.0")
+    more = ("; or a range FIRST..LAST: every release on the index, compared with patchsets/release-train.toml"
+            if train else "")
+    group.add_argument("--vllm", help=f"an unpinned vLLM release as a candidate, e.g. 0.33.0{more}")
 
 
 def add_target_options(parser: argparse.ArgumentParser) -> None:

@@ -51,9 +51,10 @@ VERDICT_STYLE = {
 _PAGE = 200  # columns outside a terminal: rich would otherwise fold tables at 80
 
 
-def styled(verdict: Verdict | str) -> str:
+def styled(verdict: Verdict | str, text: str | None = None) -> str:
+    """``verdict`` (or ``text`` in its place) in the verdict's colour, as rich markup."""
     verdict = Verdict(verdict)
-    return f"[{VERDICT_STYLE[verdict]}]{verdict}[/]"
+    return f"[{VERDICT_STYLE[verdict]}]{text or verdict}[/]"
 
 
 class Output:

@@ -16,9 +16,19 @@ from kiln.patch.catalog import load_catalogue
 from kiln.patch.memo import VerdictMemo
 from kiln.patch.model import Verdict
 from kiln.patch.output import unified_diff
+from kiln.patch.record import load_record
+from kiln.patch.train import (
+    TRAIN_RECORD,
+    accepted_train_text,
+    compare_with_record,
+    is_release_range,
+    releases_in,
+    run_train,
+)
 from kiln.pins import load_pins
 from kiln.publish.tree import TreePublisher
-from kiln.staging import commit_all
+from kiln.source.wheel import WheelSource, list_releases
+from kiln.staging import commit_all, write_atomic
 from kiln.verify import (
     DefinitionVerdicts,
     SourceVerdicts,
@@ -31,7 +41,7 @@ from kiln.verify import (
 
 def register(sub) -> None:
     p = sub.add_parser("verify", help="compute every patch's verdict on a pin and compare with the record")
-    add_source_options(p)
+    add_source_options(p, train=True)
     p.add_argument("--image", help="check that every patch this image selects can be built on its pins")
     p.add_argument("--sm", type=sm_option, help="also evaluate SM gates for this arch (e.g. 86)")
     p.add_argument("--accept", action="store_true", help="rewrite the record for this source")
@@ -66,11 +76,58 @@ def run_verify(args, out) -> int:
         result = verify_definition(definition, pins, catalogue, out.reporter())
         _show_definition(args, out, result)
         return 1 if result.failures else 0
+    if args.vllm and is_release_range(args.vllm):
+        return _verify_train(args, out, catalogue, files)
     choice = choose_source(files, args.pin, args.vllm, out.reporter())
     memo = None if args.no_memo else VerdictMemo()
     result = verify_source(catalogue, choice, files.record, args.sm, args.accept, memo)
     _show_source(args, out, catalogue, result, files.record)
     return 1 if result.differences else 0
+
+
+def _verify_train(args, out, catalogue, files) -> int:
+    """``verify --vllm FIRST..LAST``: the catalogue on every release of the range, compared
+    with ``release-train.toml`` beside the catalogue (exit 1 on any difference)."""
+    if args.sm is not None:
+        raise KilnError("verify --vllm FIRST..LAST takes no --sm: the train is per release, not per arch")
+    record_path = files.patchsets / TRAIN_RECORD
+    load_record(record_path)  # a broken record fails before any download
+    reporter = out.reporter()
+    releases = releases_in(args.vllm, list_releases())
+    memo = None if args.no_memo else VerdictMemo()
+    matrix = run_train(catalogue, releases, lambda v: WheelSource(v, reporter=reporter), memo=memo, reporter=reporter)
+    if args.accept:
+        write_atomic(record_path, accepted_train_text(record_path, matrix).encode())
+    differences = compare_with_record(matrix, record_path)
+    if args.json:
+        out.json({**matrix.to_json(),
+                  "differences": {label: [d.__dict__ for d in diffs] for label, diffs in differences.items()}})
+        return 1 if differences else 0
+    table = Table(title=f"verdicts on {len(matrix.labels)} releases ({args.vllm})")
+    table.add_column("patch")
+    for label in matrix.labels:
+        table.add_column(label.removeprefix("vllm-"), no_wrap=True)
+    for pid in matrix.patch_ids:
+        cells = []
+        for label in matrix.labels:
+            verdict = matrix.verdict(pid, label)
+            mark = "≠" if any(d.patch_id == pid for d in differences.get(label, [])) else ""
+            cells.append(f"{styled(verdict, SHORT[verdict]) if verdict else '[red]-[/]'}{mark}")
+        table.add_row(pid, *cells)
+    out.stdout.print(table)
+    out.stdout.print("  ".join(f"{short} = {verdict}" for verdict, short in SHORT.items()))
+    for label, diffs in differences.items():
+        out.stderr.print(
+            f"[red]{label}: {len(diffs)} verdict(s) differ from {escape(str(record_path))}[/]: "
+            + escape(", ".join(f"{d.patch_id} {d.expected or 'unrecorded'} -> {d.actual or 'removed'}" for d in diffs)))
+    if not differences:
+        out.stdout.print(f"{len(matrix.patch_ids)} patches x {len(matrix.labels)} releases: equal to {record_path}")
+    return 1 if differences else 0
+
+
+# One letter a verdict, so a row of 18 releases fits a terminal.
+SHORT = {"APPLIES": "A", "ALREADY_PATCHED": "P", "UPSTREAM": "U", "DRIFTED": "D", "TARGET_GONE": "T",
+         "GATED": "G", "CONFLICT": "C"}
 
 
 def _show_source(args, out, catalogue, result: SourceVerdicts, record) -> None:

@@ -111,14 +111,25 @@ def resolve(module: cst.Module, anchor: Anchor) -> AnchorResult:
     raise AssertionError("unreachable: an anchor has at least one level")
 
 
-def count(module: cst.Module, anchor: Anchor) -> int:
-    """How many nodes the full anchor path reaches (0 if any level finds nothing)."""
+def reach(module: cst.CSTNode, anchor: Anchor) -> list[cst.CSTNode]:
+    """Every node the full anchor path reaches, in source order ([] if a level finds nothing)."""
     scopes: list[cst.CSTNode] = [module]
     for matcher in anchor:
         scopes = [node for scope in scopes for node in find(scope, matcher)]
         if not scopes:
-            return 0
-    return len(scopes)
+            return []
+    return scopes
+
+
+def count(module: cst.Module, anchor: Anchor) -> int:
+    """How many nodes the full anchor path reaches (0 if any level finds nothing)."""
+    return len(reach(module, anchor))
+
+
+def line_of(module: cst.Module, node: cst.CSTNode) -> int | None:
+    """Start line of ``node`` in ``module`` (a metadata pass: for reports only)."""
+    lines = _lines(module, [node])
+    return lines[0] if lines else None
 
 
 def _lines(module: cst.Module, nodes: list[cst.CSTNode]) -> list[int]:

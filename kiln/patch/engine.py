@@ -20,98 +20,15 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from kiln.errors import KilnError
-from kiln.patch.anchor import resolve, symbol_of
+from kiln.patch.anchor import line_of, reach, resolve, symbol_of
 from kiln.patch.catalog import Catalogue
 from kiln.patch.model import BuildTarget, Codemod, NewFile, Outcome, Patch, Verdict
+from kiln.patch.splice import replace_node
 from kiln.source.tree import SourceTree
 
 
 def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-class _Replace(cst.CSTTransformer):
-    """Replace one node, by identity, anywhere in a tree (the general but slow path)."""
-
-    def __init__(self, old: cst.CSTNode, new):
-        self.old, self.new, self.hits = old, new, 0
-
-    def on_leave(self, original_node, updated_node):
-        if original_node is self.old:
-            self.hits += 1
-            return self.new
-        return updated_node
-
-
-def _splice(items, old, new):
-    """``items`` with ``old`` replaced (recursing into compound statements), or None."""
-    for index, item in enumerate(items):
-        if item is old:
-            if isinstance(new, cst.FlattenSentinel):
-                replacement = list(new.nodes)
-            elif isinstance(new, cst.RemovalSentinel):
-                replacement = []
-            else:
-                replacement = [new]
-            return [*items[:index], *replacement, *items[index + 1 :]]
-        if isinstance(item, cst.CSTNode):
-            rebuilt = _rebuild(item, old, new)
-            if rebuilt is not None:
-                return [*items[:index], rebuilt, *items[index + 1 :]]
-    return None
-
-
-def _rebuild(node: cst.CSTNode, old: cst.CSTNode, new) -> cst.CSTNode | None:
-    """``node`` with the statement ``old`` replaced, walking statement blocks only; or None.
-
-    Rebuilding only the chain of blocks from the module down to the statement is what keeps
-    an edit of a 7,000-line file cheap: a full-tree transform visits every expression node.
-    """
-    for attr in ("body", "orelse", "handlers", "finalbody"):
-        value = getattr(node, attr, None)
-        if value is None:
-            continue
-        if isinstance(value, cst.BaseSuite):
-            items = _splice(value.body, old, new)
-            if items is not None:
-                return node.with_changes(**{attr: value.with_changes(body=items)})
-        elif isinstance(value, (list, tuple)):
-            items = _splice(value, old, new)
-            if items is not None:
-                return node.with_changes(**{attr: items})
-        elif isinstance(value, cst.CSTNode):
-            if value is old and isinstance(new, cst.CSTNode):
-                return node.with_changes(**{attr: new})
-            rebuilt = _rebuild(value, old, new)
-            if rebuilt is not None:
-                return node.with_changes(**{attr: rebuilt})
-    return None
-
-
-def _transform(root: cst.CSTNode, old: cst.CSTNode, new) -> cst.CSTNode:
-    transformer = _Replace(old, new)
-    result = root.visit(transformer)
-    if transformer.hits != 1:
-        raise RuntimeError("anchored node not found during replacement")
-    return result
-
-
-def replace_node(module: cst.Module, old: cst.CSTNode, new, scope: cst.CSTNode | None = None) -> cst.Module:
-    """``module`` with ``old`` replaced by ``new``.
-
-    A statement is spliced in along its chain of blocks. Anything smaller (an expression) is
-    replaced by a transform of its ``scope`` (the statement its anchor was found in), which is
-    then spliced in; only without a usable scope is the whole module transformed.
-    """
-    rebuilt = _rebuild(module, old, new)
-    if rebuilt is not None:
-        return rebuilt
-    if scope is not None and scope is not module:
-        new_scope = _transform(scope, old, new)
-        rebuilt = _rebuild(module, scope, new_scope)
-        if rebuilt is not None:
-            return rebuilt
-    return _transform(module, old, new)
 
 
 class Session:
@@ -217,29 +134,7 @@ def _evaluate_edits(patch: Patch, state: State) -> tuple[Outcome, dict[str, cst.
                 places = session.where_is(symbol)
                 hint = f"; {symbol} is now in {', '.join(places[:3])}" if places else f"; {symbol} not found anywhere"
             return Outcome(patch.id, Verdict.TARGET_GONE, f"{edit.target} does not exist{hint}"), {}
-        if edit.is_patched(module):
-            statuses.append((edit_cls, "patched", ""))
-            continue
-        if edit.is_upstream(module):
-            statuses.append((edit_cls, "upstream", f"{edit_cls.name()}: upstream shape present in {edit.target}"))
-            continue
-        found = resolve(module, edit.anchor)
-        node = found.unique
-        if node is None:
-            statuses.append((edit_cls, "drifted", f"{edit.target}: {found.explain()}"))
-            continue
-        try:
-            new_module = replace_node(module, node, edit.rewrite(node), found.scope)
-        except KilnError:
-            raise
-        except Exception as err:
-            raise KilnError(f"patch {patch.id}: codemod {edit_cls.name()} failed: {err.__class__.__name__}: {err}") from None
-        if not edit.is_patched(new_module):
-            raise KilnError(
-                f"patch {patch.id}: codemod {edit_cls.name()} ran but its `patched` matcher does not find the result"
-            )
-        working[edit.target] = new_module
-        statuses.append((edit_cls, "applies", ""))
+        statuses.append(_apply_edit(patch, edit, module, working, session.module(edit.target)))
 
     kinds = {status for _, status, _ in statuses}
     if kinds == {"patched"}:
@@ -254,6 +149,76 @@ def _evaluate_edits(patch: Patch, state: State) -> tuple[Outcome, dict[str, cst.
     return Outcome(patch.id, Verdict.DRIFTED, "; ".join(details)), {}
 
 
+def _line(node: cst.CSTNode, *modules: cst.Module | None) -> int | None:
+    """The line of ``node`` in the first of ``modules`` that holds it.
+
+    Reports give lines of the pristine file: an edit may run on a module an earlier edit of
+    the same patch already changed, but the nodes it did not touch are the pristine objects.
+    """
+    for module in modules:
+        if module is None:
+            continue
+        try:
+            line = line_of(module, node)
+        except Exception:  # a report must not fail where the codemod did
+            line = None
+        if line:
+            return line
+    return None
+
+
+def _upstream_place(edit: Codemod, module: cst.Module, pristine: cst.Module | None) -> str:
+    nodes = reach(module, edit.upstream) if edit.upstream else []
+    line = _line(nodes[0], pristine, module) if nodes else None
+    return f"{edit.target}:{line}" if line else edit.target
+
+
+def _raised(stage: str, err: Exception, target: str, node: cst.CSTNode | None, *modules) -> str:
+    """A codemod that raised on this source: what it was doing, why, and where (file:line)."""
+    line = _line(node, *modules) if node is not None else None
+    where = f"{target}:{line}" if line else target
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"
+    return f"{where}: {stage} raised {err.__class__.__name__}: {reason}"
+
+
+def _apply_edit(
+    patch: Patch, edit: Codemod, module: cst.Module, working: dict[str, cst.Module], pristine: cst.Module | None
+):
+    """One codemod's status on ``module``; when it applies, its result goes into ``working``.
+
+    A codemod is written against the shape of the code it was made for. On a source whose
+    shape moved, its matchers or its rewrite may raise (a structure check in ``rewrite``, a
+    matcher predicate meeting an unexpected node): that is drift of this patch on this source,
+    reported with the stage, the reason and the place, never a crash of the whole run. Only a
+    ``KilnError`` (bad input, a codemod that cannot see its own result) stops the run.
+    """
+    name = edit.name()
+    stage, node = "`patched` matcher", None
+    try:
+        if edit.is_patched(module):
+            return type(edit), "patched", ""
+        stage = "`upstream` matcher"
+        if edit.is_upstream(module):
+            return type(edit), "upstream", f"{name}: upstream shape present in {_upstream_place(edit, module, pristine)}"
+        stage = "anchor"
+        found = resolve(module, edit.anchor)
+        node = found.unique
+        if node is None:
+            return type(edit), "drifted", f"{edit.target}: {found.explain()}"
+        stage = "rewrite"
+        new_module = replace_node(module, node, edit.rewrite(node), found.scope)
+        stage = "`patched` matcher on the result"
+        sees_result = edit.is_patched(new_module)
+    except KilnError:
+        raise
+    except Exception as err:
+        return type(edit), "drifted", _raised(stage, err, edit.target, node, pristine, module)
+    if not sees_result:
+        raise KilnError(f"patch {patch.id}: codemod {name} ran but its `patched` matcher does not find the result")
+    working[edit.target] = new_module
+    return type(edit), "applies", ""
+
+
 def _add_file(patch: Patch, edit: NewFile, module: cst.Module | None, working: dict[str, cst.Module]):
     """A ``NewFile``'s status: it applies where the file is absent (its anchor is the absence).
 
@@ -262,10 +227,13 @@ def _add_file(patch: Patch, edit: NewFile, module: cst.Module | None, working: d
     """
     name = type(edit).__name__
     if module is not None:
-        if edit.is_patched(module):
-            return type(edit), "patched", ""
-        if edit.is_upstream(module):
-            return type(edit), "upstream", f"{name}: upstream shape present in {edit.target}"
+        try:
+            if edit.is_patched(module):
+                return type(edit), "patched", ""
+            if edit.is_upstream(module):
+                return type(edit), "upstream", f"{name}: upstream shape present in {_upstream_place(edit, module, module)}"
+        except Exception as err:
+            return type(edit), "drifted", _raised("matcher", err, edit.target, None)
         return type(edit), "drifted", f"{edit.target} already exists and is not this patch's file"
     try:
         new_module = cst.parse_module(edit.text(patch))
@@ -298,7 +266,13 @@ def evaluate(patch: Patch, state: State, target: BuildTarget, verdicts: dict[str
         if dep_outcome is None or not dep_outcome.verdict.ok:
             shown = dep_outcome.verdict if dep_outcome else "not selected"
             return Outcome(patch.id, Verdict.GATED, f"requires {dep}, which is {shown}")
-    upstream = patch.upstream_fix(state.module)
+    try:
+        upstream = patch.upstream_fix(state.module)
+    except KilnError:
+        raise
+    except Exception as err:  # a recogniser written for other shapes: drift, not a crash
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"
+        return Outcome(patch.id, Verdict.DRIFTED, f"upstream_fix raised {err.__class__.__name__}: {reason}")
     if upstream:
         return Outcome(patch.id, Verdict.UPSTREAM, upstream)
     outcome, modules = _evaluate_edits(patch, state)

@@ -13,6 +13,8 @@ import textwrap
 import libcst as cst
 import libcst.matchers as m
 
+from kiln.patch.anchor import Anchor, line_of, reach
+
 
 def marker_text(patch_id: str, why: str) -> str:
     return f"# kiln {patch_id}: {why}"
@@ -85,3 +87,17 @@ def top_level(node: cst.BaseStatement, patch_id: str, why: str) -> cst.BaseState
     """A module-level statement as PEP 8 places it: two blank lines, then the marker."""
     blank = cst.EmptyLine(indent=False)
     return node.with_changes(leading_lines=[blank, blank, marker_line(patch_id, why)])
+
+
+def place(rel: str, module: cst.Module, node: cst.CSTNode) -> str:
+    """``rel:line`` of ``node`` in ``module``: where an upstream fix lives, for a verdict's detail."""
+    line = line_of(module, node)
+    return f"{rel}:{line}" if line else rel
+
+
+def place_of(rel: str, module: cst.Module | None, anchor: Anchor) -> str | None:
+    """``rel:line`` of the first node ``anchor`` reaches in ``module``, or None if none."""
+    if module is None:
+        return None
+    nodes = reach(module, anchor)
+    return place(rel, module, nodes[0]) if nodes else None

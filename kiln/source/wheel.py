@@ -47,21 +47,31 @@ class WheelFile:
 class _Anchors(HTMLParser):
     def __init__(self) -> None:
         super().__init__()
-        self.links: list[tuple[str, str]] = []
+        self.links: list[tuple[str, str, bool]] = []  # href, text, yanked (PEP 592)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         if tag == "a":
-            href = dict(attrs).get("href")
+            named = dict(attrs)
+            href = named.get("href")
             if href:
-                self.links.append((href, ""))
+                self.links.append((href, "", "data-yanked" in named))
 
     def handle_data(self, data: str) -> None:
         if self.links and not self.links[-1][1]:
-            self.links[-1] = (self.links[-1][0], data.strip())
+            href, _, yanked = self.links[-1]
+            self.links[-1] = (href, data.strip(), yanked)
 
 
-def list_release_files(version: Version, session: requests.Session | None = None) -> list[WheelFile]:
-    """Every wheel of ``vllm==version`` on the index, with its sha256 (JSON or HTML index)."""
+@dataclass(frozen=True)
+class _IndexFile:
+    filename: str
+    url: str
+    sha256: str
+    yanked: bool
+
+
+def _index_files(session: requests.Session | None = None) -> list[_IndexFile]:
+    """Every file the index lists for vllm (JSON or HTML simple index)."""
     session = session or requests.Session()
     page = f"{index_url()}/vllm/"
     try:
@@ -74,28 +84,53 @@ def list_release_files(version: Version, session: requests.Session | None = None
         raise KilnError(f"cannot reach the package index {page}: {err.__class__.__name__}") from None
     if resp.status_code != 200:
         raise KilnError(f"package index {page} answered HTTP {resp.status_code}")
-    entries: list[tuple[str, str, str]] = []  # filename, url, sha256
+    files: list[_IndexFile] = []
     if resp.headers.get("Content-Type", "").startswith("application/vnd.pypi.simple.v1+json"):
         for item in resp.json().get("files", []):
-            entries.append((item["filename"], urljoin(page, item["url"]), item.get("hashes", {}).get("sha256", "")))
+            sha = item.get("hashes", {}).get("sha256", "")
+            files.append(_IndexFile(item["filename"], urljoin(page, item["url"]), sha, bool(item.get("yanked"))))
     else:
         parser = _Anchors()
         parser.feed(resp.text)
-        for href, text in parser.links:
+        for href, text, yanked in parser.links:
             url, fragment = urldefrag(urljoin(page, href))
             sha = fragment.split("=", 1)[1] if fragment.startswith("sha256=") else ""
-            entries.append((text or url.rsplit("/", 1)[-1], url, sha))
-    wheels = []
-    for filename, url, sha in entries:
-        if not filename.endswith(".whl"):
+            files.append(_IndexFile(text or url.rsplit("/", 1)[-1], url, sha, yanked))
+    return files
+
+
+def _wheel_version(filename: str) -> Version | None:
+    if not filename.endswith(".whl"):
+        return None
+    try:
+        return parse_wheel_filename(filename)[1]
+    except InvalidWheelFilename:
+        return None
+
+
+def list_release_files(version: Version, session: requests.Session | None = None) -> list[WheelFile]:
+    """Every wheel of ``vllm==version`` on the index, with its sha256 (JSON or HTML index)."""
+    return [
+        WheelFile(f.filename, f.url, f.sha256)
+        for f in _index_files(session)
+        if _wheel_version(f.filename) == version
+    ]
+
+
+def list_releases(session: requests.Session | None = None) -> list[Version]:
+    """The final vLLM releases the index offers a source for, oldest first.
+
+    A release counts when it has an x86_64 Linux wheel (what ``WheelSource`` reads) that is
+    not yanked; pre-releases and dev releases are left out.
+    """
+    found: set[Version] = set()
+    for f in _index_files(session):
+        version = _wheel_version(f.filename)
+        if version is None or f.yanked or version.is_prerelease or version.is_devrelease:
             continue
-        try:
-            _, wheel_version, _, _ = parse_wheel_filename(filename)
-        except InvalidWheelFilename:
-            continue
-        if wheel_version == version:
-            wheels.append(WheelFile(filename, url, sha))
-    return wheels
+        if re.search(r"linux.*x86_64\.whl$", f.filename):
+            found.add(version)
+    return sorted(found)
 
 
 def choose_wheel(version: Version, wheels: list[WheelFile]) -> WheelFile:

@@ -46,6 +46,20 @@ takes the speculative path, whose kernels apply the accepted offset to both stat
 approach of vllm#56531). Only prompt chunks stay non-speculative, and they carry no offset.
 ``spec_decode_src_indices`` (the shape of vllm#40738) is not in 0.33.0; the research note
 expected DRIFTED, but the source carries the fix.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1-0.21.0: APPLIES.
+- 0.22.0-0.31.0: TARGET_GONE. vllm#41126 (the Mamba attention module refactor) split
+  ``model_executor/layers/mamba/gdn_linear_attn.py`` into the ``gdn/`` package
+  (``GatedDeltaNetAttention`` in ``gdn/base.py``, Qwen's layer in
+  ``gdn/qwen_gdn_linear_attn.py``). The failure is still there: ``GPUModelRunner`` sets
+  ``use_spec_decode`` from the step's scheduled drafts (``gpu_model_runner.py:2128`` on 0.22.0)
+  and ``spec_decode_src_indices`` never lands. The patch needs re-targeting, not retiring.
+- 0.32.0 on: UPSTREAM. ``GPUModelRunner`` sets ``use_spec_decode = self.speculative_config is
+  not None`` and gives draftless decode rows 0 drafts (``gpu_model_runner.py:2220`` on
+  0.32.0), and ``GDNAttentionMetadataBuilder.build`` keeps them on the spec path
+  (``gdn_attn.py:288``): the approach of vllm#56531.
 """
 
 import textwrap
@@ -55,7 +69,7 @@ import libcst.matchers as m
 
 from kiln.patch.anchor import find
 from kiln.patch.model import Codemod, Gates, Patch
-from kiln.patch.shapes import assign_to, cls, func, marked, marker_line, statements
+from kiln.patch.shapes import assign_to, cls, func, marked, marker_line, place, statements
 
 GDN_ATTN = "v1/attention/backends/gdn_attn.py"
 GDN_LAYER = "model_executor/layers/mamba/gdn_linear_attn.py"
@@ -399,17 +413,20 @@ UNMARKED_SRC_FIELD = m.SimpleStatementLine(
 )
 
 
-def _runner_routes_zero_draft_rows(runner: cst.Module) -> bool:
-    """A runner method treats every step as speculative and gives draftless decode rows 0 drafts."""
+def _runner_routes_zero_draft_rows(runner: cst.Module) -> str | None:
+    """``file:line`` of a runner method that treats every step as speculative and gives
+    draftless decode rows 0 drafts."""
     for klass in find(runner, RUNNER_CLS):
         for method in find(klass, m.FunctionDef()):
-            if find(method, SPEC_FOR_EVERY_STEP) and find(method, ZERO_DRAFT_ROWS):
-                return True
-    return False
+            zero = find(method, ZERO_DRAFT_ROWS)
+            if find(method, SPEC_FOR_EVERY_STEP) and zero:
+                return place(RUNNER, runner, zero[0])
+    return None
 
 
-def _builder_keeps_zero_draft_rows(gdn_attn: cst.Module) -> bool:
-    """``build`` picks spec rows from the draft counts without the 'all drafts are zero' fallback."""
+def _builder_keeps_zero_draft_rows(gdn_attn: cst.Module) -> str | None:
+    """``file:line`` where ``build`` picks spec rows from the draft counts, when it does so
+    without the 'all drafts are zero' fallback."""
     ifs = [
         node
         for klass in find(gdn_attn, BUILDER)
@@ -417,7 +434,9 @@ def _builder_keeps_zero_draft_rows(gdn_attn: cst.Module) -> bool:
         for node in find(method, m.If())
         if m.findall(node.test, m.Name("num_decode_draft_tokens_cpu"))
     ]
-    return bool(ifs) and not any(m.findall(n.test, m.Call(func=m.Attribute(attr=m.Name("sum")))) for n in ifs)
+    if not ifs or any(m.findall(n.test, m.Call(func=m.Attribute(attr=m.Name("sum")))) for n in ifs):
+        return None
+    return place(GDN_ATTN, gdn_attn, ifs[0])
 
 
 class P60(Patch):
@@ -451,12 +470,18 @@ class P60(Patch):
         runner, gdn_attn = module_of(RUNNER), module_of(GDN_ATTN)
         if runner is None or gdn_attn is None:
             return None
-        if _runner_routes_zero_draft_rows(runner) and _builder_keeps_zero_draft_rows(gdn_attn):
+        routed, kept = _runner_routes_zero_draft_rows(runner), _builder_keeps_zero_draft_rows(gdn_attn)
+        if routed and kept:
             return (
-                f"{RUNNER}: GPUModelRunner runs every step of a spec config as speculative and gives "
-                f"draftless decode rows 0 drafts; {GDN_ATTN}: build keeps such rows on the spec path, "
-                "whose kernels read the accepted state"
+                f"{routed}: GPUModelRunner runs every step of a spec config as speculative and gives "
+                f"draftless decode rows 0 drafts; {kept}: GDNAttentionMetadataBuilder.build keeps such "
+                "rows on the spec path, whose kernels read the accepted state (vllm#56531)"
             )
-        if find(gdn_attn, METADATA) and any(find(k, UNMARKED_SRC_FIELD) for k in find(gdn_attn, METADATA)):
-            return f"{GDN_ATTN}: GDNAttentionMetadata.spec_decode_src_indices (vllm#40738) is present"
+        for klass in find(gdn_attn, METADATA):
+            fields = find(klass, UNMARKED_SRC_FIELD)
+            if fields:
+                return (
+                    f"{place(GDN_ATTN, gdn_attn, fields[0])}: GDNAttentionMetadata.spec_decode_src_indices "
+                    "(vllm#40738) is present"
+                )
         return None

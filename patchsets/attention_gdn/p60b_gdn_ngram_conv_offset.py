@@ -34,6 +34,13 @@ and ``IS_APC_ENABLED`` (prefix caching moved out of this kernel) and ``causal_co
 ``num_computed_tokens`` (the test names each missing parameter). The research note's DRIFTED
 is true of the kernel, but not the whole story. ``num_accepted_tokens_ptr`` (vllm#40738's own
 shape, which ``upstream_fix`` looks for) is not in the 0.33.0 kernel.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1-0.21.0: APPLIES.
+- 0.22.0 on: GATED, following P60: "requires P60, which is TARGET_GONE" to 0.31.0 (the GDN
+  layer moved, vllm#41126), "... which is UPSTREAM" from 0.32.0 (no decode row with an offset
+  reaches the prefill conv kernel). ``num_accepted_tokens_ptr`` (vllm#40738) is in no release.
 """
 
 import dataclasses
@@ -43,7 +50,7 @@ import libcst.matchers as m
 
 from kiln.patch.anchor import find
 from kiln.patch.model import Codemod, Gates, Patch
-from kiln.patch.shapes import cls, func, marked, marker_line
+from kiln.patch.shapes import cls, func, marked, marker_line, place
 
 CONV = "model_executor/layers/mamba/ops/causal_conv1d.py"
 GDN_LAYER = "model_executor/layers/mamba/gdn_linear_attn.py"
@@ -329,6 +336,11 @@ class P60b(Patch):
                 )
             ),
         )
-        if any(find(kernel, unmarked) for kernel in find(conv, KERNEL)):
-            return f"{CONV}: _causal_conv1d_fwd_kernel takes num_accepted_tokens_ptr (vllm#40738)"
+        for kernel in find(conv, KERNEL):
+            params = find(kernel, unmarked)
+            if params:
+                return (
+                    f"{place(CONV, conv, params[0])}: _causal_conv1d_fwd_kernel takes "
+                    "num_accepted_tokens_ptr (vllm#40738)"
+                )
         return None

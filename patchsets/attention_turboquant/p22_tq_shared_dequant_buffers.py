@@ -39,12 +39,27 @@ dequant buffers from ``current_workspace_manager().get_simultaneous`` (one works
 all layers), ``TurboQuantMetadataBuilder._reserve_workspace`` reserves them at
 ``max_model_len`` before the workspace is locked, and ``cu_seqlens`` are persistent
 ``self._cu_2_q``/``self._cu_2_k`` filled in place. ``Patch.upstream_fix`` checks that shape.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1, 0.20.2: APPLIES.
+- 0.21.0-0.23.0: DRIFTED, half upstream. ``_continuation_prefill`` takes its K/V dequant
+  buffers from the shared ``WorkspaceManager`` (``turboquant_attn.py:747``) and fills
+  persistent ``cu_seqlens`` in place (``:822``): ``DequantIntoSharedBuffers`` and
+  ``DeviceSideCuSeqlens`` report "upstream shape present". But nothing reserves that
+  workspace at ``max_model_len`` before ``GPUModelRunner`` locks it after cudagraph capture
+  (``lock_workspace``), so the first long continuation chunk fails with "Workspace is locked"
+  (vllm#41726 on a 0.20.2 nightly, #46767 on 0.23.0) where 0.20.1 ran out of memory. The
+  failure is live and the anchors are gone: re-anchoring would mean reserving the workspace,
+  which is what upstream did next.
+- 0.24.0 on: UPSTREAM. ``TurboQuantMetadataBuilder._reserve_workspace`` reserves the
+  continuation buffers at ``max_model_len`` when chunked prefill can take that path
+  (``turboquant_attn.py:223`` on 0.24.0, ``:243`` on 0.33.0); the PR was not identified.
 """
 
 import libcst as cst
 import libcst.matchers as m
 
-from kiln.patch.anchor import count
 from kiln.patch.model import Codemod, Gates, Patch
 from kiln.patch.shapes import (
     assign_to,
@@ -52,6 +67,7 @@ from kiln.patch.shapes import (
     func,
     insert_after,
     marked,
+    place_of,
     statements,
     top_level,
     with_marker,
@@ -188,6 +204,21 @@ def _replace_run(block: cst.IndentedBlock, run: list, new: list) -> cst.Indented
     raise ValueError("statement run not found")  # the anchor guarantees it is there
 
 
+# vLLM's shape (0.21.0 on): the dequant buffers come from the shared WorkspaceManager (reserved by
+# the builder from 0.24.0), and cu_seqlens are persistent device tensors filled in place.
+WORKSPACE_TAKE = m.Call(
+    func=m.Attribute(value=m.Call(func=m.Name("current_workspace_manager")), attr=m.Name("get_simultaneous"))
+)
+PERSISTENT_CU_SEQLENS = m.SimpleStatementLine(
+    body=[
+        m.Assign(
+            targets=[m.AssignTarget(target=m.Subscript(value=m.Attribute(value=m.Name("self"))))],
+            value=m.Name("q_len"),
+        )
+    ]
+)
+
+
 class DequantIntoSharedBuffers(Codemod):
     """Replace the per-layer lazy buffers of ``_continuation_prefill`` by the shared pair."""
 
@@ -204,6 +235,9 @@ class DequantIntoSharedBuffers(Codemod):
             leading_lines=marked("P22"), body=[m.Assign(value=m.Call(func=m.Name("_tq_shared_dequant_buffers")))]
         ),
     )
+
+    # vLLM's own version of this edit (0.21.0 on): the buffers come from its WorkspaceManager.
+    upstream = (IMPL, CONTINUATION, WORKSPACE_TAKE)
 
     def rewrite(self, node):
         (take,) = statements("k_buf, v_buf = _tq_shared_dequant_buffers(Hk, D, alloc_len, device)")
@@ -225,6 +259,8 @@ class DeviceSideCuSeqlens(Codemod):
         ),
     )
     patched = (IMPL, CONTINUATION, m.If(leading_lines=marked("P22")))
+    # vLLM's own version of this edit (0.21.0 on): ``self._cu_2_q[1:2] = q_len``.
+    upstream = (IMPL, CONTINUATION, PERSISTENT_CU_SEQLENS)
 
     def rewrite(self, node):
         ensure, *fill = statements(
@@ -238,12 +274,6 @@ class DeviceSideCuSeqlens(Codemod):
         )
         body = list(node.body.body)
         return node.with_changes(body=node.body.with_changes(body=[with_marker(ensure, "P22", CU_WHY), *fill, *body[2:]]))
-
-
-# 0.33.0's shape: the dequant buffers come from the shared WorkspaceManager, reserved by the builder.
-WORKSPACE_TAKE = m.Call(
-    func=m.Attribute(value=m.Call(func=m.Name("current_workspace_manager")), attr=m.Name("get_simultaneous"))
-)
 
 
 class P22(Patch):
@@ -261,15 +291,15 @@ class P22(Patch):
     edits = (SharedDequantBufferPool, ReserveDequantBuffersAtInit, DequantIntoSharedBuffers, DeviceSideCuSeqlens)
 
     def upstream_fix(self, module_of):
+        # Both halves: 0.21.0-0.23.0 have the shared take without the reservation, which
+        # turns the OOM into a locked-workspace AssertionError (see the module docstring).
         module = module_of(TARGET)
-        if module is None:
-            return None
-        reserved = count(module, (BUILDER, func("_reserve_workspace"), WORKSPACE_TAKE))
-        taken = count(module, (IMPL, CONTINUATION, WORKSPACE_TAKE))
+        reserved = place_of(TARGET, module, (BUILDER, func("_reserve_workspace"), WORKSPACE_TAKE))
+        taken = place_of(TARGET, module, (IMPL, CONTINUATION, WORKSPACE_TAKE))
         if reserved and taken:
             return (
-                "TurboQuantAttentionImpl._continuation_prefill takes its K/V dequant buffers from the "
-                "shared WorkspaceManager, reserved at max_model_len by "
-                "TurboQuantMetadataBuilder._reserve_workspace"
+                f"{taken}: TurboQuantAttentionImpl._continuation_prefill takes its K/V dequant buffers "
+                f"from the shared WorkspaceManager; {reserved}: TurboQuantMetadataBuilder."
+                "_reserve_workspace reserves them at max_model_len before the workspace is locked"
             )
         return None

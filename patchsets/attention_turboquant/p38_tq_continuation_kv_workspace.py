@@ -33,6 +33,16 @@ are still allocated per call and unreserved. The method also grew a SoA dequant 
 (``if self._soa_store``), so replacing the whole method would drop it; the codemod anchors the
 exact trim/cat run, which is gone, hence the drift. A re-based patch would replace the two
 ``torch.empty`` calls by ``_tq_shared_kv_full`` and keep the rest of the upstream method.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1, 0.20.2: APPLIES.
+- 0.21.0 on: DRIFTED. The upstream change that moved the dequant buffers to the workspace
+  (see P22) also rewrote this run: no ``.contiguous()``, ``torch.cat`` replaced by
+  ``torch.empty`` plus slice copies, fp16 rotation. ``k_full``/``v_full`` stay per-call,
+  unreserved allocations (``turboquant_attn.py:808`` on 0.21.0, ``:1051`` on 0.33.0), so the
+  transient is halved, not gone, and the anchored run is gone. 0.28.0 adds the ROCm SoA branch
+  (``self._soa_store``) to the method; the verdict stays DRIFTED to 0.33.0.
 """
 
 import libcst as cst

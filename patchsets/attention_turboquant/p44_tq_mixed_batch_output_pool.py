@@ -22,6 +22,14 @@ allocation is still there (the pool edits would apply), so the edits disagree an
 says exactly that. What is left is one caching-allocator hit per layer and mixed step, no
 kernel; re-anchoring ``PooledMixedBatchOutput`` alone is possible but buys little, so
 retiring P44 for 0.33.0 is the likely call.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1-0.21.0: APPLIES (``torch.zeros`` in the mixed branch).
+- 0.22.0 on: DRIFTED, half upstream: the mixed branch allocates ``torch.empty``
+  (``turboquant_attn.py:457`` on 0.22.0, ``:597`` on 0.33.0; PR not identified), so
+  ``DropMixedBatchZeroFill`` reports the upstream shape while the pool edits would still
+  apply, and the edits disagree. Unchanged through 0.33.0.
 """
 
 import libcst as cst

@@ -26,13 +26,23 @@ KV savings that are the point of TurboQuant on 24-32 GB cards.
 handles hybrids itself (``if model_config.is_hybrid:`` → ``_get_full_attention_layer_indices``,
 raise only if none, ``return []``), and ``create_engine_config`` calls it with
 ``model_config``, no hybrid raise left. Detected by ``upstream_fix`` on both shapes.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1, 0.20.2: APPLIES (the hybrid ``raise`` above).
+- 0.21.0 on: UPSTREAM. vllm#39931 (TurboQuant on hybrid models) moved the hybrid handling
+  into ``TurboQuantConfig.get_boundary_skip_layers(model_config)`` (``turboquant/config.py:187``
+  on 0.21.0, ``:194`` on 0.33.0) and ``create_engine_config`` passes ``model_config``
+  (``engine/arg_utils.py:1719`` on 0.21.0). The same shape through 0.33.0.
 """
 
 import libcst.matchers as m
 
-from kiln.patch.anchor import count
 from kiln.patch.model import Codemod, Gates, Patch
-from kiln.patch.shapes import cls, func, marked, statements, with_marker
+from kiln.patch.shapes import cls, func, marked, place_of, statements, with_marker
+
+TQ_CONFIG = "model_executor/layers/quantization/turboquant/config.py"
+ENGINE_ARGS_FILE = "engine/arg_utils.py"
 
 ENGINE_ARGS = cls("EngineArgs")
 CREATE = func("create_engine_config")
@@ -62,7 +72,7 @@ WHY_BOUNDARY = "no boundary skip for hybrids: 2+2 of their ~10 attention layers 
 class HybridBoundaryFromAttentionLayers(Codemod):
     """Replace the hybrid ``raise`` and make the boundary set empty for hybrids."""
 
-    target = "engine/arg_utils.py"
+    target = ENGINE_ARGS_FILE
     anchor = (ENGINE_ARGS, CREATE, TQ_BLOCK)
     patched = (ENGINE_ARGS, CREATE, TQ_BLOCK, m.If(test=IS_HYBRID, leading_lines=marked("P4")))
 
@@ -148,14 +158,12 @@ class P4(Patch):
     edits = (HybridBoundaryFromAttentionLayers,)
 
     def upstream_fix(self, module_of) -> str | None:
-        config = module_of("model_executor/layers/quantization/turboquant/config.py")
-        engine = module_of("engine/arg_utils.py")
-        if config is None or engine is None:
-            return None
-        if count(config, UPSTREAM_HYBRID_BRANCH) and count(engine, UPSTREAM_CALL):
+        branch = place_of(TQ_CONFIG, module_of(TQ_CONFIG), UPSTREAM_HYBRID_BRANCH)
+        call = place_of(ENGINE_ARGS_FILE, module_of(ENGINE_ARGS_FILE), UPSTREAM_CALL)
+        if branch and call:
             return (
-                "TurboQuantConfig.get_boundary_skip_layers(model_config) handles hybrids "
-                "(model_executor/layers/quantization/turboquant/config.py) and "
-                "create_engine_config passes model_config (engine/arg_utils.py)"
+                f"{branch}: TurboQuantConfig.get_boundary_skip_layers(model_config) returns no "
+                f"boundary layers for hybrids (raising only when no full-attention layer is "
+                f"found); {call}: create_engine_config passes model_config (vllm#39931)"
             )
         return None

@@ -11,6 +11,13 @@ than P67b, which keeps FULL graphs, hence the conflict) but the output is correc
 The speculative-config test stays in the emitted code: one image serves models with and
 without MTP. On 0.33.0 the builder still declares ``UNIFORM_BATCH`` with no override, and the
 fixes upstream (#53406/#53410) are not merged, so the patch still applies there.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0): APPLIES on every one. ``TurboQuantMetadataBuilder`` keeps
+``_cudagraph_support = UNIFORM_BATCH`` without a ``get_cudagraph_support`` override and does
+not treat spec verify as decode (``supports_spec_as_decode=False``,
+``turboquant_attn.py:192`` on 0.20.1, ``:224`` on 0.33.0); ``_prefill_attention`` stays a
+per-request host loop.
 """
 
 from kiln.patch.model import Codemod, Gates, Patch

@@ -23,6 +23,11 @@ Verdict on 0.33.0: APPLIES, with P67b. The new file's path is free, the backend'
 reads is the AoS layout the default store still writes (``kv_cache.transpose(1, 2)`` view
 with its strides, which the kernel takes as given); the ROCm SoA layout never reaches it
 because P67b skips SoA caches.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0): APPLIES on every one, with P67b. The kernel's path is free in all of them,
+the backend's ``triton_turboquant_store`` import (the anchor) is unchanged, and nothing
+upstream batches spec-verify queries per KV head.
 """
 
 import libcst.matchers as m

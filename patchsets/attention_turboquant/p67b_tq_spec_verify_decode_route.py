@@ -33,14 +33,19 @@ loop (now over ``query_start_loc_cpu``, no sync but still frozen into a FULL gra
 ``supports_spec_as_decode=False`` (the shape ``upstream_fix`` looks for). New on 0.33.0: the
 ROCm FlyDSL path stores the cache in an SoA layout (``self._soa_store``) that only its own
 decoder reads; the route is skipped there.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0): APPLIES on every one. ``forward`` keeps its
+decode/prefill-only/mixed chain, ``_prefill_attention`` stays a per-request host loop (over
+``query_start_loc_cpu`` from 0.21.0) and the builder keeps ``supports_spec_as_decode=False``.
+0.28.0 adds the ROCm SoA layout (``self._soa_store``), which the route skips.
 """
 
 import libcst as cst
 import libcst.matchers as m
 
-from kiln.patch.anchor import count
 from kiln.patch.model import Codemod, Gates, Patch
-from kiln.patch.shapes import cls, func, insert_after, marked, statements, with_marker
+from kiln.patch.shapes import cls, func, insert_after, marked, place_of, statements, with_marker
 
 TARGET = "v1/attention/backends/turboquant_attn.py"
 IMPL = cls("TurboQuantAttentionImpl")
@@ -181,7 +186,7 @@ class P67b(Patch):
     edits = (AddSpecVerifyMethods, RouteSpecVerifyBatches)
 
     def upstream_fix(self, module_of):
-        module = module_of(TARGET)
-        if module is not None and count(module, SPEC_AS_DECODE) > 0:
-            return "TurboQuantMetadataBuilder treats spec verify as decode (supports_spec_as_decode=True)"
+        where = place_of(TARGET, module_of(TARGET), SPEC_AS_DECODE)
+        if where:
+            return f"{where}: TurboQuantMetadataBuilder treats spec verify as decode (supports_spec_as_decode=True)"
         return None

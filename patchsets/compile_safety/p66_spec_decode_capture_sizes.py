@@ -36,13 +36,32 @@ on purpose (its comments: dispatch needs an exact multiple of the decode query l
 decode on model runner v1, and v2 sizes its graphs in ``cudagraph_utils``. The sequence-
 parallelism filter P66's Genesis anchor sat on is gone from this method. ``Patch.
 upstream_fix`` recognises the ``uniform_decode_sizes`` shape.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1-0.28.0: APPLIES. Capture sizes are rounded for spec decode only when the decode mode
+  is FULL (``CompilationConfig``; from 0.28.0 only for model runner v1, v2 sizes its own
+  graphs, vllm#45953, and hybrids like Qwen3.6 default to v1).
+- 0.29.0 on: UPSTREAM. ``_set_cudagraph_sizes`` builds ``uniform_decode_sizes``
+  (``config/vllm.py:2002`` on 0.29.0) in every mode: most likely vllm#50488, whose review
+  discusses the 581-versus-100 sizes trade-off the 0.29.0 comment records. Partly: upstream
+  fills them in only when it computes the default list; an explicit ``cudagraph_capture_sizes``
+  stays exactly as configured, by design, where P66 would have rounded it.
 """
 
 import libcst.matchers as m
 
-from kiln.patch.anchor import count
 from kiln.patch.model import Codemod, Gates, Patch
-from kiln.patch.shapes import assign_to, cls, func, insert_after, marked, statements, with_marker
+from kiln.patch.shapes import (
+    assign_to,
+    cls,
+    func,
+    insert_after,
+    marked,
+    place_of,
+    statements,
+    with_marker,
+)
 
 TARGET = "config/vllm.py"
 SET_SIZES = (cls("VllmConfig"), func("_set_cudagraph_sizes"))
@@ -108,11 +127,11 @@ class P66(Patch):
     edits = (RoundCaptureSizesForSpecDecode,)
 
     def upstream_fix(self, module_of):
-        module = module_of(TARGET)
-        if module is not None and count(module, (*SET_SIZES, assign_to("uniform_decode_sizes"))):
+        where = place_of(TARGET, module_of(TARGET), (*SET_SIZES, assign_to("uniform_decode_sizes")))
+        if where:
             return (
-                "VllmConfig._set_cudagraph_sizes appends uniform_decode_sizes (multiples of "
-                "1 + num_speculative_tokens) in every cudagraph mode; FULL decode sizes are still "
-                "rounded by CompilationConfig.adjust_cudagraph_sizes_for_spec_decode"
+                f"{where}: VllmConfig._set_cudagraph_sizes appends uniform_decode_sizes (multiples of "
+                "1 + num_speculative_tokens) to the default sizes in every cudagraph mode; FULL decode "
+                "sizes are still rounded by CompilationConfig.adjust_cudagraph_sizes_for_spec_decode"
             )
         return None

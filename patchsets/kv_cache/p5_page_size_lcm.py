@@ -26,15 +26,37 @@ read as drift), and there it no longer raises for these layouts: Mamba pages and
 attention pages that do not divide the largest one are padded to it
 (``replace(layer_spec, page_size_padded=max_page_size)``). The platform alignment is also
 TurboQuant-aware there (``platforms/interface.py``, ``_align_hybrid_block_size`` uses the
-packed TQ page), so the mismatch no longer arises. Detected by ``upstream_fix`` in either file.
+packed TQ page), so the mismatch no longer arises. ``upstream_fix`` detects both, in every file
+they have lived in (see below).
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1, 0.20.2: APPLIES.
+- 0.21.0 on: UPSTREAM, in the platform layer. vllm#39931 made
+  ``Platform._align_hybrid_block_size`` (``platforms/interface.py:548`` on 0.21.0) size the
+  per-token attention page of a ``turboquant_*`` cache from its packed layout (a
+  ``TQFullAttentionSpec``; from 0.28.0 ``TurboQuantAttentionBackend.customize_spec``; from
+  0.32.0 the same branch also serves ``ultraquant_4bit``), with the LCM of the TurboQuant and
+  the unquantized page when skip layers exist. The Mamba page is padded to the page the
+  TurboQuant layers really have, so ``unify`` sees pages that divide: the failure this patch
+  was written for cannot happen. Before this review the recogniser only read ``unify`` and
+  these releases read APPLIES until 0.26.0.
+- Partly fixed, kept with the evidence: the second path P5's function covers, a layer whose
+  page is larger than the platform-aligned one (a draft model with more KV bytes per token,
+  vllm#43626), still trips ``unify``'s assertion on a Mamba page until 0.26.0, where
+  vllm#45207 pads Mamba pages in ``unify`` (``v1/core/kv_cache_utils.py:1067``; moved to
+  ``v1/core/kv_cache_planning.py:346`` in 0.33.0). That path is not TurboQuant's and does not
+  arise in kiln's images (their MTP layer has the target's TurboQuant page), so P5 is retired
+  from 0.21.0; 0.21.0-0.25.1 with such a draft would need a patch of its own. The UPSTREAM
+  detail lists every place found (the platform branch, and ``unify`` from 0.26.0).
 """
 
 import libcst as cst
 import libcst.matchers as m
 
-from kiln.patch.anchor import find
+from kiln.patch.anchor import find, reach
 from kiln.patch.model import Codemod, Gates, Patch
-from kiln.patch.shapes import func, marked, statements, with_marker
+from kiln.patch.shapes import assign_to, cls, func, marked, place, statements, with_marker
 
 UNIFY = "unify_kv_cache_spec_page_size"
 WHY = "unify hybrid pages at a common multiple of the attention pages; pad Mamba pages up to it"
@@ -112,7 +134,20 @@ class UnifyPagesAtAttentionLcm(Codemod):
         return with_marker(new.with_changes(leading_lines=node.leading_lines), "P5", WHY)
 
 
-# -- upstream detection: the unify function pads pages instead of raising -------------------
+# -- upstream detection ------------------------------------------------------------------------
+# Two places upstream prevents the failure (see "Verdicts across releases" above): the platform
+# sizes the hybrid attention page from TurboQuant's packed layout, so the Mamba page is padded
+# to the page the TurboQuant layers really have; and ``unify_kv_cache_spec_page_size`` pads
+# Mamba pages itself instead of scaling their block size.
+
+PLATFORM = "platforms/interface.py"
+PLANNING = "v1/core/kv_cache_planning.py"  # where unify lives from 0.33.0
+UTILS = "v1/core/kv_cache_utils.py"  # where it lived before
+ALIGN = (cls("Platform"), func("_align_hybrid_block_size"))
+TQ_CACHE_DTYPE = m.Call(
+    func=m.Attribute(attr=m.Name("startswith")), args=[m.Arg(value=m.SimpleString('"turboquant_"'))]
+)
+PAGE_PER_TOKEN = assign_to("attn_page_size_1_token")
 
 PADS_TO_PAGE = m.Call(
     func=m.Name("replace"),
@@ -125,10 +160,23 @@ def _kiln_marked(node: cst.FunctionDef) -> bool:
     return any(line.comment is not None and line.comment.value.startswith("# kiln ") for line in node.leading_lines)
 
 
-def upstream_unify_pads(module_of) -> str | None:
-    """Where vLLM's own ``unify_kv_cache_spec_page_size`` pads Mamba pages (and others) to the
-    largest page instead of raising; kiln's own rewrites (marked) do not count."""
-    for rel in ("v1/core/kv_cache_planning.py", "v1/core/kv_cache_utils.py"):
+def platform_sizes_turboquant_pages(module_of) -> str | None:
+    """``file:line`` of the branch of ``Platform._align_hybrid_block_size`` that sizes the
+    per-token attention page of a ``turboquant_*`` cache from its packed layout (vllm#39931)."""
+    module = module_of(PLATFORM)
+    if module is None:
+        return None
+    for branch in reach(module, (*ALIGN, m.If())):
+        if m.findall(branch.test, TQ_CACHE_DTYPE) and find(branch.body, PAGE_PER_TOKEN):
+            return place(PLATFORM, module, branch)
+    return None
+
+
+def unify_pads_mamba(module_of) -> str | None:
+    """``file:line`` of vLLM's own ``unify_kv_cache_spec_page_size`` where it pads Mamba pages
+    to the largest page instead of scaling their block size (vllm#45207); kiln's own rewrites
+    (marked) do not count."""
+    for rel in (PLANNING, UTILS):
         module = module_of(rel)
         if module is None:
             continue
@@ -136,7 +184,7 @@ def upstream_unify_pads(module_of) -> str | None:
             if _kiln_marked(fn):
                 continue
             if m.findall(fn, PADS_TO_PAGE) and m.findall(fn, MAMBA_BRANCH):
-                return rel
+                return place(rel, module, fn)
     return None
 
 
@@ -153,7 +201,15 @@ class P5(Patch):
     edits = (UnifyPagesAtAttentionLcm,)
 
     def upstream_fix(self, module_of) -> str | None:
-        where = upstream_unify_pads(module_of)
-        if where:
-            return f"{where}: {UNIFY} pads Mamba/attention pages to the largest page instead of raising"
-        return None
+        found = []
+        platform = platform_sizes_turboquant_pages(module_of)
+        if platform:
+            found.append(
+                f"{platform}: Platform._align_hybrid_block_size sizes the attention page from "
+                "TurboQuant's packed layout, so Mamba pages are padded to the real TurboQuant page "
+                "(vllm#39931)"
+            )
+        unify = unify_pads_mamba(module_of)
+        if unify:
+            found.append(f"{unify}: {UNIFY} pads Mamba pages to the largest page instead of raising (vllm#45207)")
+        return "; ".join(found) or None

@@ -38,16 +38,36 @@ Mamba pages and non-MLA attention pages that do not divide the largest page to i
 (``replace(layer_spec, page_size_padded=max_page_size)``), and the TurboQuant store kernels
 take the cache tensor itself. The runner-side counterpart is a different design there (the KV
 layout is planned in ``kv_cache_planning.py`` with per-layer padded block strides,
-``_get_layer_block_stride``); it was read, not run. Detected by ``upstream_fix`` (padding
-``unify`` in ``kv_cache_planning.py`` and both store launches without ``.view(-1)``).
+``_get_layer_block_stride``); it was read, not run. Detected by ``upstream_fix``: the
+platform's TurboQuant page (the fix that matters, from 0.21.0), and padding ``unify`` with both
+store launches without ``.view(-1)`` (from 0.26.0), in whichever file ``unify`` lives.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1, 0.20.2: APPLIES.
+- 0.21.0 on: UPSTREAM, in the platform layer (vllm#39931, ``platforms/interface.py:548`` on
+  0.21.0): ``Platform._align_hybrid_block_size`` sizes the attention page from TurboQuant's
+  packed layout, so the TurboQuant and Mamba pages come out equal and no TurboQuant page is
+  ever padded; the runner-stride and store edits only exist to read padded TurboQuant pages.
+  Upstream's layout is also the smaller one: it pads the Mamba page a little up to the
+  TurboQuant page, where P5b pads the TurboQuant pages up to the Mamba page. Before this review
+  the recogniser read only ``kv_cache_planning.py`` (0.33.0), and 0.24.0-0.32.0 read DRIFTED:
+  the padded-page view moved from ``GPUModelRunner._reshape_kv_cache_tensors`` to
+  ``v1/worker/gpu/attn_utils.py::_reshape_attention_kv_cache`` in 0.24.0.
+- What upstream left as it was: that view still gives every kernel block the whole padded
+  page as stride (0.24.0-0.28.0), which matters only for a padded attention page holding
+  several kernel blocks, a layout upstream does not produce for TurboQuant hybrids. From 0.26.0
+  the detail also lists ``unify`` padding Mamba pages (vllm#45207) and non-dividing attention
+  pages (opt-in from 0.24.0, every non-MLA page from 0.29.0), and the store kernels taking the
+  strided cache (``v1/attention/ops/triton_turboquant_store.py:389``).
 """
 
 import libcst as cst
 import libcst.matchers as m
 
-from kiln.patch.anchor import count, find
+from kiln.patch.anchor import find, reach
 from kiln.patch.model import Codemod, Gates, Patch
-from kiln.patch.shapes import assign_to, cls, func, marked, statements, with_marker
+from kiln.patch.shapes import assign_to, cls, func, marked, place, place_of, statements, with_marker
 
 UNIFY = "unify_kv_cache_spec_page_size"
 WHY_UNIFY = "pad Mamba pages and TurboQuant pages that do not divide the largest page up to it"
@@ -143,6 +163,7 @@ class PaddedPageStridePerKernelBlock(Codemod):
         return cst.FlattenSentinel([check, stride])
 
 
+STORE_FILE = "v1/attention/ops/triton_turboquant_store.py"
 STORE = func("triton_turboquant_store")
 FLAT_CACHE = m.Arg(
     value=m.Call(
@@ -163,7 +184,7 @@ def _kernel_launch(kernel: str, *, cache_arg=None, leading_lines=None) -> m.Simp
 class _PassStridedCache(Codemod):
     """Replace ``kv_cache.view(-1)`` by ``kv_cache`` in one store-kernel launch."""
 
-    target = "v1/attention/ops/triton_turboquant_store.py"
+    target = STORE_FILE
     kernel: str
 
     def rewrite(self, node):
@@ -191,7 +212,18 @@ class StoreMseTakesStridedCache(_PassStridedCache):
 
 
 # -- upstream detection ------------------------------------------------------------------------
+# The places upstream prevents the failure (see "Verdicts across releases" above). This module
+# cannot import P5's (each patch's verdict memo covers only its own module), so the platform
+# recogniser is repeated here.
 
+PLATFORM = "platforms/interface.py"
+PLANNING = "v1/core/kv_cache_planning.py"  # where unify lives from 0.33.0
+UTILS = "v1/core/kv_cache_utils.py"  # where it lived before
+ALIGN = (cls("Platform"), func("_align_hybrid_block_size"))
+TQ_CACHE_DTYPE = m.Call(
+    func=m.Attribute(attr=m.Name("startswith")), args=[m.Arg(value=m.SimpleString('"turboquant_"'))]
+)
+PAGE_PER_TOKEN = assign_to("attn_page_size_1_token")
 PADS_TO_PAGE = m.Call(
     func=m.Name("replace"),
     args=[m.ZeroOrMore(), m.Arg(keyword=m.Name("page_size_padded")), m.ZeroOrMore()],
@@ -202,6 +234,33 @@ ATTENTION_BRANCH = m.Call(func=m.Name("isinstance"), args=[m.Arg(), m.Arg(value=
 
 def _kiln_marked(node: cst.FunctionDef) -> bool:
     return any(line.comment is not None and line.comment.value.startswith("# kiln ") for line in node.leading_lines)
+
+
+def platform_sizes_turboquant_pages(module_of) -> str | None:
+    """``file:line`` of the branch of ``Platform._align_hybrid_block_size`` that sizes the
+    per-token attention page of a ``turboquant_*`` cache from its packed layout (vllm#39931)."""
+    module = module_of(PLATFORM)
+    if module is None:
+        return None
+    for branch in reach(module, (*ALIGN, m.If())):
+        if m.findall(branch.test, TQ_CACHE_DTYPE) and find(branch.body, PAGE_PER_TOKEN):
+            return place(PLATFORM, module, branch)
+    return None
+
+
+def unify_pads_smaller_pages(module_of) -> str | None:
+    """``file:line`` of vLLM's own ``unify_kv_cache_spec_page_size`` where it pads Mamba pages and
+    attention pages that do not divide the largest page (vllm#45207 and its predecessors)."""
+    for rel in (PLANNING, UTILS):
+        module = module_of(rel)
+        if module is None:
+            continue
+        for fn in find(module, func(UNIFY)):
+            if _kiln_marked(fn):
+                continue
+            if m.findall(fn, PADS_TO_PAGE) and m.findall(fn, MAMBA_BRANCH) and m.findall(fn, ATTENTION_BRANCH):
+                return place(rel, module, fn)
+    return None
 
 
 class P5b(Patch):
@@ -226,22 +285,21 @@ class P5b(Patch):
     )
 
     def upstream_fix(self, module_of) -> str | None:
-        planning = module_of("v1/core/kv_cache_planning.py")
-        store = module_of("v1/attention/ops/triton_turboquant_store.py")
-        if planning is None or store is None:
-            return None
-        pads = [
-            fn
-            for fn in find(planning, func(UNIFY))
-            if not _kiln_marked(fn)
-            and m.findall(fn, PADS_TO_PAGE)
-            and m.findall(fn, MAMBA_BRANCH)
-            and m.findall(fn, ATTENTION_BRANCH)
-        ]
-        strided_store = count(store, StoreFp8TakesStridedCache.upstream) and count(store, StoreMseTakesStridedCache.upstream)
-        if pads and strided_store:
-            return (
-                f"v1/core/kv_cache_planning.py: {UNIFY} pads Mamba and non-MLA attention pages to "
-                "the largest page; triton_turboquant_store passes the strided cache"
+        found = []
+        platform = platform_sizes_turboquant_pages(module_of)
+        if platform:
+            found.append(
+                f"{platform}: Platform._align_hybrid_block_size sizes the attention page from "
+                "TurboQuant's packed layout, so the TurboQuant and Mamba pages come out equal and "
+                "no TurboQuant page is padded (vllm#39931)"
             )
-        return None
+        unify = unify_pads_smaller_pages(module_of)
+        store = module_of(STORE_FILE)
+        fp8 = place_of(STORE_FILE, store, StoreFp8TakesStridedCache.upstream)
+        mse = place_of(STORE_FILE, store, StoreMseTakesStridedCache.upstream)
+        if unify and fp8 and mse:
+            found.append(
+                f"{unify}: {UNIFY} pads Mamba and non-dividing attention pages to the largest page; "
+                f"{fp8}, {mse}: triton_turboquant_store launches its kernels on the strided cache"
+            )
+        return "; ".join(found) or None

@@ -34,14 +34,39 @@ and ``validate_tokens`` for drafts (``v1/core/sched/scheduler.py``); ``should_ad
 gone (vllm#44297, #44993, #48200; #36138 itself was never merged). ``upstream_fix`` detects
 that shape, so the pin bump reports a retired patch instead of the anchor drift a text
 search for ``should_advance`` would report.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1-0.24.0: APPLIES. 0.24.0 hoists the draft loop's iterable of ``grammar_bitmask`` into
+  ``token_iter`` (diffusion LLMs take no bonus row); ``ConstrainRowsAfterReasoningEnd``'s
+  anchor takes both shapes (before this review it read DRIFTED there), and the behaviour
+  tests run on 0.24.0 as well as 0.20.1.
+- 0.25.0-0.26.0: DRIFTED, half upstream. ``grammar_bitmask`` finds a reasoning end inside the
+  draft window and constrains the rows after it (its loop, the anchor, is rewritten), and
+  ``update_from_output`` trims reasoning tokens before the grammar
+  (``trim_reasoning_for_advance``). But ``should_advance`` still reads the end from the
+  counter-derived window (the last accepted token) and advances in the same step only for
+  structural tags: the failure stays. ``AcceptTokensPastReasoningEnd``'s structure check
+  raises there ("the grammar-rejection branch is not where expected",
+  ``scheduler.py:1638`` on 0.25.0), reported as this patch's drift.
+- 0.27.0-0.29.0: UPSTREAM, shape A. ``should_advance(request, new_token_ids)`` reads the end
+  from the tokens accepted this step (the fix of vllm#43388;
+  ``structured_output/__init__.py:381`` on 0.27.0), ``update_from_output`` calls it so and
+  hands the tokens after the end to the grammar in the same step, and ``grammar_bitmask``
+  constrains the rows after an end inside the window.
+- 0.30.0 on: UPSTREAM, shape B. ``StructuredOutputManager._get_constraint_start`` (renamed
+  ``_get_constraint_bounds`` in 0.32.0) drives ``accept_tokens``, ``validate_tokens`` and
+  ``grammar_bitmask``, which the scheduler calls; ``should_advance`` is gone. ``upstream_fix``
+  finds the helper by its role (called by all three, looks for the reasoning end), not by
+  name, and ignores kiln's own marked methods (a re-run stays ALREADY_PATCHED).
 """
 
 import libcst as cst
 import libcst.matchers as m
 
-from kiln.patch.anchor import count
+from kiln.patch.anchor import count, find
 from kiln.patch.model import Codemod, Gates, Patch
-from kiln.patch.shapes import cls, func, insert_after, marked, statements, with_marker
+from kiln.patch.shapes import cls, func, insert_after, marked, place_of, statements, with_marker
 
 STRUCTURED_OUTPUT = "v1/structured_output/__init__.py"
 SCHEDULER_FILE = "v1/core/sched/scheduler.py"
@@ -171,10 +196,18 @@ class ConstrainRowsAfterReasoningEnd(Codemod):
     """In ``grammar_bitmask``'s draft loop, constrain (and advance) from the reasoning end on."""
 
     target = STRUCTURED_OUTPUT
+    # ``for token in itertools.chain(req_tokens, (-1,))`` (0.20.1-0.23.0); 0.24.0 hoists the
+    # iterable into ``token_iter`` (diffusion LLMs take no bonus row), the loop is the same.
     anchor = (
         MANAGER,
         func("grammar_bitmask"),
-        m.For(iter=m.Call(func=m.Attribute(value=m.Name("itertools"), attr=m.Name("chain")))),
+        m.For(
+            target=m.Name("token"),
+            iter=m.OneOf(
+                m.Call(func=m.Attribute(value=m.Name("itertools"), attr=m.Name("chain"))),
+                m.Name("token_iter"),
+            ),
+        ),
     )
     patched = (
         MANAGER,
@@ -294,29 +327,104 @@ class ValidateScheduledDraftsPastReasoningEnd(ValidateDraftsPastReasoningEnd):
     )
 
 
-# vLLM's own fix (0.33.0): a constraint-bounds helper used by the manager's accept_tokens and
-# grammar_bitmask, called from the scheduler; should_advance removed from the scheduler.
-UPSTREAM_SHAPE = (
-    (STRUCTURED_OUTPUT, (MANAGER, func("_get_constraint_bounds"))),
-    (STRUCTURED_OUTPUT, (MANAGER, func("accept_tokens"), _self_call("_get_constraint_bounds"))),
-    (STRUCTURED_OUTPUT, (MANAGER, func("grammar_bitmask"), _self_call("_get_constraint_bounds"))),
-    (
-        SCHEDULER_FILE,
-        (
-            SCHEDULER,
-            func("update_from_output"),
-            _self_call("structured_output_manager", "accept_tokens"),
-        ),
-    ),
-    (
-        SCHEDULER_FILE,
-        (
-            SCHEDULER,
-            func("update_draft_token_ids"),
-            _self_call("structured_output_manager", "validate_tokens"),
-        ),
-    ),
+# -- upstream detection -------------------------------------------------------------------------
+# vLLM fixed this in two shapes (see "Verdicts across releases" above).
+
+REASONING_END_CHECK = m.Call(
+    func=m.Attribute(attr=m.OneOf(m.Name("is_reasoning_end_streaming"), m.Name("find_reasoning_end"), m.Name("find_reasoning_end_offset")))
 )
+
+
+def _kiln_marked(node: cst.FunctionDef) -> bool:
+    """Written by a kiln patch (this one, on a re-run): not vLLM's own fix."""
+    return any(line.comment is not None and line.comment.value.startswith("# kiln ") for line in node.leading_lines)
+
+
+def _manager_method(module: cst.Module, name: str) -> cst.FunctionDef | None:
+    found = [fn for klass in find(module, MANAGER) for fn in find(klass, func(name))]
+    return found[0] if len(found) == 1 and not _kiln_marked(found[0]) else None
+
+
+def _bounds_helper(manager: cst.Module) -> str | None:
+    """Shape B (0.30.0 on): one manager method that says where the grammar starts in a batch
+    of tokens (``_get_constraint_start``, renamed ``_get_constraint_bounds`` in 0.32.0), found
+    by its role: it looks for the reasoning end, and ``accept_tokens``, ``validate_tokens`` and
+    ``grammar_bitmask`` all call it."""
+    callers = [_manager_method(manager, n) for n in ("accept_tokens", "validate_tokens", "grammar_bitmask")]
+    if any(c is None for c in callers):
+        return None
+    for klass in find(manager, MANAGER):
+        for helper in find(klass, m.FunctionDef()):
+            name = helper.name.value
+            if name in ("accept_tokens", "validate_tokens", "grammar_bitmask") or _kiln_marked(helper):
+                continue
+            if not m.findall(helper, REASONING_END_CHECK):
+                continue
+            if all(m.findall(c, _self_call(name)) for c in callers):
+                return name
+    return None
+
+
+def _constraint_helper_shape(module_of) -> str | None:
+    manager, scheduler = module_of(STRUCTURED_OUTPUT), module_of(SCHEDULER_FILE)
+    if manager is None or scheduler is None:
+        return None
+    helper = _bounds_helper(manager)
+    if helper is None or count(scheduler, (SCHEDULER, SHOULD_ADVANCE_CALL)):
+        return None
+    helper_at = place_of(STRUCTURED_OUTPUT, manager, (MANAGER, func(helper)))
+    accept_at = place_of(
+        SCHEDULER_FILE, scheduler, (SCHEDULER, func("update_from_output"), _self_call("structured_output_manager", "accept_tokens"))
+    )
+    validate_at = place_of(
+        SCHEDULER_FILE, scheduler, (SCHEDULER, func("update_draft_token_ids"), _self_call("structured_output_manager", "validate_tokens"))
+    )
+    if not (accept_at and validate_at):
+        return None
+    return (
+        f"{helper_at}: StructuredOutputManager.{helper} finds where the grammar starts inside a "
+        "batch and drives accept_tokens, validate_tokens and grammar_bitmask; "
+        f"{accept_at}: the scheduler advances the grammar with structured_output_manager.accept_tokens "
+        f"and {validate_at}: checks drafts with validate_tokens (should_advance is gone)"
+    )
+
+
+SHOULD_ADVANCE_WITH_TOKENS = m.Call(
+    func=m.Attribute(value=m.Attribute(attr=m.Name("structured_output_manager")), attr=m.Name("should_advance")),
+    args=[m.ZeroOrMore(), m.Arg(keyword=m.Name("new_token_ids")), m.ZeroOrMore()],
+)
+TRIM_REASONING = _self_call("structured_output_manager", "trim_reasoning_for_advance")
+
+
+def _accepted_window_shape(module_of) -> str | None:
+    """Shape A (0.29.0): ``should_advance(request, new_token_ids=...)`` reads the reasoning end
+    from the tokens accepted this step (not from the counters), the scheduler trims the
+    reasoning tokens and advances the grammar with the rest in the same step, and
+    ``grammar_bitmask`` constrains the draft rows after a reasoning end inside the window."""
+    manager, scheduler = module_of(STRUCTURED_OUTPUT), module_of(SCHEDULER_FILE)
+    if manager is None or scheduler is None:
+        return None
+    advance = _manager_method(manager, "should_advance")
+    bitmask = _manager_method(manager, "grammar_bitmask")
+    if advance is None or bitmask is None or not m.findall(bitmask, REASONING_END_CHECK):
+        return None
+    if not any(p.name.value == "new_token_ids" for p in advance.params.params):
+        return None
+    if m.findall(advance, m.Attribute(attr=m.Name("STRUCTURAL_TAG"))):
+        return None  # 0.25.0-0.26.0: the same-step advance only for structural tags
+    update = (SCHEDULER, func("update_from_output"))
+    window_at = place_of(SCHEDULER_FILE, scheduler, (*update, SHOULD_ADVANCE_WITH_TOKENS))
+    trim_at = place_of(SCHEDULER_FILE, scheduler, (*update, TRIM_REASONING))
+    if not (window_at and trim_at):
+        return None
+    advance_at = place_of(STRUCTURED_OUTPUT, manager, (MANAGER, func("should_advance")))
+    bitmask_at = place_of(STRUCTURED_OUTPUT, manager, (MANAGER, func("grammar_bitmask")))
+    return (
+        f"{advance_at}: StructuredOutputManager.should_advance reads the reasoning end from the "
+        f"tokens accepted this step (vllm#43388), called so at {window_at}; {trim_at}: the "
+        "grammar takes the accepted tokens after the end in the same step; "
+        f"{bitmask_at}: grammar_bitmask constrains the draft rows after a reasoning end"
+    )
 
 
 class P62(Patch):
@@ -346,15 +454,5 @@ class P62(Patch):
     )
 
     def upstream_fix(self, module_of) -> str | None:
-        for rel, shape in UPSTREAM_SHAPE:
-            module = module_of(rel)
-            if module is None or count(module, shape) == 0:
-                return None
-        scheduler = module_of(SCHEDULER_FILE)
-        if count(scheduler, (SCHEDULER, SHOULD_ADVANCE_CALL)):
-            return None
-        return (
-            "fixed upstream in another shape: StructuredOutputManager._get_constraint_bounds "
-            "drives accept_tokens/grammar_bitmask, and the scheduler calls "
-            "structured_output_manager.accept_tokens/validate_tokens (no should_advance)"
-        )
+        found = _constraint_helper_shape(module_of) or _accepted_window_shape(module_of)
+        return f"fixed upstream in another shape: {found}" if found else None

@@ -25,17 +25,40 @@ changes nothing here, and the ``_create_remaining_args_delta`` change (``id: nul
 is cosmetic. Not covered (neither by vllm#39598): a final delta that also carries the header
 or the opening ``{`` phase, which still return early.
 
-On 0.33.0: TARGET_GONE. ``tool_parsers/qwen3coder_tool_parser.py`` no longer exists and no
-``Qwen3CoderToolParser`` class is left: ``qwen3_coder`` now maps to ``Qwen3EngineToolParser``
-in ``tool_parsers/qwen3_engine_tool_parser.py`` (the streaming parser engine, vllm#45413),
-which has no per-phase early returns to patch.
+On 0.33.0: UPSTREAM, in a new module. ``tool_parsers/qwen3coder_tool_parser.py`` no longer
+exists and no ``Qwen3CoderToolParser`` class is left: ``qwen3_coder`` maps to
+``Qwen3EngineToolParser`` in ``tool_parsers/qwen3_engine_tool_parser.py`` (the streaming
+parser engine, vllm#45413), which has no per-phase early returns; ``upstream_fix`` recognises
+that shape (a TARGET_GONE would send a reviewer looking for a class that was replaced on
+purpose).
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1-0.23.0: APPLIES (the parser changed around it, not its streaming method).
+- 0.24.0 on: UPSTREAM, in a new module. ``tool_parsers/__init__.py`` maps ``qwen3_coder`` to
+  ``Qwen3EngineToolParser`` (``:157`` on 0.24.0), an adapter over the streaming parser engine
+  (vllm#45413), and ``qwen3coder_tool_parser.py`` is gone. ``ParserEngine.
+  extract_tool_calls_streaming`` lexes the whole delta and turns all of its events into one
+  ``DeltaMessage`` (``parser/engine/parser_engine.py:568`` on 0.24.0), so there is no
+  per-phase early return left to drop the close of the call. Read, not run. Before this
+  review these releases read TARGET_GONE (the recogniser did not look at the new module).
 """
 
 import libcst as cst
 import libcst.matchers as m
 
+from kiln.patch.anchor import find
 from kiln.patch.model import Codemod, Gates, Patch
-from kiln.patch.shapes import cls, func, insert_after, marked, statements, with_marker
+from kiln.patch.shapes import (
+    cls,
+    func,
+    insert_after,
+    marked,
+    place,
+    place_of,
+    statements,
+    with_marker,
+)
 
 TARGET = "tool_parsers/qwen3coder_tool_parser.py"
 STREAMING = (cls("Qwen3CoderToolParser"), func("extract_tool_calls_streaming"))
@@ -137,6 +160,60 @@ class CloseInTheSameDelta(Codemod):
         )
 
 
+# -- upstream detection -------------------------------------------------------------------------
+# 0.24.0 maps ``qwen3_coder`` to a parser built on the streaming parser engine (vllm#45413): a
+# delta is lexed whole into events and all of them become one DeltaMessage, so the last
+# parameter and the close of the call leave together (no phase returns early).
+
+REGISTRY = "tool_parsers/__init__.py"
+ENGINE = "parser/engine/parser_engine.py"
+
+
+def _registry_entry(registry: cst.Module) -> tuple[cst.CSTNode, str, str] | None:
+    """The ``"qwen3_coder": (module, class)`` entry of the lazy tool-parser registry."""
+    entry = m.DictElement(
+        key=m.SimpleString('"qwen3_coder"'),
+        value=m.Tuple(elements=[m.Element(value=m.SimpleString()), m.Element(value=m.SimpleString()), m.ZeroOrMore()]),
+    )
+    found = m.findall(registry, entry)
+    if len(found) != 1:
+        return None
+    module_name, class_name = (e.value.evaluated_value for e in found[0].value.elements[:2])
+    return found[0], module_name, class_name
+
+
+ENGINE_STREAMING = (
+    cls("ParserEngine"),
+    func("extract_tool_calls_streaming"),
+    m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("_events_to_delta"))),
+)
+
+
+def engine_parser_for_qwen3_coder(module_of) -> str | None:
+    registry = module_of(REGISTRY)
+    hit = _registry_entry(registry) if registry is not None else None
+    if hit is None or hit[1] == "qwen3coder_tool_parser":
+        return None
+    node, module_name, class_name = hit
+    parser_file = f"tool_parsers/{module_name}.py"
+    parser = module_of(parser_file)
+    adapter = m.ClassDef(
+        name=m.Name(class_name),
+        bases=[m.AtLeastN(m.Arg(value=m.Name(m.MatchIfTrue(lambda n: n.endswith("ToolAdapter")))), n=1)],
+    )
+    if parser is None or not find(parser, adapter):
+        return None
+    engine_at = place_of(ENGINE, module_of(ENGINE), ENGINE_STREAMING)
+    if engine_at is None:
+        return None
+    return (
+        f"{place(REGISTRY, registry, node)}: qwen3_coder is {class_name} ({parser_file}), a "
+        f"parser-engine adapter; {engine_at}: ParserEngine.extract_tool_calls_streaming turns all "
+        "events of a delta into one DeltaMessage, so the last parameter and </function> leave "
+        "together (vllm#45413)"
+    )
+
+
 class P64(Patch):
     id = "P64"
     family = "tool_parsing"
@@ -149,3 +226,7 @@ class P64(Patch):
     upstream_refs = ("vllm#39598", "vllm#45335", "vllm#45413")
     gates = Gates(vllm=">=0.20.1")
     edits = (HoldFragmentsForTheClose, CloseInTheSameDelta)
+
+    def upstream_fix(self, module_of) -> str | None:
+        found = engine_parser_for_qwen3_coder(module_of)
+        return f"fixed upstream in a new module: {found}" if found else None

@@ -130,6 +130,9 @@ def test_pristine_zero_fills_a_fresh_buffer_every_call(pristine, monkeypatch):
     assert zeros_calls == [(8, HQ, D)] * 2
 
 
+TARGET_FILE = "v1/attention/backends/turboquant_attn.py"
+
+
 def test_verdicts(catalogue, sessions):
     session = sessions("v0.20.1")
     assert isolated_run(catalogue, session, BuildTarget(session.tree.vllm_version), "P44").outcomes["P44"].verdict is Verdict.APPLIES
@@ -137,9 +140,12 @@ def test_verdicts(catalogue, sessions):
     outcome = isolated_run(catalogue, session, BuildTarget(session.tree.vllm_version), "P44").outcomes["P44"]
     # half upstream: torch.zeros became torch.empty (no zero fill); the per-call allocation stays
     assert outcome.verdict is Verdict.DRIFTED
+    # the detail names the line of vLLM's own `attn_out = torch.empty(N, ...)` in the pristine file
+    lines = session.tree.read(TARGET_FILE).splitlines()
+    line = next(n for n, text in enumerate(lines, 1) if text.strip() == "attn_out = torch.empty(")
     assert outcome.detail == (
         "edits disagree (applies, upstream); DropMixedBatchZeroFill: upstream shape present in "
-        "v1/attention/backends/turboquant_attn.py"
+        f"{TARGET_FILE}:{line}"
     )
 
 

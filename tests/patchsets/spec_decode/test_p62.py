@@ -1,4 +1,4 @@
-"""P62 on real 0.20.1 source: the reasoning end inside a speculative batch starts the grammar.
+"""P62 on real 0.20.1 and 0.24.0 source: the reasoning end inside a speculative batch starts the grammar.
 
 Behaviour test by extraction (vLLM's scheduler and structured-output manager need torch and
 the engine to import). What runs is real vLLM code, pristine and patched:
@@ -13,7 +13,12 @@ Stood in: the reasoning parser (``</think>`` semantics of vLLM's
 accept/validate/rollback/fill_bitmask interface of ``StructuredOutputGrammar``), the bitmask
 tensor (records how each row was filled), the request, and the scheduler's token counters
 (restated from 0.20.1's ``schedule``/``update_from_output``: a step schedules 1 + k tokens,
-rejected drafts are subtracted, accepted tokens appended).
+rejected drafts are subtracted, accepted tokens appended; unchanged in 0.24.0).
+
+Every behaviour test runs on both releases P62 claims at their ends of its APPLIES range in
+the release train: 0.20.1 (the pin) and 0.24.0 (the last release it applies to, where
+``grammar_bitmask``'s draft loop iterates a hoisted ``token_iter``). The last test walks the
+two upstream shapes that retire it (0.27.0 and 0.30.0) and the half-upstream drift between.
 """
 
 from __future__ import annotations
@@ -25,9 +30,23 @@ import types
 from collections.abc import Iterable
 
 import pytest
+from packaging.version import Version
 
 from kiln.patch.anchor import resolve
+from kiln.patch.engine import Session
+from kiln.source.wheel import WheelSource
 from tests.patchsets.support.patchlib import extract, patched_files
+
+# the releases the behaviour tests run on (both ends of P62's APPLIES range, see above)
+RELEASES = ["0.20.1", "0.24.0"]
+_SESSIONS: dict[str, Session] = {}
+
+
+def release_session(version: str) -> Session:
+    """The pristine tree of a vLLM release (its PyPI wheel, through the kiln cache)."""
+    if version not in _SESSIONS:
+        _SESSIONS[version] = Session(WheelSource(Version(version)).fetch())
+    return _SESSIONS[version]
 
 SO = "v1/structured_output/__init__.py"
 SCHED = "v1/core/sched/scheduler.py"
@@ -112,6 +131,8 @@ def _manager_cls(text: str, names: list[str]) -> type:
         "Iterable": Iterable,
         "TYPE_CHECKING": False,
         "StructuredOutputGrammar": Grammar,
+        # 0.24.0's should_advance tells structural tags (advanced in the same step) from the rest
+        "StructuredOutputOptions": types.SimpleNamespace(JSON="json", STRUCTURAL_TAG="structural_tag"),
     }
     for name in names:
         exec(
@@ -134,6 +155,9 @@ def _manager(cls, *, reasoner=None, num_spec=4):
     mgr.vllm_config = types.SimpleNamespace(
         speculative_config=types.SimpleNamespace(num_speculative_tokens=num_spec),
         scheduler_config=types.SimpleNamespace(max_num_seqs=1),
+        # 0.24.0 reads these two directly (spec decode and diffusion LLMs share the rows)
+        num_speculative_tokens=num_spec,
+        model_config=types.SimpleNamespace(is_diffusion=False),
     )
     return mgr
 
@@ -153,7 +177,9 @@ def _request(output=(10, 11)):
     return types.SimpleNamespace(
         request_id="r",
         use_structured_output=True,
-        structured_output_request=types.SimpleNamespace(reasoning_ended=None, grammar=Grammar()),
+        structured_output_request=types.SimpleNamespace(
+            reasoning_ended=None, grammar=Grammar(), structured_output_key=("json", "{}")
+        ),
         prompt_token_ids=list(PROMPT),
         all_token_ids=all_token_ids,
         # before a step: every token but the last sampled one has been computed
@@ -207,9 +233,14 @@ def edits(catalogue):
     return {e.__name__: e for e in catalogue.get("P62").edits}
 
 
+@pytest.fixture(scope="module", params=RELEASES)
+def release(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def patched(catalogue, sessions, edits):
-    files = patched_files(catalogue, sessions("v0.20.1"), "P62")
+def patched(catalogue, release, edits):
+    files = patched_files(catalogue, release_session(release), "P62")
     names = [
         "should_fill_bitmask",
         "_grammar_start",
@@ -231,8 +262,8 @@ def patched(catalogue, sessions, edits):
 
 
 @pytest.fixture(scope="module")
-def pristine(sessions, edits):
-    tree = sessions("v0.20.1").tree
+def pristine(release, edits):
+    tree = release_session(release).tree
     names = ["should_fill_bitmask", "should_advance", "grammar_bitmask", "_fill_bitmasks"]
     return Side(
         tree.read(SO),
@@ -371,11 +402,12 @@ def test_drafts_while_reasoning_pass_unchecked(patched):
 # --- verdicts ---
 
 
-def test_applies_once_on_0201(catalogue, sessions):
+@pytest.mark.parametrize("version", RELEASES)
+def test_applies_once(catalogue, version):
     from kiln.patch.engine import isolated_run
     from kiln.patch.model import BuildTarget, Verdict
 
-    session = sessions("v0.20.1")
+    session = release_session(version)
     target = BuildTarget(session.tree.vllm_version)
     first = isolated_run(catalogue, session, target, "P62")
     assert first.outcomes["P62"].verdict is Verdict.APPLIES
@@ -401,3 +433,21 @@ def test_upstream_on_0330_detected_by_shape(catalogue, sessions, edits):
         edit = edits[name]
         module = cst.parse_module(session.tree.read(edit.target))
         assert resolve(module, edit.anchor).unique is None
+
+
+@pytest.mark.parametrize(
+    ("version", "verdict", "says"),
+    [
+        # the bitmask half is upstream, the accepted-token window is not: the patch does not fit
+        ("0.25.0", "DRIFTED", "AcceptTokensPastReasoningEnd: v1/core/sched/scheduler.py:"),
+        ("0.27.0", "UPSTREAM", "should_advance reads the reasoning end from the tokens accepted this step"),
+        ("0.30.0", "UPSTREAM", "StructuredOutputManager._get_constraint_start finds where the grammar starts"),
+    ],
+)
+def test_verdicts_where_upstream_took_it_over(catalogue, version, verdict, says):
+    from kiln.patch.engine import isolated_run
+    from kiln.patch.model import BuildTarget
+
+    session = release_session(version)
+    outcome = isolated_run(catalogue, session, BuildTarget(Version(version)), "P62").outcomes["P62"]
+    assert (str(outcome.verdict), says in outcome.detail) == (verdict, True), outcome.detail

@@ -378,11 +378,18 @@ def test_verdicts(catalogue, sessions):
     again = isolated_run(catalogue, old.overlay(first.state.changed), target, "P64")
     assert again.outcomes["P64"].verdict is Verdict.ALREADY_PATCHED
 
+    # 0.33.0: the old parser file is gone and qwen3_coder is served by the streaming parser
+    # engine, which emits every event of a delta in one message: UPSTREAM, with the places.
     new = sessions("vllm-0.33.0")
+    assert not new.tree.exists(PARSER)
     outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "P64").outcomes[
         "P64"
     ]
-    assert outcome.verdict is Verdict.TARGET_GONE, outcome.detail
-    assert PARSER in outcome.detail
-    # qwen3_coder is served by the parser engine now
-    assert '"qwen3_engine_tool_parser"' in new.tree.read("tool_parsers/__init__.py")
+    assert outcome.verdict is Verdict.UPSTREAM, outcome.detail
+    registry = new.tree.read("tool_parsers/__init__.py").splitlines()
+    line = next(n for n, text in enumerate(registry, 1) if '"qwen3_coder"' in text)
+    assert f"tool_parsers/__init__.py:{line}: qwen3_coder is Qwen3EngineToolParser" in outcome.detail
+    engine = new.tree.read("parser/engine/parser_engine.py").splitlines()
+    start = next(n for n, text in enumerate(engine, 1) if "def extract_tool_calls_streaming" in text)
+    at = int(outcome.detail.split("parser/engine/parser_engine.py:")[1].split(":")[0])
+    assert start < at and "_events_to_delta" in engine[at - 1]

@@ -1,0 +1,78 @@
+"""The catalogue on a spread of real vLLM releases equals the reviewed release train.
+
+Each release's pristine source is its PyPI wheel through kiln's own ``WheelSource`` (cached in
+the kiln cache, one wheel per release), every patch runs in isolated mode as ``verify`` does,
+with the verdict memo (a rerun on unchanged inputs reads the memo). The releases are the two
+pins' neighbours of the record, 0.20.1 and 0.33.0, and the releases on both sides of every
+verdict change recorded in ``patchsets/release-train.toml`` (see docs/RELEASE_TRAIN.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+from packaging.version import Version
+
+from kiln import paths
+from kiln.patch.memo import VerdictMemo
+from kiln.patch.record import load_record
+from kiln.patch.train import TRAIN_RECORD, compare_with_record, release_label, run_train
+from kiln.source.wheel import WheelSource
+
+pytestmark = pytest.mark.network
+
+RECORD = paths.PATCHSETS / TRAIN_RECORD
+
+# 0.20.1 and 0.33.0, and every release where a recorded verdict changes, with the one before:
+#   0.21.0  P4, P5, P5b upstream; P22, P38 drift (half upstream)
+#   0.22.0  P44 drift (zero fill upstream); P60 target gone, P60b gated
+#   0.24.0  P22 upstream (reserved workspace); P64 upstream (parser engine); P62 still applies
+#   0.25.0  P62 drift (half upstream)
+#   0.27.0  P62 upstream (the accepted-token window)
+#   0.29.0  P66 upstream (uniform decode sizes)
+#   0.32.0  P60 upstream (draftless rows on the spec path)
+RELEASES = ["0.20.1", "0.21.0", "0.22.0", "0.24.0", "0.25.0", "0.27.0", "0.29.0", "0.32.0", "0.33.0"]
+
+
+def test_the_spread_covers_every_recorded_change():
+    """Each flip in the record falls between two releases this test runs (or on one of them)."""
+    record = load_record(RECORD)
+    labels = sorted(record, key=lambda label: Version(label.removeprefix("vllm-")))
+    chosen = {release_label(Version(v)) for v in RELEASES}
+    for before, after in zip(labels, labels[1:], strict=False):
+        for pid in record[after]:
+            if record[before].get(pid) != record[after][pid]:
+                assert after in chosen, f"{pid} changes at {after}, which this test does not run"
+                earlier = [x for x in labels if x in chosen and labels.index(x) < labels.index(after)]
+                assert earlier, f"{pid}: no release before {after} in the spread"
+                assert record[earlier[-1]].get(pid) == record[before].get(pid), (
+                    f"{pid} changes between {earlier[-1]} and {before} too: add a release"
+                )
+
+
+def test_verdicts_on_the_spread_equal_the_recorded_train(catalogue):
+    matrix = run_train(catalogue, [Version(v) for v in RELEASES], WheelSource, memo=VerdictMemo())
+    assert compare_with_record(matrix, RECORD) == {}, {
+        label: [(d.patch_id, d.expected, d.actual, matrix.outcomes[label][d.patch_id].detail if d.actual else "") for d in diffs]
+        for label, diffs in compare_with_record(matrix, RECORD).items()
+    }
+
+
+def test_the_record_covers_the_catalogue_on_every_release(catalogue):
+    for label, table in load_record(RECORD).items():
+        assert set(table) == set(catalogue.patches), label
+
+
+def test_verify_command_on_a_range(capsys):
+    """``build.py verify --vllm A..B --json``: every release of the index in the range, compared
+    with the record (exit 0: it equals the record)."""
+    import json
+
+    from kiln.commands import main
+
+    code = main(["verify", "--vllm", "0.20.1..0.21.0", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["releases"] == ["vllm-0.20.1", "vllm-0.20.2", "vllm-0.21.0"]
+    assert out["differences"] == {} and code == 0
+    p4 = out["patches"]["P4"]
+    assert [p4[label]["verdict"] for label in out["releases"]] == ["APPLIES", "APPLIES", "UPSTREAM"]
+    assert "turboquant/config.py:187" in p4["vllm-0.21.0"]["detail"]
