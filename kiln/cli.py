@@ -18,6 +18,8 @@ from rich.table import Table
 
 from kiln import paths, ui
 from kiln.build import add_build_parser
+from kiln.commands import bench as bench_command
+from kiln.commands.output import Output
 from kiln.context import add_context_parser
 from kiln.errors import KilnError
 from kiln.helm import add_values_parser
@@ -287,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_pin_parser(sub)
     add_plan_parser(sub)
     add_values_parser(sub)
+    bench_command.register(sub)  # the commands package's first command (kiln/commands/)
     return parser
 
 
@@ -295,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ui.set_quiet(bool(getattr(args, "json", False)))
     try:
+        if hasattr(args, "run"):  # a kiln/commands/ command: run(args, out)
+            return args.run(args, Output(json_mode=bool(getattr(args, "json", False))))
         return args.func(args)
     except KilnError as err:
         ui.stderr.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True, highlight=False)
