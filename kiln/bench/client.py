@@ -153,9 +153,10 @@ def _unreachable(url: str, err: BaseException, timeout: float) -> KilnError:
     return KilnError(f"{url}: {type(err).__name__}: {err}")
 
 
-def _get_json(url: str, api_key: str | None, timeout: float) -> tuple[int, object]:
+def _get_json(url: str, path: str, api_key: str | None, timeout: float) -> tuple[int, object]:
+    """GET ``_base(url) + path``; errors name ``url``, as the user wrote it."""
     try:
-        connection, response = _open("GET", url, None, api_key, timeout)
+        connection, response = _open("GET", _base(url) + path, None, api_key, timeout)
         try:
             raw = response.read()
         finally:
@@ -170,8 +171,7 @@ def _get_json(url: str, api_key: str | None, timeout: float) -> tuple[int, objec
 
 def connect(url: str, model: str | None = None, api_key: str | None = None, timeout: float = 10.0) -> Endpoint:
     """The endpoint at ``url`` and the model to ask for (``model``, or the first it serves)."""
-    base = _base(url)
-    status, data = _get_json(f"{base}/v1/models", api_key, timeout)
+    status, data = _get_json(url, "/v1/models", api_key, timeout)
     if status in (401, 403):
         raise KilnError(f"{url}: GET /v1/models answered HTTP {status} (the server wants an API key: --api-key)")
     if status != 200:
@@ -186,12 +186,12 @@ def connect(url: str, model: str | None = None, api_key: str | None = None, time
         raise KilnError(f"{url}: does not serve model {model!r} (it serves {', '.join(models)})")
     version = None
     try:
-        status, data = _get_json(f"{base}/version", api_key, timeout)  # vLLM's; others lack it
+        status, data = _get_json(url, "/version", api_key, timeout)  # vLLM's; others lack it
         if status == 200 and isinstance(data, dict) and isinstance(data.get("version"), str):
             version = data["version"]
     except KilnError:
         pass
-    return Endpoint(url, base, model or models[0], models, version, api_key)
+    return Endpoint(url, _base(url), model or models[0], models, version, api_key)
 
 
 # -- streaming ------------------------------------------------------------------------------------
@@ -301,7 +301,8 @@ def stream_chat(endpoint: Endpoint, body: dict, timeout: float = 600.0) -> Strea
             if isinstance(chunk, dict):
                 _absorb(result, chunk, now)
         else:
-            result.error = f"the stream ended after {chunks} chunk(s) without [DONE]"
+            # a chunked body cut short reads as an early end here, as does a server that stops
+            result.error = f"the stream broke off after {chunks} chunk(s), before [DONE]"
     except (OSError, http.client.HTTPException) as err:
         what = f"no answer within {timeout:g} s" if isinstance(err, TimeoutError) else type(err).__name__
         result.error = f"connection dropped after {chunks} chunk(s) ({what})"

@@ -59,14 +59,14 @@ PROMPTS: tuple[Prompt, ...] = (
         384,
     ),
     Prompt(
-        "long-prose", "prose", "long input (~1,300 words), medium output", SYSTEM,
+        "long-prose", "prose", "long input (~1,000 words), medium output", SYSTEM,
         "Here is a design note.\n\n" + DESIGN_NOTE + "\nSummarise this note for an engineer who "
         "has not read it: the decision, the reasons, the three biggest risks with their "
         "mitigations, and the open questions. Use headings and bullet points.",
         512,
     ),
     Prompt(
-        "long-code", "code", "long input (~110 lines of Python), long output", SYSTEM,
+        "long-code", "code", "long input (~100 lines of Python), long output", SYSTEM,
         "Review this Python module.\n\n```python\n" + INVENTORY_MODULE + "```\n\nList every bug "
         "you find with the function it is in and why it is wrong, then give corrected versions "
         "of the functions that have bugs.",

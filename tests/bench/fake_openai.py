@@ -25,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 @dataclass
 class Behaviour:
     ttft: float = 0.03  # seconds from the request to the first generated chunk
+    ttft_cycle: tuple[float, ...] = ()  # per-request TTFTs, cycling (designed noise)
     token_delay: float = 0.005  # seconds between generated chunks
     delay_cycle: tuple[float, ...] = ()  # per-request token delays, cycling (designed noise)
     tokens: int = 20  # completion tokens (capped by max_tokens)
@@ -158,7 +159,8 @@ class FakeOpenAI:
         steps = self._steps(body)
         number = sum(1 for e in self.posts() if e.number < entry.number)  # this POST's 0-based number
         delay = b.delay_cycle[number % len(b.delay_cycle)] if b.delay_cycle else b.token_delay
-        time.sleep(max(0.0, b.ttft - (time.perf_counter() - received)))
+        ttft = b.ttft_cycle[number % len(b.ttft_cycle)] if b.ttft_cycle else b.ttft
+        time.sleep(max(0.0, ttft - (time.perf_counter() - received)))
         for index, (delta, tokens) in enumerate(steps):
             if index:
                 time.sleep(delay)
