@@ -73,7 +73,7 @@ class _QuietServer(ThreadingHTTPServer):
 
 
 class FakeOpenAI:
-    def __init__(self, behaviour: Behaviour | None = None):
+    def __init__(self, behaviour: Behaviour | None = None, port: int = 0):
         self.behaviour = behaviour or Behaviour()
         self.log: list[Logged] = []
         self._lock = threading.Lock()
@@ -91,7 +91,7 @@ class FakeOpenAI:
             def do_POST(self):
                 server._post(self)
 
-        self.httpd = _QuietServer(("127.0.0.1", 0), Handler)
+        self.httpd = _QuietServer(("127.0.0.1", port), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
