@@ -47,7 +47,7 @@ class Logged:
     number: int
     body: dict
     received: float
-    first: float | None = None  # when the first generated chunk was written
+    first: float | None = None  # when the first generated chunk's write began
     last: float | None = None
     tokens: int = 0
     chunks: int = 0
@@ -169,8 +169,8 @@ class FakeOpenAI:
                 handler.close_connection = True
                 handler.connection.shutdown(socket.SHUT_RDWR)
                 return
+            now = time.perf_counter()  # before the write: the client cannot read it any earlier
             write(_chunk(model, delta))
-            now = time.perf_counter()
             entry.first = entry.first if entry.first is not None else now
             entry.last, entry.tokens, entry.chunks = now, entry.tokens + tokens, entry.chunks + 1
         finish = "tool_calls" if any("tool_calls" in d for d, _ in steps) else "stop"
