@@ -227,6 +227,8 @@ def judge(case: ToolCase, result: StreamResult) -> Judgement:
         problems.append(f"reasoning markup {leaked!r} leaked into content")
     if leaked := _markup(result.reasoning, TOOL_MARKUP):
         problems.append(f"tool-call markup {leaked!r} inside the reasoning (the call was not parsed)")
+    if result.finish_reason == "length":  # else a cut-off reasoning would pass for a parser fault
+        problems.append(f"the answer was cut off at max_tokens ({case.max_tokens}) before it finished")
     calls = sorted(result.tool_calls, key=lambda call: call.index)
     problems += _match(case, calls)
     if not case.expected and not result.content.strip():

@@ -91,6 +91,13 @@ def test_values_are_checked_with_their_types():
     assert judge(timer, not_object).problems == ["set_timer: arguments are not a JSON object: '[4]'"]
 
 
+def test_an_answer_cut_off_at_max_tokens_says_so():
+    cut = answer(reasoning="Let me think about the timer, it should be")
+    cut.finish_reason = "length"
+    assert judge(BY_ID["timer-integer-last"], cut).problems == [
+        "the answer was cut off at max_tokens (2048) before it finished", "0 tool call(s) (none), expected 1"]
+
+
 def test_parallel_calls_in_any_order_and_extra_calls():
     case = BY_ID["parallel-calls"]
     swapped = answer(("get_weather", '{"city": "Oslo", "unit": "celsius"}'),
