@@ -1,11 +1,16 @@
 #!/usr/bin/env python3
 """On a GPU: does the ahead-of-time kernel cache kiln built load, with 0 compiles, and compute right?
+And (``--step serve``) how fast and how clean is kiln's patched vLLM when it serves a model?
 
-Not run by CI (CI has no GPU), and not yet run on a GPU by anyone: see docs/TRITON.md.
+Not run by CI (CI has no GPU), and not yet run on a GPU by anyone: see docs/TRITON.md and
+docs/BENCH.md.
 
     .venv/bin/python ci/gpu_check.py [--image qwen3.6-27b-tq] [--sm 90] [--cache DIR] [--json]
+    .venv/bin/python ci/gpu_check.py --step serve [--model DIR] [--overlay DIR --against-stock]
+    .venv/bin/python ci/gpu_check.py --step all ...      # the kernels, then the served model
 
-Steps:
+The served-model step is ``ci/gpu_serve.py`` (its docstring says what it does). The kernel
+steps (``--step kernels``, the default):
 1. Build (or reuse from the kiln cache) the SM's kernel cache on this machine with the
    stand-in driver, exactly as ``build.py build`` does — or take ``--cache DIR``, a cache as
    an image holds it (e.g. ``opt/kiln/triton-cache`` extracted from the image's top layer).
@@ -159,16 +164,30 @@ def _numerics(preset: dict, kv_preset: str, block_size: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(REPO / "ci"))
+    import gpu_serve
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--step", choices=("kernels", "serve", "all"), default="kernels",
+                        help="the kernel cache check, the served-model bench, or both (default: %(default)s)")
     parser.add_argument("--image", default="qwen3.6-27b-tq", help="image definition whose [model.kernels] to check")
     parser.add_argument("--sm", type=int, default=90, help="the GPU's SM (H100: 90)")
     parser.add_argument("--cache", type=Path, help="a built cache (as in the image) instead of building it here")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--gpu-job", help=argparse.SUPPRESS)  # the fresh GPU process
+    gpu_serve.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.gpu_job:
         return gpu_main(args.gpu_job)
+    if args.step == "serve":
+        return gpu_serve.run_step(args)
+    code = kernel_check(args)
+    if args.step == "all" and code != 2:
+        code = max(code, gpu_serve.run_step(args))
+    return code
 
+
+def kernel_check(args) -> int:
     sys.path.insert(0, str(REPO))
     from kiln import paths
     from kiln.cache import cache_root

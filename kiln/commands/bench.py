@@ -1,0 +1,232 @@
+"""``build.py bench URL [--against URL2]``: speed and tool-call cleanliness of a served model.
+
+The method (what each figure means, warm-up, interleaving, the Welch verdict) is in
+docs/BENCH.md; the measuring is ``kiln.bench``. This module parses the options, shows tables
+and progress, writes the evidence and the plot, and maps the outcome to an exit code:
+0 measured, nothing failed and every tool call of URL was clean; 1 a request failed or a tool
+call of URL was dirty; 2 bad input (an endpoint that does not answer or is not
+OpenAI-compatible, a bad option).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from rich.markup import escape
+from rich.table import Table
+
+from kiln.bench import battery as battery_cases
+from kiln.bench.client import connect
+from kiln.bench.evidence import evidence, image_info, machine_info
+from kiln.bench.prompts import PROMPT_SET_VERSION, select_prompts
+from kiln.bench.run import METRICS, OVERALL, BenchSettings, run_battery, run_speed
+from kiln.bench.stats import BETTER, WORSE
+from kiln.commands.output import Output
+from kiln.errors import KilnError
+
+VERDICT_COLOUR = {BETTER: "green", WORSE: "red"}
+
+
+def _int_list(option: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise KilnError(f"{option} {text!r}: expected positive integers separated by commas, e.g. 1,2,4") from None
+    if not values or any(v < 1 for v in values):
+        raise KilnError(f"{option} {text!r}: expected positive integers separated by commas, e.g. 1,2,4")
+    return tuple(dict.fromkeys(values))
+
+
+def _ids(text: str | None) -> list[str] | None:
+    return [part.strip() for part in text.split(",") if part.strip()] if text else None
+
+
+def _settings(args) -> BenchSettings:
+    if args.runs < 1:
+        raise KilnError(f"--runs {args.runs}: at least 1 (2 or more for CV and a verdict)")
+    if args.warmup < 0:
+        raise KilnError(f"--warmup {args.warmup}: cannot be negative")
+    if args.battery_runs < 0:
+        raise KilnError(f"--battery-runs {args.battery_runs}: cannot be negative")
+    if not 0.5 <= args.confidence < 1.0:
+        raise KilnError(f"--confidence {args.confidence}: a fraction between 0.5 and 1, e.g. 0.95")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise KilnError(f"--max-tokens {args.max_tokens}: at least 1")
+    extra = {}
+    if args.extra_body:
+        try:
+            extra = json.loads(args.extra_body)
+        except ValueError as err:
+            raise KilnError(f"--extra-body: not JSON ({err})") from None
+        if not isinstance(extra, dict):
+            raise KilnError("--extra-body: must be a JSON object, e.g. '{\"ignore_eos\": true}'")
+    return BenchSettings(runs=args.runs, warmup=args.warmup, concurrency=_int_list("--concurrency", args.concurrency),
+                         prompts=select_prompts(_ids(args.prompts)), max_tokens=args.max_tokens,
+                         temperature=args.temperature, extra_body=extra, unique_prefix=args.unique_prefix,
+                         timeout=args.timeout, confidence=args.confidence)
+
+
+def _fmt(value: float | None, metric: str) -> str:
+    if value is None:
+        return "-"
+    if metric in ("ttft", "tpot"):
+        return f"{value * 1000:.1f} ms"
+    return f"{value:.1f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def _speed_tables(out: Output, run, names: dict[str, str]) -> None:
+    for concurrency in run.settings.concurrency:
+        if len(run.labels) == 1:
+            (label,) = run.labels
+            table = Table(title=f"{names[label]} at concurrency {concurrency} "
+                                f"({run.settings.runs} runs per prompt; mean / median / CV)")
+            table.add_column("prompt")
+            table.add_column("ok", justify="right")
+            for metric in run.metrics(concurrency):
+                table.add_column(f"{metric} ({METRICS[metric][0]})", justify="right")
+            for prompt in run.rows():
+                cells = []
+                for metric in run.metrics(concurrency):
+                    s = run.summary(label, concurrency, prompt, metric)
+                    cells.append(f"{_fmt(s.mean, metric)} / {_fmt(s.median, metric)} / {_pct(s.cv)}")
+                samples = run.measured(label, concurrency)
+                ok = ("" if prompt == OVERALL else
+                      f"{sum(s.result.ok for s in samples if s.prompt == prompt)}/"
+                      f"{sum(1 for s in samples if s.prompt == prompt)}")
+                table.add_row(prompt, ok, *cells)
+            out.stdout.print(table)
+            continue
+        first, second = run.labels
+        confidence = f"{run.settings.confidence * 100:g}%"
+        table = Table(title=f"{names[first]} against {names[second]} at concurrency {concurrency} "
+                            f"(mean, median, CV; Welch's t-test at {confidence})")
+        for column in ("prompt", "metric", first, second, "change", f"{confidence} interval", "p", "verdict"):
+            table.add_column(column, justify="left" if column in ("prompt", "metric", "verdict") else "right")
+        for prompt in run.rows():
+            for metric in run.metrics(concurrency):
+                cells = []
+                for label in (first, second):
+                    s = run.summary(label, concurrency, prompt, metric)
+                    cells.append(f"{_fmt(s.mean, metric)}  {_fmt(s.median, metric)}  {_pct(s.cv)}")
+                c = run.compare(concurrency, prompt, metric)
+                interval = "-" if c.change_low is None else f"{_pct(c.change_low)} .. {_pct(c.change_high)}"
+                colour = VERDICT_COLOUR.get(c.verdict)
+                shown = f"[{colour}]{c.verdict}[/]" if colour else c.verdict
+                table.add_row(prompt, metric, *cells, _pct(c.change), interval,
+                              "-" if c.p is None else f"{c.p:.3g}", shown)
+            table.add_section()
+        out.stdout.print(table)
+
+
+def _battery_table(out: Output, battery, names: dict[str, str]) -> None:
+    table = Table(title=f"tool-call battery {battery_cases.BATTERY_VERSION}: clean / attempts")
+    table.add_column("case")
+    table.add_column("aim")
+    for label in battery.labels:
+        table.add_column(names[label], justify="right")
+    table.add_column("first problem", overflow="fold")
+    for case in battery.cases:
+        counts = []
+        problem = ""
+        for label in battery.labels:
+            clean, total = battery.clean(label, case.id)
+            colour = "green" if clean == total else "red"
+            counts.append(f"[{colour}]{clean}/{total}[/]")
+            dirty = next((j for j in battery.judgements(label, case.id) if not j.clean), None)
+            if dirty and not problem:
+                problem = f"{label}: {dirty.problems[0]}"
+        table.add_row(case.id, escape(case.aim), *counts, escape(problem))
+    totals = [f"{c}/{t}" for c, t in (battery.clean(label) for label in battery.labels)]
+    table.add_section()
+    table.add_row("all", "", *totals, "")
+    out.stdout.print(table)
+
+
+def run_bench(args, out: Output) -> int:
+    settings = _settings(args)
+    cases = battery_cases.select_cases(_ids(args.cases))
+    if args.plot is not None:
+        if args.only == "battery":
+            raise KilnError("--plot shows the speed samples: it cannot go with --only battery")
+        from kiln.bench.plot import require_matplotlib
+
+        require_matplotlib()  # fail before an hour of measuring, not after
+    api_key = args.api_key or os.environ.get("KILN_BENCH_API_KEY")
+    endpoints = {"A": connect(args.url, args.model, api_key, args.connect_timeout)}
+    images = {"A": image_info(args.image) if args.image else None}
+    if args.against:
+        endpoints["B"] = connect(args.against, args.against_model, api_key, args.connect_timeout)
+        images["B"] = image_info(args.against_image) if args.against_image else None
+    elif args.against_image or args.against_model:
+        raise KilnError("--against-image / --against-model need --against URL2")
+    names = {label: f"{label} {e.url}" for label, e in endpoints.items()}
+    if not out.json_mode:
+        for label, e in endpoints.items():
+            image = f", image {images[label].reference}" if images[label] else ""
+            out.stderr.print(escape(f"{label}: {e.url} serves {e.model} (vLLM {e.server_version or 'version unknown'}"
+                                    f"{image}); prompt set {PROMPT_SET_VERSION}"))
+    reporter = out.reporter()
+    speed = run_speed(endpoints, settings, reporter) if args.only != "battery" else None
+    battery = run_battery(endpoints, cases, args.battery_runs, settings, reporter) \
+        if args.only != "speed" and args.battery_runs else None
+    data = evidence(endpoints, images, settings, speed, battery, machine_info())
+    if args.evidence:
+        args.evidence.parent.mkdir(parents=True, exist_ok=True)
+        args.evidence.write_text(json.dumps(data, indent=2) + "\n")
+    if args.plot is not None and speed is not None:
+        from kiln.bench.plot import write_plot
+
+        write_plot(speed, args.plot, names)
+    if out.json_mode:
+        out.json(data)
+    else:
+        if speed is not None:
+            _speed_tables(out, speed, names)
+        if battery is not None:
+            _battery_table(out, battery, names)
+    failed = len(speed.failures()) if speed else 0
+    dirty = battery.clean("A")[1] - battery.clean("A")[0] if battery else 0
+    if failed:
+        out.warn(f"{failed} request(s) failed; the figures use the requests that completed")
+    if dirty:
+        out.warn(f"{dirty} tool call(s) of {args.url} were not clean")
+    return 1 if failed or dirty else 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench", help="measure a served model: speed (TPS, TTFT, TPOT) and tool-call cleanliness",
+        description="Measure an OpenAI-compatible endpoint (e.g. `vllm serve` of a kiln image), "
+                    "optionally against a second one, with a verdict per metric. See docs/BENCH.md.")
+    p.add_argument("url", help="the endpoint, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
+    p.add_argument("--against", metavar="URL2", help="a second endpoint to compare with, interleaved")
+    p.add_argument("--model", help="the model to ask URL for (default: the first GET /v1/models lists)")
+    p.add_argument("--against-model", help="the model to ask URL2 for")
+    p.add_argument("--api-key", help="bearer token (default: $KILN_BENCH_API_KEY)")
+    p.add_argument("--image", metavar="REF", help="the image URL serves, recorded in the evidence (tag or @digest)")
+    p.add_argument("--against-image", metavar="REF", help="the image URL2 serves")
+    p.add_argument("--runs", type=int, default=5, help="measured runs per prompt and level (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured passes over the prompts first (default: %(default)s)")
+    p.add_argument("--concurrency", default="1", help="concurrent requests, a sweep such as 1,2,4 (default: 1)")
+    p.add_argument("--prompts", metavar="IDS", help="only these prompts of the set, comma-separated")
+    p.add_argument("--max-tokens", type=int, help="completion cap for every prompt (default: each prompt's own)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: %(default)s)")
+    p.add_argument("--extra-body", metavar="JSON", help='merged into every request, e.g. \'{"ignore_eos": true}\'')
+    p.add_argument("--unique-prefix", action="store_true", help="a fresh first line per request: no prefix-cache hits")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default: %(default)s)")
+    p.add_argument("--connect-timeout", type=float, default=10.0, help=argparse.SUPPRESS)
+    p.add_argument("--confidence", type=float, default=0.95, help="of the verdicts (default: %(default)s)")
+    p.add_argument("--battery-runs", type=int, default=3, help="attempts per tool-call case; 0 skips the battery")
+    p.add_argument("--cases", metavar="IDS", help="only these tool-call cases, comma-separated")
+    p.add_argument("--only", choices=("speed", "battery"), help="run only the speed part or only the battery")
+    p.add_argument("--evidence", type=Path, metavar="FILE", help="also write the JSON evidence to FILE")
+    p.add_argument("--plot", type=Path, metavar="FILE", help="PNG of the per-prompt distributions (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print the evidence (every raw sample) as JSON")
+    p.set_defaults(run=run_bench)
