@@ -285,10 +285,16 @@ def stream(parser_cls, serving, deltas):
 
     Returns the parser and the arguments a client assembles per tool-call index.
     """
+    parser, seen = stream_seen(parser_cls, serving, deltas)
+    return parser, seen["arguments"]
+
+
+def stream_seen(parser_cls, serving, deltas):
+    """As ``stream``; also what the client reads as content and the tool names, per index."""
     parser = parser_cls(Tokenizer(), TOOLS)
     request = ChatCompletionRequest()
     previous, previous_ids = "", []
-    client: dict[int, str] = {}
+    seen: dict = {"content": "", "names": {}, "arguments": {}}
     for n, text in enumerate(deltas):
         ids = [TOOL_CALL] if "<tool_call>" in text else []
         ids += [TOOL_CALL_END] if "</tool_call>" in text else []
@@ -299,11 +305,16 @@ def stream(parser_cls, serving, deltas):
         )
         if n == len(deltas) - 1 and delta is not None:
             delta = serving.finish(parser, delta)
+        if delta is not None:
+            seen["content"] += delta.content or ""
         for call in delta.tool_calls if delta else []:
+            if call.function and call.function.name:
+                seen["names"][call.index] = call.function.name
             if call.function and call.function.arguments is not None:
-                client[call.index] = client.get(call.index, "") + call.function.arguments
+                args = seen["arguments"]
+                args[call.index] = args.get(call.index, "") + call.function.arguments
         previous, previous_ids = current, previous_ids + ids
-    return parser, client
+    return parser, seen
 
 
 # --- the qwen3 reasoning parser and the delegating stream parser ------------------------------
