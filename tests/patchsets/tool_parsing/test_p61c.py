@@ -15,6 +15,8 @@ import json
 
 import pytest
 
+from kiln.patch.engine import run_selection
+from kiln.patch.model import BuildTarget
 from tests.patchsets.support.patchlib import patched_files
 from tests.patchsets.support.qwen3_parsers import (
     DELEGATING,
@@ -65,6 +67,14 @@ def patched(patched_text, tree):
     return _parser_cls(patched_text, tree)
 
 
+@pytest.fixture(scope="module")
+def with_p64(catalogue, sessions, tree):
+    """P61c and P64 on one tree, as an image selects them (the same parser method)."""
+    result = run_selection(catalogue, sessions("v0.20.1"), BuildTarget(tree.vllm_version), ["P61c", "P64"])
+    assert all(o.verdict.ok for o in result.outcomes.values()), result.outcomes
+    return _parser_cls(result.changed_text()[PARSER], tree)
+
+
 def non_streaming(parser_cls, deltas):
     info = parser_cls(Tokenizer(), TOOLS).extract_tool_calls("".join(deltas), ChatCompletionRequest())
     return info.content, [(c.function.name, json.loads(c.function.arguments)) for c in info.tool_calls]
@@ -110,6 +120,18 @@ def test_real_calls_stream_as_before(patched, pristine, serving, deltas):
     (_, new), (_, old) = stream_seen(patched, serving, deltas), stream_seen(pristine, serving, deltas)
     assert calls(new) == calls(old) == non_streaming(pristine, deltas)[1]
     assert new["content"] == old["content"]
+
+
+def test_with_p64(with_p64, pristine, serving):
+    """Both fixes hold together: prose released, and a last parameter closing with </function>."""
+    _, seen = stream_seen(with_p64, serving, PROSE_THEN_CALL)
+    assert seen["content"] == "Note: <tool_call> is how I call tools. Now:\nDone now."
+    assert calls(seen) == [("bash", {"command": "ls"})]
+    mtp_close = [*CALL[:3], "ls\n</parameter>\n</function>\n</tool_call>"]  # P64's case
+    _, seen = stream_seen(with_p64, serving, mtp_close)
+    assert calls(seen) == [("bash", {"command": "ls"})]
+    _, old = stream_seen(pristine, serving, mtp_close)
+    assert json.loads(old["arguments"][0]) == {}  # what P64 fixes
 
 
 def test_through_the_delegating_parser_mid_thought(patched_text, tree, sessions):
