@@ -6,8 +6,8 @@ until a ``<function=`` header appears. When the model writes the tag without a c
 (it mentions the tag in prose, or, under the qwen3 reasoning parser, emits it mid-thought,
 which ends reasoning and hands the rest of the output to the tool parser; or it writes a
 Hermes-style JSON body, ``<tool_call>{"name": ...}``), everything after the tag is swallowed:
-the client's stream goes silent (club-3090#72 measured a 58 s gap) and, when no header ever
-comes, the text is never sent at all. The non-streaming parser returns the same output as
+the client's stream goes silent (Genesis measured a 58 s gap on club-3090#72's case) and,
+when no header ever comes, the text is never sent at all. The non-streaming parser returns the same output as
 content (it looks for ``<function=`` first), so streaming and non-streaming disagree.
 A later real call after such a tag is mis-indexed too: the parser counts ``<tool_call>`` tags
 in the whole text, so the narrative tag is taken as call 0, the real call is located again as
@@ -23,9 +23,10 @@ later calls are counted and located as if it had never been there. The common st
 that ends while a tag is held (the original also sent nothing); a ``</tool_call>`` typed in
 prose after a released tag still counts as a call end.
 
-Genesis's version releases the tag as content unless ``<function=`` arrives within 64
-characters in the same or an earlier delta, so a ``<tool_call>`` delta followed by the header
-in the next delta (the usual shape without MTP) is emitted as content and the call is lost.
+Genesis's version (by reading its code; not run here) releases the tag as content unless
+``<function=`` is already within 64 characters after it in that delta's text, so a
+``<tool_call>`` delta followed by the header in the next delta (the usual shape without MTP)
+would be emitted as content and the call lost; this version waits for the header instead.
 
 Upstream: none for this parser (Genesis-original, from club-3090#72).
 
