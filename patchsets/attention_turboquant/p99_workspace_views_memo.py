@@ -31,7 +31,16 @@ import libcst as cst
 import libcst.matchers as m
 
 from kiln.patch.model import Codemod, Gates, Patch
-from kiln.patch.shapes import assign_to, cls, func, insert_after, insert_before, marked, statements, with_marker
+from kiln.patch.shapes import (
+    assign_to,
+    cls,
+    func,
+    insert_after,
+    insert_before,
+    marked,
+    statements,
+    with_marker,
+)
 
 TARGET = "v1/worker/workspace.py"
 MANAGER = cls("WorkspaceManager")
