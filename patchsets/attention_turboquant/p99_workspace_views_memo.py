@@ -17,7 +17,9 @@ slot's current workspace, so it never needs to grow and the locked-workspace ass
 its meaning (a request that does not fit still reaches ``_ensure_workspace_size``). When a
 slot grows, ``_ensure_workspace_size`` drops the memo before it frees the old buffer, so cached
 views never keep a freed workspace alive (upstream frees it first on purpose, to bound peak
-memory). Callers get a new list each time (the tensors are the cached views).
+memory). Callers get a new list each time (the tensors are the cached views). A request whose
+shapes are not hashable (a list) is served unmemoised; the memo keeps the 64 newest entries
+(continuation prefill asks for a new length per chunk).
 
 Verdicts: APPLIES on 0.20.1 (there the fused-MoE modular kernel and MLA/flash-attention
 backends call it; TurboQuant starts in 0.21.0) and on 0.33.0 (``v1/worker/workspace.py``:
@@ -97,7 +99,10 @@ class LookUpMemo(Codemod):
                 else dbo_current_ubatch_id()
             )
             memo_key = (slot, shapes_and_dtypes)
-            cached = self.{MEMO}.get(memo_key)
+            try:
+                cached = self.{MEMO}.get(memo_key)
+            except TypeError:  # a shape given as a list cannot be a key: not memoised
+                memo_key = cached = None
             if cached is not None and cached[0] is self._current_workspaces[slot]:
                 return list(cached[1])
             """
@@ -117,7 +122,10 @@ class StoreMemo(Codemod):
         )
         store, ret = statements(
             f"""
-            self.{MEMO}[memo_key] = (current_workspace, views)
+            if memo_key is not None:
+                if len(self.{MEMO}) >= 64:  # e.g. one per continuation length: keep the newest
+                    self.{MEMO}.pop(next(iter(self.{MEMO})))
+                self.{MEMO}[memo_key] = (current_workspace, views)
             return list(views)
             """
         )

@@ -134,3 +134,21 @@ def test_views_of_a_replaced_buffer_are_not_served(texts, label, monkeypatch):
     memo._current_workspaces[0] = torch.empty_like(memo._current_workspaces[0])
     again = memo.get_simultaneous(*DECODE)
     assert again[0].data_ptr() == memo._current_workspaces[0].data_ptr()
+
+
+@pytest.mark.parametrize("label", LABELS)
+def test_unhashable_shapes_and_many_shapes(texts, label, monkeypatch):
+    pristine, patched = texts[label]
+    _, plain = _manager(pristine, monkeypatch)
+    _, memo = _manager(patched, monkeypatch)
+    listed = (([4, 8, 128], torch.bfloat16),)  # a list shape: served, not memoised
+    assert _describe(memo.get_simultaneous(*listed)) == _describe(plain.get_simultaneous(*listed))
+    for length in (199, *range(1, 200)):  # the largest first (no growth after), then one per chunk
+        memo.get_simultaneous(((1, 2, length, 16), torch.float16), ((1, 2, length, 16), torch.float16))
+    assert len(memo._views_memo) == 64
+    def key(length):
+        shape = ((1, 2, length, 16), torch.float16)
+        return (0, (shape, shape))
+
+    assert key(198) in memo._views_memo and key(1) not in memo._views_memo  # the oldest go first
+    assert memo._views_memo[key(198)][1][0].shape == (1, 2, 198, 16)
