@@ -28,7 +28,7 @@ continuation. P67b (variant) sends uniform verify batches to its own launch that
 the device lengths; mixed batches still come here, so the two compose (no conflict).
 
 Gate ``vllm>=0.21.0``: before vllm#41434 the loop reads ``attn_metadata.seq_lens.tolist()``, the
-device's corrected values (0.20.1 ``v1/attention/backends/turboquant_attn.py:569-570``), and
+device's corrected values (0.20.1 ``v1/attention/backends/turboquant_attn.py:570-571``), and
 builds ``torch.arange(cached_len + 1, seq_len + 1)`` from them (:625), so the failure cannot
 exist there (GATED, not TARGET_GONE: the file and method are there, the failure is not).
 
