@@ -5,10 +5,10 @@ views (``_decode_attention``: ``mid_o``, ``output``, ``lse``), in every attentio
 step, and the MTP drafter does the same: on Qwen3.6-27B (16 attention layers) with K=3 that is
 ~20 calls per step. Each call recomputes byte sizes, 256-byte alignment and offsets, goes
 through ``_ensure_workspace_size`` and builds N ``view().reshape()`` tensors, for the same
-shapes every time. Genesis measured its memoised version against the pristine one at -17 %
-decode throughput on 2x A5000 (vllm#40941's first nightly); its own later A/B on a newer pin
-found the difference within noise, and kiln has not measured it: this is a variant an image
-opts into (``variant = True``), not part of the default set, until a GPU benchmark says so.
+shapes every time. Genesis attributed a -17 % decode regression on 2x A5000 to this
+indirection (vllm#40941's first nightly) and memoised it; its own later A/B of the memo on a
+newer pin was within noise, and kiln has not measured it: this is a variant an image opts
+into (``variant = True``), not part of the default set, until a GPU benchmark says so.
 
 The memo is keyed by the workspace slot (``_get_workspace_id()`` on 0.33.0: ubatch and lane;
 ``dbo_current_ubatch_id()`` before) and the exact ``shapes_and_dtypes`` tuple, and remembers

@@ -14,7 +14,8 @@ other request with ``seq_len <= L`` and a cached prefix (``q_len < seq_len``) pa
   preset (MTP K=3, ``--max-num-seqs 4``) it is enough that a new prompt arrives that is at
   least as long as a request that is generating: in that step the generating request's
   verify tokens see only themselves, its target logits are garbage and whatever they accept
-  is emitted (vllm#46460 reports 47-75 hallucinated answers out of 52 on C-Eval).
+  is emitted (vllm#46461 reports 47-75 hallucinations over the 52 C-Eval subjects with
+  Qwen3-8B, ``turboquant_4bit_nc`` and prefix caching).
 
 The mixed decode+prefill branch of ``forward`` builds the prefill sub-batch with its own
 ``max_seq_len`` so it reaches the same test with the same flaw.

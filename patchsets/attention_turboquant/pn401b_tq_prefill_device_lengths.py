@@ -16,8 +16,8 @@ P65, the kiln preset's choice: all of them) runs this loop. For a short continua
 ``synth_seq_lens = _arange_cache[cached_len + 1 : seq_len + 1]`` from the host ``seq_len``:
 after a step in which r drafts were rejected, every query of that request attends r positions
 too far, over the later draft tokens of its own step (future tokens) and stale slots past
-them. The target logits that decide acceptance are wrong in the steps that follow a rejection,
-which with K=3 is most steps.
+them. The target logits that decide acceptance are wrong in every step that follows a partial
+acceptance (with K=3: whenever fewer than 3 drafts were accepted).
 
 The patch builds the per-query lengths on the device from the device ``seq_lens``, exactly
 as the decode batch does: ``attn_metadata.seq_lens[i] - q_len + _arange_cache[1 : q_len +

@@ -26,8 +26,8 @@ Mamba half-block never reaches an aligned boundary: masked, not fixed (P5b, or a
 cache, brings it back).
 
 The patch gives the extra search room to non-Mamba groups only (``... and not
-isinstance(spec, MambaSpec)``), which is how vLLM fixed it in 0.26.0: every group may then only
-keep or shorten the candidate length. Genesis's PN346 (vllm#43650, open) fixed the same failure
+isinstance(spec, MambaSpec)``), which is how vLLM fixed it (vllm#49502, in 0.26.0): every group
+may then only keep or shorten the candidate length. Genesis's PN346 (vllm#43650, open) fixed the same failure
 inside ``MambaManager`` (search one block less under eagle); either shape reads as UPSTREAM.
 
 Verdicts: 0.20.1 APPLIES (``kv_cache_coordinator.py:551``). 0.33.0 UPSTREAM: the coordinator
@@ -107,7 +107,7 @@ class PN346(Patch):
         "attention drops it again, Mamba does not, so the hit can exceed the attention blocks "
         "by one block of never-computed context. Give the margin to non-Mamba groups only."
     )
-    upstream_refs = ("vllm#43559", "vllm#43650")
+    upstream_refs = ("vllm#43559", "vllm#43650", "vllm#49502")
     gates = Gates(vllm=">=0.20.1")
     edits = (ImportMambaSpec, NoEagleMarginForMamba)
 
