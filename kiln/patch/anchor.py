@@ -132,6 +132,12 @@ def line_of(module: cst.Module, node: cst.CSTNode) -> int | None:
     return lines[0] if lines else None
 
 
+def line_of(module: cst.Module, node: cst.CSTNode) -> int:
+    """Start line of ``node`` in ``module``: for explanations that name file:line (e.g. UPSTREAM)."""
+    (line,) = _lines(module, [node])
+    return line
+
+
 def _lines(module: cst.Module, nodes: list[cst.CSTNode]) -> list[int]:
     """Start lines of ``nodes``; needs a metadata pass, so only used to report ambiguity."""
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)

@@ -18,14 +18,15 @@ import libcst.matchers as m
 from kiln.errors import KilnError
 from kiln.patch.model import Codemod, Gates, NewFile, Patch
 
-_ID = re.compile(r"^P\d+[a-z]?$")
+# "P65", "P5b"; "PN401" for patches numbered in Genesis's PN series (a separate sequence)
+_ID = re.compile(r"^PN?\d+[a-z]?$")
 _FAMILY = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
-def patch_sort_key(patch_id: str) -> tuple[int, str]:
-    """Natural order: P4 < P5 < P5b < P22 < P65."""
-    match = re.match(r"P(\d+)(.*)", patch_id)
-    return (int(match.group(1)), match.group(2)) if match else (1 << 30, patch_id)
+def patch_sort_key(patch_id: str) -> tuple[int, int, str]:
+    """Natural order: P4 < P5 < P5b < P22 < P65 < PN399 < PN401 < PN401b."""
+    match = re.match(r"P(N?)(\d+)(.*)", patch_id)
+    return (len(match.group(1)), int(match.group(2)), match.group(3)) if match else (2, 1 << 30, patch_id)
 
 
 @dataclass
@@ -159,7 +160,7 @@ def _validate(cls: type[Patch], path: Path) -> None:
         if not isinstance(value, str) or not value.strip():
             fail(field, "missing or not a non-empty string")
     if not _ID.match(cls.id):
-        fail("id", f"{cls.id!r} is not like 'P65' or 'P5b'")
+        fail("id", f"{cls.id!r} is not like 'P65', 'P5b' or 'PN401'")
     if path.stem.lower() != cls.id.lower() and not path.stem.lower().startswith(cls.id.lower() + "_"):
         fail("id", f"{cls.id!r} does not match the file name {path.name!r} (expected {cls.id.lower()}_*.py)")
     if not _FAMILY.match(cls.family) or cls.family != path.parent.name:
