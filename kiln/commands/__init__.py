@@ -42,3 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         out.stderr.print("interrupted")
         return 130
+
+
+def entry() -> None:
+    """The ``kiln`` console script: the same command line as ``python build.py``."""
+    raise SystemExit(main())
