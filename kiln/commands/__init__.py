@@ -22,8 +22,8 @@ from kiln.errors import KilnError
 COMMANDS = (patches, verify, build, pin, plan, bench)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = KilnParser(prog="build.py", description="kiln: build-time patched vLLM images")
+def build_parser(prog: str = "build.py") -> argparse.ArgumentParser:
+    parser = KilnParser(prog=prog, description="kiln: build-time patched vLLM images")
     add_repo_options(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
@@ -31,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "build.py") -> int:
+    args = build_parser(prog).parse_args(argv)
     out = Output(json_mode=bool(getattr(args, "json", False)))
     try:
         return args.run(args, out)
@@ -46,4 +46,4 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """The ``kiln`` console script: the same command line as ``python build.py``."""
-    raise SystemExit(main())
+    raise SystemExit(main(prog="kiln"))
