@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass, field
 
 from kiln.bench.client import StreamResult
-from kiln.errors import KilnError
+from kiln.bench.prompts import select_by_id
 
 BATTERY_VERSION = "kiln-battery-1"
 
@@ -154,16 +154,8 @@ CASES: tuple[ToolCase, ...] = (
              "What is the capital of France? Answer in one word.", (WEATHER, TIMER), (), ()),
 )
 
-_BY_ID = {case.id: case for case in CASES}
-
-
 def select_cases(ids: list[str] | None) -> tuple[ToolCase, ...]:
-    if not ids:
-        return CASES
-    unknown = [cid for cid in ids if cid not in _BY_ID]
-    if unknown:
-        raise KilnError(f"--cases: unknown tool-call case {unknown[0]!r} (known: {', '.join(_BY_ID)})")
-    return tuple(_BY_ID[cid] for cid in dict.fromkeys(ids))
+    return select_by_id(CASES, ids, "--cases", "tool-call case")
 
 
 @dataclass

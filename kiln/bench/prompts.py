@@ -87,7 +87,6 @@ PROMPTS: tuple[Prompt, ...] = (
     ),
 )
 
-_BY_ID = {prompt.id: prompt for prompt in PROMPTS}
 
 
 def prompt_set_sha256(prompts: tuple[Prompt, ...] = PROMPTS) -> str:
@@ -96,10 +95,17 @@ def prompt_set_sha256(prompts: tuple[Prompt, ...] = PROMPTS) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def select_prompts(ids: list[str] | None) -> tuple[Prompt, ...]:
+def select_by_id(items: tuple, ids: list[str] | None, option: str, what: str) -> tuple:
+    """``items`` (each with an ``id``) named by ``ids`` in that order, or all of them; an unknown id
+    is an error naming ``option``."""
     if not ids:
-        return PROMPTS
-    unknown = [pid for pid in ids if pid not in _BY_ID]
+        return items
+    by_id = {item.id: item for item in items}
+    unknown = [i for i in ids if i not in by_id]
     if unknown:
-        raise KilnError(f"--prompts: unknown prompt {unknown[0]!r} (known: {', '.join(_BY_ID)})")
-    return tuple(_BY_ID[pid] for pid in dict.fromkeys(ids))
+        raise KilnError(f"{option}: unknown {what} {unknown[0]!r} (known: {', '.join(by_id)})")
+    return tuple(by_id[i] for i in dict.fromkeys(ids))
+
+
+def select_prompts(ids: list[str] | None) -> tuple[Prompt, ...]:
+    return select_by_id(PROMPTS, ids, "--prompts", "prompt")

@@ -8,13 +8,7 @@ from pathlib import Path
 from rich.markup import escape
 
 from kiln.build.inputs import destination, load_build_inputs
-from kiln.commands.options import (
-    add_json_option,
-    add_registry_options,
-    add_target_options,
-    registry_config,
-    repo_files,
-)
+from kiln.commands import options
 from kiln.pipeline import run_build
 from kiln.publish import Publisher
 from kiln.publish.archive import ArchivePublisher
@@ -25,38 +19,38 @@ from kiln.publish.values import ValuesPublisher, built_values, values_bytes
 
 
 def register(sub) -> None:
-    p = sub.add_parser("build", help="build a patched image for one pin and SM (pull, bake, publish)")
-    add_target_options(p)
+    p = _image_command(sub, "build", "build a patched image for one pin and SM (pull, bake, publish)", run_build_command)
     p.add_argument("--push", action="store_true", help="push to the image's repository (or --repository)")
     p.add_argument("--oci", type=Path, metavar="DIR", help="add the image to the OCI image layout DIR")
     p.add_argument("--docker-archive", type=Path, metavar="FILE", help="write a docker-archive tarball (podman load)")
     p.add_argument("--values", type=Path, metavar="FILE", help="write the image's Helm values (JSON) to FILE")
     p.add_argument("--repository", help="destination repository instead of the image definition's")
     p.add_argument("--force", action="store_true", help="replace an existing --docker-archive file")
-    add_registry_options(p)
-    p.add_argument("--allow-unlocked", action="store_true", help="build an unlocked or mismatching pin")
-    add_json_option(p)
-    p.set_defaults(run=run_build_command)
 
-    p = sub.add_parser("context", help="write a build context for the Dockerfile (same files as build)")
-    add_target_options(p)
+    p = _image_command(sub, "context", "write a build context for the Dockerfile (same files as build)", run_context)
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="the context directory to write")
     p.add_argument("--force", action="store_true", help="replace an existing build context in DIR")
-    add_registry_options(p)
-    p.add_argument("--allow-unlocked", action="store_true", help="use an unlocked or mismatching pin")
-    add_json_option(p)
-    p.set_defaults(run=run_context)
 
     p = sub.add_parser("values", help="print the Helm values of an image already built and pushed")
-    add_target_options(p)
+    options.add_target_options(p)
     p.add_argument("--repository", help="the repository it was pushed to, instead of the image definition's")
-    add_registry_options(p)
+    options.add_registry_options(p)
     p.set_defaults(run=run_values)
 
 
+def _image_command(sub, name: str, description: str, run):
+    """A command that prepares one image: ``--image/--pin/--sm``, the base's registry, ``--json``."""
+    p = sub.add_parser(name, help=description)
+    options.add_target_options(p)
+    options.add_base_image_options(p)
+    options.add_json_option(p)
+    p.set_defaults(run=run)
+    return p
+
+
 def run_build_command(args, out) -> int:
-    inputs = load_build_inputs(repo_files(args), args.image, args.pin, args.sm)
-    config = registry_config(args)
+    inputs = load_build_inputs(options.repo_files(args), args.image, args.pin, args.sm)
+    config = options.registry_config(args)
     reporter = out.reporter()
     name = destination(inputs.definition, args.repository,
                        purpose="--push" if args.push else "--values" if args.values else "local")
@@ -88,10 +82,10 @@ def run_build_command(args, out) -> int:
 
 
 def run_context(args, out) -> int:
-    inputs = load_build_inputs(repo_files(args), args.image, args.pin, args.sm)
+    inputs = load_build_inputs(options.repo_files(args), args.image, args.pin, args.sm)
     publisher = ContextPublisher(args.out, args.force)
     result = run_build(inputs, [publisher], destination(inputs.definition, purpose="local").name,
-                       registry_config(args), args.allow_unlocked, reporter=out.reporter())
+                       options.registry_config(args), args.allow_unlocked, reporter=out.reporter())
     record = publisher.record
     dest = publisher.path
     if args.json:
@@ -106,8 +100,8 @@ def run_context(args, out) -> int:
 
 
 def run_values(args, out) -> int:
-    inputs = load_build_inputs(repo_files(args), args.image, args.pin, args.sm)
-    values = built_values(inputs, registry_config(args), args.repository)
+    inputs = load_build_inputs(options.repo_files(args), args.image, args.pin, args.sm)
+    values = built_values(inputs, options.registry_config(args), args.repository)
     sys.stdout.write(values_bytes(values).decode())
     return 0
 

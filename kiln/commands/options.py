@@ -7,6 +7,7 @@ Public API:
     add_source_options(parser)       --pin NAME | --vllm VERSION
     add_target_options(parser)       --image --pin --sm   (build, context, values)
     add_registry_options(parser)     --mirror --insecure-registry --registries
+    add_base_image_options(parser)   the registry options and --allow-unlocked
     registry_config(args) -> RegistryConfig
     add_json_option(parser)
     sm_option(text) -> int           the one SM validation, as an argparse type
@@ -74,6 +75,13 @@ def add_registry_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--insecure-registry", action="append", metavar="HOST",
                         help="HOST speaks plain HTTP; https://HOST: TLS without certificate verification")
     parser.add_argument("--registries", type=Path, help="registries config file (mirrors, insecure hosts)")
+
+
+def add_base_image_options(parser: argparse.ArgumentParser) -> None:
+    """How a command that pulls the pin's base image reaches it (``build``, ``context``)."""
+    add_registry_options(parser)
+    parser.add_argument("--allow-unlocked", action="store_true",
+                        help="use an unlocked pin, or one whose image no longer resolves to its lock")
 
 
 def registry_config(args: argparse.Namespace) -> RegistryConfig:

@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
+from kiln import verify as checks
 from kiln.commands.options import add_json_option, add_source_options, repo_files, sm_option
 from kiln.commands.output import styled
 from kiln.definitions import load_definition
@@ -29,14 +30,6 @@ from kiln.pins import load_pins
 from kiln.publish.tree import TreePublisher
 from kiln.source.wheel import WheelSource, list_releases
 from kiln.staging import commit_all, write_atomic
-from kiln.verify import (
-    DefinitionVerdicts,
-    SourceVerdicts,
-    choose_source,
-    patch_selection,
-    verify_definition,
-    verify_source,
-)
 
 
 def register(sub) -> None:
@@ -73,14 +66,14 @@ def run_verify(args, out) -> int:
             raise KilnError("verify --image takes no --pin/--vllm/--accept: it checks the image's own pins")
         pins = load_pins(files.pins)
         definition = load_definition(files.images, args.image, catalogue, pins)
-        result = verify_definition(definition, pins, catalogue, out.reporter())
+        result = checks.verify_definition(definition, pins, catalogue, out.reporter())
         _show_definition(args, out, result)
         return 1 if result.failures else 0
     if args.vllm and is_release_range(args.vllm):
         return _verify_train(args, out, catalogue, files)
-    choice = choose_source(files, args.pin, args.vllm, out.reporter())
+    choice = checks.choose_source(files, args.pin, args.vllm, out.reporter())
     memo = None if args.no_memo else VerdictMemo()
-    result = verify_source(catalogue, choice, files.record, args.sm, args.accept, memo)
+    result = checks.verify_source(catalogue, choice, files.record, args.sm, args.accept, memo)
     _show_source(args, out, catalogue, result, files.record)
     return 1 if result.differences else 0
 
@@ -130,7 +123,7 @@ SHORT = {"APPLIES": "A", "ALREADY_PATCHED": "P", "UPSTREAM": "U", "DRIFTED": "D"
          "GATED": "G", "CONFLICT": "C"}
 
 
-def _show_source(args, out, catalogue, result: SourceVerdicts, record) -> None:
+def _show_source(args, out, catalogue, result: checks.SourceVerdicts, record) -> None:
     choice = result.choice
     if args.json:
         out.json({
@@ -163,7 +156,7 @@ def _show_source(args, out, catalogue, result: SourceVerdicts, record) -> None:
     )
 
 
-def _show_definition(args, out, result: DefinitionVerdicts) -> None:
+def _show_definition(args, out, result: checks.DefinitionVerdicts) -> None:
     definition = result.definition
     rows = [{"pin": pin.name, **outcome.to_json()} for pin, outcome in result.rows]
     if args.json:
@@ -187,8 +180,8 @@ def _show_definition(args, out, result: DefinitionVerdicts) -> None:
 def run_diff(args, out) -> int:
     files = repo_files(args)
     catalogue = load_catalogue(files.patchsets)
-    choice = choose_source(files, args.pin, args.vllm, out.reporter())
-    tree, result = patch_selection(catalogue, choice, args.patch, args.sm)
+    choice = checks.choose_source(files, args.pin, args.vllm, out.reporter())
+    tree, result = checks.patch_selection(catalogue, choice, args.patch, args.sm)
     sys.stdout.write(unified_diff(tree, result))
     return 0
 
@@ -198,8 +191,8 @@ def run_apply(args, out) -> int:
     publisher = TreePublisher(args.out, args.force)
     publisher.check()  # before any work: a taken --out fails now, not after the patching
     catalogue = load_catalogue(files.patchsets)
-    choice = choose_source(files, args.pin, args.vllm, out.reporter())
-    tree, result = patch_selection(catalogue, choice, args.patch, args.sm)
+    choice = checks.choose_source(files, args.pin, args.vllm, out.reporter())
+    tree, result = checks.patch_selection(catalogue, choice, args.patch, args.sm)
     commit_all([publisher.stage(tree, choice.label, result)])
     data = publisher.report
     if args.json:

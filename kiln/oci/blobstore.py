@@ -84,14 +84,3 @@ class _NullSink:
 
     def write(self, data: bytes) -> int:
         return len(data)
-
-
-class _NullSink:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-    def write(self, data: bytes) -> int:
-        return len(data)
