@@ -1,22 +1,52 @@
-"""``build.py patches``: the catalogue, with families, gates, requires and conflicts."""
+"""``build.py patches``: the catalogue, with families, gates, requires and conflicts;
+``--doc`` writes docs/PATCHES.md from it."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from rich.markup import escape
 from rich.table import Table
 
+from kiln import paths
 from kiln.commands.options import add_json_option, repo_files
+from kiln.definitions import load_definitions
 from kiln.patch.catalog import load_catalogue
+from kiln.patch.catalogue_doc import doc_notes, render_patches_doc
+from kiln.patch.record import load_record
+from kiln.patch.train import TRAIN_RECORD
+from kiln.paths import RepoFiles
+from kiln.pins import load_pins
+from kiln.staging import write_atomic
+
+DOC = paths.REPO / "docs" / "PATCHES.md"
 
 
 def register(sub) -> None:
     p = sub.add_parser("patches", help="list the patch catalogue")
     add_json_option(p, "the catalogue as JSON")
+    p.add_argument("--doc", nargs="?", type=Path, const=DOC, metavar="FILE",
+                   help=f"write the catalogue document (default {DOC.relative_to(paths.REPO)}), keeping its notes")
     p.set_defaults(run=run_patches)
 
 
+def patches_doc(files: RepoFiles, notes: str) -> str:
+    """docs/PATCHES.md's text for the catalogue, records and image definitions in ``files``."""
+    catalogue = load_catalogue(files.patchsets)
+    pins = load_pins(files.pins)
+    selections = {d.name: d.patches for d in load_definitions(files.images, catalogue, pins)}
+    return render_patches_doc(catalogue, load_record(files.record), load_record(files.patchsets / TRAIN_RECORD),
+                              selections, notes)
+
+
 def run_patches(args, out) -> int:
-    catalogue = load_catalogue(repo_files(args).patchsets)
+    files = repo_files(args)
+    if args.doc:
+        notes = doc_notes(args.doc.read_text()) if args.doc.is_file() else ""
+        write_atomic(args.doc, patches_doc(files, notes).encode())
+        out.stderr.print(f"wrote {escape(str(args.doc))}")
+        return 0
+    catalogue = load_catalogue(files.patchsets)
     rows = [{
         "id": patch.id, "family": patch.family, "title": patch.title, "targets": list(patch.targets),
         "gates": patch.gates.describe(), "requires": list(patch.requires), "conflicts": list(patch.conflicts),
