@@ -33,3 +33,15 @@ def test_doc_command_keeps_the_hand_written_notes(capsys, tmp_path):
     assert "# old" not in text and "\n### P65\n" in text
     assert text == patches_doc(RepoFiles(), doc_notes(text))
     assert paths.REPO / "docs" / "PATCHES.md" == DOC
+
+
+def test_the_authoring_guide_lists_every_shape_helper():
+    import inspect
+
+    from kiln.patch import shapes
+
+    guide = (paths.REPO / "docs" / "AUTHORING_PATCHES.md").read_text()
+    helpers = [name for name, value in vars(shapes).items()
+               if inspect.isfunction(value) and value.__module__ == shapes.__name__ and not name.startswith("_")]
+    missing = [name for name in helpers if f"`{name}(" not in guide]
+    assert not missing, f"docs/AUTHORING_PATCHES.md does not list {missing}"
