@@ -108,3 +108,36 @@ def test_only_the_commands_package_parses_argv_or_prints():
 def test_modules_stay_small():
     big = {str(p.relative_to(paths.REPO)): n for p in MODULES if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not big, big
+
+
+def _documented_modules() -> set[str]:
+    """Modules docs/ARCHITECTURE.md's table names: `kiln/a/b.py`, `kiln/a/{b,c}.py`, and bare
+    `c.py` after a path in the same cell (same directory)."""
+    import re
+
+    named = set()
+    for line in (paths.REPO / "docs" / "ARCHITECTURE.md").read_text().splitlines():
+        if not line.startswith("|") or line.count("|") < 4:
+            continue
+        cell = line.split("|")[2]
+        directory = None
+        for token in re.findall(r"`([^`]+)`", cell):
+            if token.startswith("kiln/"):
+                directory = token.rsplit("/", 1)[0]
+                name = token.rsplit("/", 1)[1]
+            elif directory:
+                name = token
+            else:
+                continue
+            group = re.fullmatch(r"\{(.+)\}\.py", name)
+            for stem in (group.group(1).split(",") if group else [name.removesuffix(".py")]):
+                named.add(f"{directory}/{stem.strip()}.py")
+    return named
+
+
+def test_the_architecture_table_matches_the_tree():
+    modules = {str(p.relative_to(paths.REPO)) for p in MODULES if p.name != "__init__.py"}
+    documented = _documented_modules()
+    assert not modules - documented, f"docs/ARCHITECTURE.md does not list {sorted(modules - documented)}"
+    stale = {m for m in documented if not (paths.REPO / m).is_file()}
+    assert not stale, f"docs/ARCHITECTURE.md lists modules that do not exist: {sorted(stale)}"
