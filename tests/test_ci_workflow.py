@@ -57,7 +57,7 @@ def test_triggers_jobs_and_needs(workflow):
     jobs = workflow["jobs"]
     assert set(jobs) == {"test", "plan", "build", "release-train"}
     # the whole release train, against the record (a difference or a crash fails the run)
-    assert "build.py verify --vllm 0.20.1..0.33.0" in [s.get("run") for s in jobs["release-train"]["steps"]]
+    assert ".venv/bin/python build.py verify --vllm 0.20.1..0.33.0" in [s.get("run") for s in jobs["release-train"]["steps"]]
     assert set(jobs["build"]["needs"]) == {"plan", "test"}  # nothing is built from a red tree
     assert "needs" not in jobs["plan"] and "needs" not in jobs["test"]
     assert [s.get("run") for s in jobs["test"]["steps"] if "run" in s] == ["ci/test"]
