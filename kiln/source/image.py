@@ -183,10 +183,17 @@ class ImageSource:
         self.reference = parse_reference(reference) if isinstance(reference, str) else reference
         self.expected_version = Version(str(expected_version)) if expected_version else None
         self.registry_config = registry_config or RegistryConfig.load()
-        self.cache = cache or cache_root()
+        self._cache = cache
         self.stats = stats or TransferStats()
         self.reporter = reporter
         self._client: RegistryClient | None = None
+
+    @property
+    def cache(self) -> Path:
+        """The cache, claimed on first use: a run refused before any work creates none."""
+        if self._cache is None:
+            self._cache = cache_root()
+        return self._cache
 
     def describe(self) -> str:
         return f"vLLM source from image {self.reference}"

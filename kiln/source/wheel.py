@@ -152,8 +152,15 @@ class WheelSource:
 
     def __init__(self, version: Version | str, cache: Path | None = None, reporter: Reporter = SILENT):
         self.version = Version(str(version))
-        self.cache = cache or cache_root()
+        self._cache = cache
         self.reporter = reporter
+
+    @property
+    def cache(self) -> Path:
+        """The cache, claimed on first use: a run refused before any work creates none."""
+        if self._cache is None:
+            self._cache = cache_root()
+        return self._cache
 
     def describe(self) -> str:
         return f"vllm=={self.version} wheel from {index_url()}"

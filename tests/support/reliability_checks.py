@@ -45,7 +45,10 @@ class CliRun:
 def run_cli(argv: list[str]) -> CliRun:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = commands.main(argv)
+        try:
+            code = commands.main(argv)
+        except SystemExit as usage:  # argparse: a usage error exits 2
+            code = usage.code
     return CliRun(code, out.getvalue(), err.getvalue())
 
 
