@@ -70,6 +70,8 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
     cache = cache or cache_root()
     prepared = prepare_build(inputs, config, allow_unlocked, cache, reporter)
     clock = prepared.clock
+    budget = prepared.client.budget  # the build's limits: its deadline is checked between steps
+    budget.check_deadline("patch")
     work_root = cache / "build"
     work_root.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(dir=work_root, prefix=".tmp-"))
@@ -77,6 +79,7 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
         image = bake(prepared, workdir, reporter)
         clock.lap("bake")
         pause_point("bake")
+        budget.check_deadline("bake")
         written = publish(image, publishers)
         clock.lap("publish")
     finally:

@@ -10,6 +10,7 @@ from rich.markup import escape
 from kiln.build.inputs import destination, load_build_inputs
 from kiln.commands.options import (
     add_json_option,
+    add_limit_options,
     add_registry_options,
     add_target_options,
     registry_config,
@@ -34,6 +35,7 @@ def register(sub) -> None:
     p.add_argument("--repository", help="destination repository instead of the image definition's")
     p.add_argument("--force", action="store_true", help="replace an existing --docker-archive file")
     add_registry_options(p)
+    add_limit_options(p)
     p.add_argument("--allow-unlocked", action="store_true", help="build an unlocked or mismatching pin")
     add_json_option(p)
     p.set_defaults(run=run_build_command)
@@ -43,6 +45,7 @@ def register(sub) -> None:
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="the context directory to write")
     p.add_argument("--force", action="store_true", help="replace an existing build context in DIR")
     add_registry_options(p)
+    add_limit_options(p)
     p.add_argument("--allow-unlocked", action="store_true", help="use an unlocked or mismatching pin")
     add_json_option(p)
     p.set_defaults(run=run_context)

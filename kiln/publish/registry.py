@@ -61,7 +61,7 @@ class RegistryPublisher(Publisher):
         base_client = prepared.client
         if base_client.endpoint.host == endpoint.host and base_client.endpoint.scheme == endpoint.scheme:
             return base_client, prepared.base_ref.repository
-        return RegistryClient(endpoint, stats=TransferStats()), None
+        return RegistryClient(endpoint, stats=TransferStats(), budget=base_client.budget), None
 
     def stage(self, image) -> Staged:
         client, mount_from = self._client_for(image)
