@@ -129,7 +129,7 @@ class _Prefetch:
             if not warned and waited >= limits.stall_warning:
                 warned = True
                 self._reporter.warn(
-                    f"{self._name}: no bytes for {seconds_text(round(waited))}; still waiting for the registry "
+                    f"{self._name}: no bytes for {seconds_text(round(waited, 1))}; still waiting for the registry "
                     f"(a read gives up after {seconds_text(limits.read_timeout)} and resumes; "
                     f"{limits.raise_hint('read_timeout')})")
 
