@@ -160,3 +160,32 @@ def test_rolling_back_a_new_layout_keeps_what_another_build_added_since(tmp_path
     assert layout_refs(alone) == {"tag-a": a.manifest.digest}
     stage.rollback()
     assert not alone.exists()
+
+
+def test_dead_stages_beside_an_output_are_removed_live_ones_kept(tmp_path):
+    """``check_output_path`` (run before any work) removes the stages of processes that are gone;
+    a stage of a running process, and names that only look alike, stay."""
+    import os
+    import subprocess
+    import sys
+
+    from kiln.publish import check_output_path
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead_dir = tmp_path / f".oci.kiln-{gone.pid}-a1b2"
+        (dead_dir / "blobs").mkdir(parents=True)
+        dead_file = tmp_path / f".image.tar.kiln-{gone.pid}-c3d4"
+        dead_file.write_bytes(b"half an archive")
+        live = tmp_path / f".oci.kiln-{alive.pid}-e5f6"
+        live.mkdir()
+        lookalike = tmp_path / ".oci.kiln-notapid"
+        lookalike.mkdir()
+        assert check_output_path(tmp_path / "oci", "--oci", directory=True) == (tmp_path / "oci").resolve()
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, lookalike.name])
+    finally:
+        alive.kill()
+        alive.wait()
+    assert os.path.isdir(live)
