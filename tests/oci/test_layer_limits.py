@@ -191,6 +191,7 @@ def test_stall_is_reported_while_waiting(build, base_layout, registry_plain):
     result = run.result
     assert tag_state(registry_plain.host, build.dest, TAG) == "complete"
     [warning] = [w for w in result["warnings"] if "no bytes for" in w]
+    print(f"kiln warned: {warning}")
     assert base_layout.layers["vllm"] in warning and "still waiting for the registry" in warning
     assert "--read-timeout or KILN_REGISTRY_READ_TIMEOUT" in warning
     assert "warning:" in run.err and "no bytes for" in run.err  # shown as it happens, not only in --json
