@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from kiln.commands import main
 from tests.support import TEST_IMAGES
 from tests.support.faultproxy import FaultProxy
 from tests.support.reliability_checks import CliRun, assert_one_line_error, run_cli
@@ -126,3 +127,32 @@ def test_apply_with_an_unknown_patch_creates_no_cache(workspace, tmp_path):
     run = run_cli(["apply", "--vllm", "0.33.0", "--patch", "P999", "--out", str(tmp_path / "tree")])
     assert_one_line_error(run, "unknown patch 'P999'")
     assert not (tmp_path / "cache").exists() and not (tmp_path / "tree").exists()
+
+
+@pytest.mark.parametrize("command, names", [
+    (["build"], ("layer_bytes", "build_bytes", "layers", "deadline", "stall_warning", "connect_timeout", "read_timeout")),
+    (["context"], ("layer_bytes", "build_bytes", "layers", "deadline", "stall_warning", "connect_timeout", "read_timeout")),
+    (["values"], ("connect_timeout", "read_timeout")),
+    (["pin", "lock"], ("connect_timeout", "read_timeout")),
+    (["pin", "bump"], ("connect_timeout", "read_timeout")),
+])
+def test_limits_are_listed_in_help_with_their_variables(capsys, command, names):
+    from kiln.oci.limits import KNOBS
+
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in names:
+        assert KNOBS[name].option in text and f"${KNOBS[name].env}" in text, name
+
+
+def test_a_connect_timeout_names_its_limit():
+    import requests
+
+    from kiln.oci.failures import connection_problem
+    from kiln.oci.limits import Limits
+
+    text = connection_problem("registry.example:443", requests.exceptions.ConnectTimeout("timed out"),
+                              Limits(connect_timeout=7))
+    assert text == ("unreachable (no connection within the connect timeout of 7 s; raise it with "
+                    "--connect-timeout or KILN_REGISTRY_CONNECT_TIMEOUT)")
