@@ -100,7 +100,7 @@ def check_sm(value, where: str) -> int:
         raise KilnError(f"{where}: {value!r} is not an SM like 86 or 120") from None
     if isinstance(value, bool) or sm not in KNOWN_SMS:
         known = ", ".join(map(str, sorted(KNOWN_SMS)))
-        raise KilnError(f"{where}: sm_{value} is not an NVIDIA arch kiln can target ({known})")
+        raise KilnError(f"{where}: sm_{sm} is not an NVIDIA arch kiln can target ({known})")
     return sm
 
 

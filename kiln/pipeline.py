@@ -49,6 +49,7 @@ class BuildResult:
     files_changed: int
     outputs: dict[str, str] = field(default_factory=dict)  # publisher kind -> where it went
     bytes_pulled: int = 0
+    bytes_decompressed: int = 0  # base layer bytes inflated to read vLLM (bounded: kiln.oci.limits)
     bytes_pushed: int = 0
     blobs_uploaded: int = 0
     blobs_mounted: int = 0
@@ -70,6 +71,8 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
     cache = cache or cache_root()
     prepared = prepare_build(inputs, config, allow_unlocked, cache, reporter)
     clock = prepared.clock
+    budget = prepared.client.budget  # the build's limits: its deadline is checked between steps
+    budget.check_deadline("patch")
     work_root = cache / "build"
     work_root.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(dir=work_root, prefix=".tmp-"))
@@ -77,6 +80,7 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
         image = bake(prepared, workdir, reporter)
         clock.lap("bake")
         pause_point("bake")
+        budget.check_deadline("bake")
         written = publish(image, publishers)
         clock.lap("publish")
     finally:
@@ -93,6 +97,7 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
         layer_size=layer.size, media_type=image.manifest.media_type,
         patches=[o.to_json() for o in prepared.outcomes.values()], files_changed=prepared.files_changed,
         outputs=written, helm_values=values, triton=prepared.triton, bytes_pulled=prepared.stats.bytes_down,
+        bytes_decompressed=budget.bytes_inflated,
         bytes_pushed=report.bytes_uploaded if report else 0,
         blobs_uploaded=len(report.uploaded) if report else 0, blobs_mounted=len(report.mounted) if report else 0,
         timings=clock.total(),

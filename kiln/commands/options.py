@@ -6,9 +6,10 @@ Public API:
     repo_files(args) -> RepoFiles
     add_source_options(parser)       --pin NAME | --vllm VERSION
     add_target_options(parser)       --image --pin --sm   (build, context, values)
-    add_registry_options(parser)     --mirror --insecure-registry --registries
-    add_base_image_options(parser)   the registry options and --allow-unlocked
-    registry_config(args) -> RegistryConfig
+    add_registry_options(parser)     --mirror --insecure-registry --registries --connect-timeout --read-timeout
+    add_limit_options(parser)        --max-layer-bytes --max-build-bytes --max-layers --deadline --stall-warning
+    add_base_image_options(parser)   the registry and limit options, and --allow-unlocked
+    registry_config(args) -> RegistryConfig     (with ``Limits``: the environment, options winning)
     add_json_option(parser)
     sm_option(text) -> int           the one SM validation, as an argparse type
 """
@@ -23,6 +24,7 @@ from kiln import paths
 from kiln.definitions import check_sm
 from kiln.errors import KilnError
 from kiln.oci.endpoints import RegistryConfig
+from kiln.oci.limits import KNOBS, Limits, parse_knob, seconds_text, size_text
 from kiln.paths import RepoFiles
 
 
@@ -75,17 +77,51 @@ def add_registry_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--insecure-registry", action="append", metavar="HOST",
                         help="HOST speaks plain HTTP; https://HOST: TLS without certificate verification")
     parser.add_argument("--registries", type=Path, help="registries config file (mirrors, insecure hosts)")
+    for name in ("connect_timeout", "read_timeout"):
+        _add_knob(parser, name)
+
+
+def add_limit_options(parser: argparse.ArgumentParser) -> None:
+    """The bounds on what a base image may cost a build (``kiln.oci.limits``; docs/RELIABILITY.md)."""
+    group = parser.add_argument_group("limits", "bounds on the work a base image may cause (each also "
+                                      "settable by the environment variable named; the option wins)")
+    for name in ("layer_bytes", "build_bytes", "layers", "deadline", "stall_warning"):
+        _add_knob(group, name)
+
+
+def _add_knob(parser, name: str) -> None:
+    knob = KNOBS[name]
+    default = getattr(Limits(), name)
+    shown = {"size": size_text, "seconds": seconds_text}.get(knob.kind, str)(default)
+    metavar = {"size": "SIZE", "count": "N", "seconds": "TIME"}[knob.kind]
+    parser.add_argument(knob.option, dest=name, metavar=metavar, type=_knob_type(knob),
+                        help=f"{knob.what} (default {shown}; ${knob.env})")
+
+
+def _knob_type(knob):
+    def parse(text: str):
+        try:
+            return parse_knob(text, knob, knob.option)
+        except KilnError as err:
+            raise argparse.ArgumentTypeError(str(err).removeprefix(f"{knob.option}: ")) from None
+    parse.__name__ = knob.kind
+    return parse
+
+
+def limits(args: argparse.Namespace) -> Limits:
+    return Limits.from_env(**{name: getattr(args, name, None) for name in KNOBS})
 
 
 def add_base_image_options(parser: argparse.ArgumentParser) -> None:
     """How a command that pulls the pin's base image reaches it (``build``, ``context``)."""
     add_registry_options(parser)
+    add_limit_options(parser)
     parser.add_argument("--allow-unlocked", action="store_true",
                         help="use an unlocked pin, or one whose image no longer resolves to its lock")
 
 
 def registry_config(args: argparse.Namespace) -> RegistryConfig:
-    return RegistryConfig.load(args.mirror or (), args.insecure_registry or (), args.registries)
+    return RegistryConfig.load(args.mirror or (), args.insecure_registry or (), args.registries, limits(args))
 
 
 def add_json_option(parser: argparse.ArgumentParser, what: str = "a JSON summary") -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from kiln.cache import cache_root
 from kiln.errors import KilnError
 from kiln.oci.digest import BlobVerificationError, VerifyingReader, check_digest
+from kiln.oci.limits import LimitExceeded
 from kiln.oci.retry import TransferError
 
 
@@ -80,11 +81,12 @@ def _blame_corruption(reader: VerifyingReader) -> Iterator[None]:
 
     A corrupted gzip layer usually breaks the tar reader before the digest is known; the
     useful message is then "digest mismatch", not "not a gzip file". A transfer that already
-    gave up is not drained again (that would only repeat its retries).
+    gave up is not drained again (that would only repeat its retries), nor one stopped by a
+    limit (the rest of a bomb, or of a stalled download, is not worth fetching).
     """
     try:
         yield
-    except TransferError:
+    except (TransferError, LimitExceeded):
         raise
     except Exception:
         if not reader.verified:

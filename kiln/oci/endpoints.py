@@ -2,9 +2,10 @@
 
 Public API:
     Endpoint(registry, host, insecure=False, tls=None)   .scheme -> "https" | "http"
-    RegistryConfig(mirrors=None, insecure=None)
+    RegistryConfig(mirrors=None, insecure=None, limits=Limits.from_env())
         .endpoint(registry, push=False) -> Endpoint     mirrors apply to pulls only
-        RegistryConfig.load(mirror_options=(), insecure_options=(), path=None) -> RegistryConfig
+        .limits                  timeouts, and for builds the bounds on layers (``kiln.oci.limits``)
+        RegistryConfig.load(mirror_options=(), insecure_options=(), path=None, limits=None) -> RegistryConfig
     parse_mirror(text) -> (registry, host, insecure)
     default_config_path() -> Path        $KILN_REGISTRIES, else $XDG_CONFIG_HOME/kiln/registries.toml
 
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.errors import KilnError
+from kiln.oci.limits import Limits
 
 DOCKER_HUB_API = "registry-1.docker.io"
 _HOSTPORT = re.compile(r"[A-Za-z0-9.-]+(?::[0-9]{1,5})?|\[[0-9A-Fa-f:]+\](?::[0-9]{1,5})?")
@@ -57,6 +59,7 @@ class RegistryConfig:
     mirrors: dict[str, str] = field(default_factory=dict)
     insecure: set[str] = field(default_factory=set)  # hosts spoken to over plain HTTP
     unverified_tls: set[str] = field(default_factory=set)  # hosts over HTTPS, certificate unchecked
+    limits: Limits = field(default_factory=Limits.from_env)  # what every client and build is bounded by
 
     def endpoint(self, registry: str, push: bool = False) -> Endpoint:
         """Where ``registry`` is contacted. Mirrors serve pulls only (containerd's rule): a push
@@ -76,9 +79,9 @@ class RegistryConfig:
 
     @classmethod
     def load(cls, mirror_options: Iterable[str] = (), insecure_options: Iterable[str] = (),
-             path: Path | None = None) -> RegistryConfig:
+             path: Path | None = None, limits: Limits | None = None) -> RegistryConfig:
         """The config file (if present) overlaid with command-line options, which win."""
-        config = cls()
+        config = cls(limits=limits or Limits.from_env())
         path = path or default_config_path()
         if path.is_file():
             config._merge_file(path)

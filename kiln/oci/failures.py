@@ -1,7 +1,8 @@
 """One line for each way talking to a registry fails, with a hint that works when followed.
 
 Public API:
-    connection_problem(host, err) -> str    unreachable / DNS / reset / broken
+    connection_problem(host, err, limits=None) -> str    unreachable / DNS / reset / timed out / broken
+                                            (a timeout names its limit and how to raise it)
     tls_failure(endpoint, err) -> str       plain HTTP spoken where TLS was expected, or an untrusted certificate
     describe_failure(registry, what, resp) -> str   an HTTP error status, with the registry's error codes
 """
@@ -13,6 +14,7 @@ import re
 import requests
 
 from kiln.oci.endpoints import Endpoint
+from kiln.oci.limits import Limits, seconds_text
 
 _CERT_PROBLEM = re.compile(r"certificate verify failed: ([^(]*?)\s*\(|hostname mismatch|self.signed certificate")
 # What OpenSSL says when the other side answers a TLS handshake in plain HTTP.
@@ -22,16 +24,23 @@ _DNS = re.compile(r"NameResolutionError|Failed to resolve|Name or service not kn
                   r"Temporary failure in name resolution|No address associated with hostname|getaddrinfo failed")
 
 
-def connection_problem(host: str, err: Exception) -> str:
+def connection_problem(host: str, err: Exception, limits: Limits | None = None) -> str:
     text = str(err)
+    limits = limits or Limits()
     if _DNS.search(text):
         return f"cannot resolve host {host.rsplit(':', 1)[0] if not host.startswith('[') else host} (DNS lookup failed)"
-    if isinstance(err, requests.exceptions.ConnectTimeout) or "NewConnectionError" in text or "refused" in text:
+    if isinstance(err, requests.exceptions.ConnectTimeout) or "connect timeout" in text.lower():
+        return (f"unreachable (no connection within the connect timeout of {seconds_text(limits.connect_timeout)}; "
+                f"{limits.raise_hint('connect_timeout')})")
+    if "NewConnectionError" in text or "refused" in text:
         return f"unreachable ({err.__class__.__name__})"
-    if "reset" in text.lower():
+    lowered = text.lower()
+    # the peer closed the connection: seen as a reset, or (mid-send) as a broken pipe or abort
+    if any(sign in lowered for sign in ("reset", "broken pipe", "connection aborted", "remote end closed")):
         return "connection reset"
     if isinstance(err, requests.exceptions.ReadTimeout) or "Read timed out" in text:
-        return "no answer within the read timeout (KILN_REGISTRY_READ_TIMEOUT)"
+        return (f"no answer within the read timeout of {seconds_text(limits.read_timeout)} "
+                f"({limits.raise_hint('read_timeout')})")
     return f"connection broken ({err.__class__.__name__})"
 
 

@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass, field, replace
 
 from kiln.errors import KilnError
-from kiln.oci.digest import sha256_digest
+from kiln.oci.digest import check_digest, sha256_digest
 from kiln.oci.manifest import Descriptor, Manifest
 from kiln.oci.mediatypes import (
     DOCKER_CONFIG,
@@ -42,6 +42,13 @@ from kiln.oci.mediatypes import (
 
 _CONFIG_TYPE = {OCI_MANIFEST: OCI_CONFIG, DOCKER_MANIFEST: DOCKER_CONFIG}
 _LAYER_TYPE = {OCI_MANIFEST: OCI_LAYER_GZIP, DOCKER_MANIFEST: DOCKER_LAYER_GZIP}
+
+
+def _json_kind(value: object) -> str:
+    if value is None:
+        return "missing"
+    names = {str: "a string", int: "a number", float: "a number", bool: "a boolean", dict: "an object"}
+    return f"{names.get(type(value), type(value).__name__)} ({json.dumps(value)[:40]})"
 
 
 def canonical_json(value: object) -> bytes:
@@ -72,11 +79,15 @@ class ImageModel:
         for layer in layers:
             if not layer.media_type:
                 raise KilnError(f"base image {manifest.digest}: layer {layer.digest} has no mediaType")
-        diff_ids = (config.get("rootfs") or {}).get("diff_ids")
-        if not isinstance(diff_ids, list) or len(diff_ids) != len(layers):
-            raise KilnError(
-                f"base image {manifest.digest}: config lists {len(diff_ids or [])} diff_ids for {len(layers)} layers"
-            )
+        rootfs = config.get("rootfs")
+        diff_ids = rootfs.get("diff_ids") if isinstance(rootfs, dict) else None
+        where = f"base image {manifest.digest}: config rootfs.diff_ids"
+        if not isinstance(diff_ids, list):
+            raise KilnError(f"{where} is {_json_kind(diff_ids)}, not a list of the {len(layers)} layers' digests")
+        if len(diff_ids) != len(layers):
+            raise KilnError(f"{where} lists {len(diff_ids)} digests for {len(layers)} layers")
+        for i, diff_id in enumerate(diff_ids):
+            check_digest(diff_id, f"{where}[{i}]")
         annotations = dict(manifest.json.get("annotations") or {}) if media_type == OCI_MANIFEST else {}
         return cls(media_type, config, layers, annotations)
 

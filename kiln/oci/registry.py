@@ -4,9 +4,12 @@ Public API:
     TransferStats()   .requests .bytes_down .bytes_up .blobs_fetched .blobs_uploaded .mounted
                       .retries .resumes .upload_restarts
     registry_session() -> requests.Session       no ~/.netrc: credentials come from ``credentials`` only
-    RegistryClient(endpoint, session=None, auth=None, stats=None, retries=None)
+    RegistryClient(endpoint, session=None, auth=None, stats=None, retries=None, budget=None)
         retries: None -> ``RetryPolicy.from_env()`` (``kiln.oci.retry``), an int overrides its count
-        RegistryClient.for_registry(registry, config=None, **kw) -> RegistryClient
+        budget: the ``kiln.oci.limits.Budget`` whose timeouts and deadline bound every request
+                (None: a budget of its own from the environment)
+        RegistryClient.for_registry(registry, config=None, **kw) -> RegistryClient   (budget:
+                ``config.limits`` unless one is passed)
         .resolve(repo, ref) -> str                      digest by HEAD (GET when no header)
         .get_manifest(repo, ref) -> Manifest            verified bytes, media type from Content-Type
         .blob_exists(repo, digest) -> bool
@@ -35,7 +38,6 @@ credentials or upload-session state.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -49,12 +51,12 @@ from kiln.oci.auth import RegistryAuth, pull_scope, push_scope
 from kiln.oci.digest import VerifyingReader, check_digest, sha256_digest
 from kiln.oci.endpoints import Endpoint, RegistryConfig
 from kiln.oci.failures import connection_problem, describe_failure, tls_failure
+from kiln.oci.limits import Budget
 from kiln.oci.manifest import Manifest
 from kiln.oci.mediatypes import IMAGE_MANIFEST_TYPES, INDEX_TYPES, MANIFEST_ACCEPT
 from kiln.oci.resumable import ResumableBlob
 from kiln.oci.retry import BROKEN_CONNECTION, RETRY_STATUS, RetryPolicy, TransferError, retry_after
 
-_TIMEOUT = (30, 300)  # connect, read
 # One read of a blob body asks for at most this much: bytes of a read that a reset interrupts
 # are lost, so a resume starts at most this far back.
 _READ_MAX = 256 << 10
@@ -106,8 +108,9 @@ Body = bytes | Path | Callable[[], object] | None
 class RegistryClient:
     def __init__(self, endpoint: Endpoint, session: requests.Session | None = None,
                  auth: RegistryAuth | None = None, stats: TransferStats | None = None,
-                 retries: int | None = None):
+                 retries: int | None = None, budget: Budget | None = None):
         self.endpoint = endpoint
+        self.budget = budget or Budget()
         self.session = session or registry_session()
         self.verify = not endpoint.insecure
         self.auth = auth or RegistryAuth(endpoint.host, self.session, verify=self.verify)
@@ -120,7 +123,9 @@ class RegistryClient:
     def for_registry(cls, registry: str, config: RegistryConfig | None = None, push: bool = False,
                      **kw) -> RegistryClient:
         """A client for ``registry``: through its mirror for pulls, to the registry itself for a push."""
-        return cls((config or RegistryConfig()).endpoint(registry, push=push), **kw)
+        config = config or RegistryConfig()
+        kw.setdefault("budget", Budget(config.limits))
+        return cls(config.endpoint(registry, push=push), **kw)
 
     @property
     def name(self) -> str:
@@ -225,7 +230,7 @@ class RegistryClient:
             except TransferError as err:
                 if attempt == self.policy.retries:
                     raise TransferError(f"{err} (gave up after {attempt + 1} upload sessions)") from None
-                time.sleep(self.policy.delay(attempt, err.retry_after))
+                self.budget.sleep(self.policy.delay(attempt, err.retry_after))
                 self.stats.upload_restarts += 1
                 if self.blob_exists(repo, digest):  # the last PUT landed; only its answer was lost
                     break
@@ -309,6 +314,7 @@ class RegistryClient:
         for attempt in range(retries + 1):
             last = attempt == retries
             handle = None
+            self.budget.check_deadline(f"{self.name}: {method} {_path(url)}")
             try:
                 data: object = body
                 if isinstance(body, Path):
@@ -318,14 +324,15 @@ class RegistryClient:
                     data = body()
                 self.stats.requests += 1
                 resp = self.session.request(method, url, headers=headers, data=data, stream=stream,
-                                            verify=self.verify, timeout=_TIMEOUT, allow_redirects=True)
+                                            verify=self.verify, timeout=self.budget.timeouts(), allow_redirects=True)
             except requests.exceptions.SSLError as err:
                 raise KilnError(tls_failure(self.endpoint, err)) from None
             except BROKEN_CONNECTION as err:
                 if last:
-                    raise TransferError(f"{self.name}: {connection_problem(self.endpoint.host, err)} for {method} {_path(url)}"
+                    raise TransferError(f"{self.name}: {connection_problem(self.endpoint.host, err, self.budget.limits)} "
+                                        f"for {method} {_path(url)}"
                                         + (f" (after {attempt + 1} attempts)" if attempt else "")) from None
-                time.sleep(self.policy.delay(attempt))
+                self.budget.sleep(self.policy.delay(attempt))
                 self.stats.retries += 1
                 continue
             finally:
@@ -334,7 +341,7 @@ class RegistryClient:
             if resp.status_code in RETRY_STATUS and not last:
                 delay = self.policy.delay(attempt, retry_after(resp))
                 resp.close()
-                time.sleep(delay)
+                self.budget.sleep(delay)
                 self.stats.retries += 1
                 continue
             return resp

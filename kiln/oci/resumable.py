@@ -9,7 +9,6 @@ Used by ``RegistryClient.blob_stream``; the caller verifies the digest of the wh
 from __future__ import annotations
 
 import re
-import time
 
 import requests
 
@@ -60,7 +59,7 @@ class ResumableBlob:
             try:
                 data = self._resp.raw.read(size, decode_content=False)
             except BROKEN_CONNECTION as err:
-                self._resume(connection_problem(self._client.endpoint.host, err))
+                self._resume(connection_problem(self._client.endpoint.host, err, self._client.budget.limits))
                 continue
             if not data:
                 if self._total is not None and self._offset < self._total:
@@ -82,7 +81,7 @@ class ResumableBlob:
         if self.resumes >= client.policy.retries:
             raise TransferError(f"{client.name}/{self._repo}@{self._digest}: download broken ({why}) after "
                                 f"{self.received} bytes and {self.resumes} resumes; giving up")
-        time.sleep(client.policy.delay(self.resumes))
+        client.budget.sleep(client.policy.delay(self.resumes))
         self.resumes += 1
         client.stats.resumes += 1
         self._resp = self._open()

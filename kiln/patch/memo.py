@@ -34,7 +34,12 @@ def engine_digest() -> str:
 
 class VerdictMemo:
     def __init__(self, root: Path | None = None):
-        self.root = (root or cache_root()) / "verdicts"
+        self._root = root
+
+    @property
+    def root(self) -> Path:
+        """``<cache>/verdicts``, the cache claimed on first use (not when the memo is made)."""
+        return (self._root or cache_root()) / "verdicts"
 
     def key(self, tree: SourceTree, catalogue: Catalogue, patch_id: str, target: BuildTarget) -> str:
         parts = [tree.identity, engine_digest(), catalogue.digest_with_requires(patch_id), repr(target)]

@@ -5,7 +5,7 @@ Public API:
 
 The tarball holds ``manifest.json``, the config and the gzip layers as they are (no
 recompression: the digests stay the registry's). An existing file is refused unless
-``--force``, before any work.
+``--force``, before any work; a file that is not a tar archive is never replaced.
 """
 
 from __future__ import annotations
@@ -32,8 +32,13 @@ class ArchivePublisher(Publisher):
 
     def check(self) -> None:
         super().check()
-        if self.path.exists() and not self.force:
+        if not self.path.exists():
+            return
+        if not self.force:
             raise KilnError(f"--docker-archive {self.path}: already exists (use --force to replace it)")
+        if not tarfile.is_tarfile(self.path):
+            raise KilnError(f"--docker-archive {self.path}: exists and is not a tar archive; refusing to replace it "
+                            "(--force replaces an earlier archive only)")
 
     def stage(self, image) -> Staged:
         model, blobs = image.model, image.blobs

@@ -115,7 +115,7 @@ class LayoutPublisher(Publisher):
                 if dest.exists():
                     dest.rmdir()
                 os.rename(staged, dest)
-                return lambda: self._undo_new(dest)
+                return lambda: self._undo_new(dest, entry)
             if not is_layout(dest):
                 raise KilnError(f"--oci {dest}: is no longer an OCI layout; not writing there")
             for blob in sorted((staged / "blobs" / "sha256").iterdir()):
@@ -130,9 +130,16 @@ class LayoutPublisher(Publisher):
             write_atomic(dest / "index.json", canonical_json(index))
             return lambda: self._undo_merge(dest, entry, previous)
 
-    def _undo_new(self, dest: Path) -> None:
+    def _undo_new(self, dest: Path, entry: dict) -> None:
+        """Remove the layout this build created, unless another build has added to it since."""
         with _locked(dest.parent):
-            shutil.rmtree(dest, ignore_errors=True)
+            if not is_layout(dest):
+                return
+            others = [m for m in layout_index(dest).get("manifests", []) if m != entry]
+            if not others:
+                shutil.rmtree(dest, ignore_errors=True)
+                return
+        self._undo_merge(dest, entry, [])
 
     def _undo_merge(self, dest: Path, entry: dict, previous: list[dict]) -> None:
         """The index as it was for this name; blobs added stay (another entry may use them)."""

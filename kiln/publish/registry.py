@@ -55,13 +55,17 @@ class RegistryPublisher(Publisher):
         self.report: PushReport | None = None
 
     def _client_for(self, image) -> tuple[RegistryClient, str | None]:
-        """The base's client when the push goes to the host the base came from (mount from it)."""
+        """A client for the destination; when it is the host the base came from (through a
+        mirror, say), it shares the base client's session, tokens and stats, and blobs are
+        mounted from the base repository. Either way its errors name the destination registry."""
         prepared = image.prepared
         endpoint = self.config.endpoint(self.destination.registry, push=True)
         base_client = prepared.client
         if base_client.endpoint.host == endpoint.host and base_client.endpoint.scheme == endpoint.scheme:
-            return base_client, prepared.base_ref.repository
-        return RegistryClient(endpoint, stats=TransferStats()), None
+            client = RegistryClient(endpoint, session=base_client.session, auth=base_client.auth,
+                                    stats=base_client.stats, budget=base_client.budget)
+            return client, prepared.base_ref.repository
+        return RegistryClient(endpoint, stats=TransferStats(), budget=base_client.budget), None
 
     def stage(self, image) -> Staged:
         client, mount_from = self._client_for(image)

@@ -3,9 +3,11 @@
 Public API:
     ImageVllm     what was found: tree (SourceTree), image, digest, manifest_digest, site_dir,
                   layers_read, triton_version, vllm_files
-    read_vllm(image, cache=None, reporter=SILENT) -> ImageVllm   walk ``image`` top-down (``layerwalk``)
+    read_vllm(image, cache=None, reporter=SILENT, budget=None) -> ImageVllm   walk ``image`` top-down
+                  (``layerwalk``), its layers decompressed and bounded by ``layerstream``
     ImageSource(reference, expected_version=None, registry_config=None, cache=None, stats=None,
-                reporter=SILENT)
+                reporter=SILENT, budget=None)   ``budget``: the build's limits (``kiln.oci.limits``),
+                                                 by default from ``registry_config.limits``
         the ``SourceProvider`` for images: .describe() -> str, .fetch() -> SourceTree,
         .pull() -> ImageVllm (the same plus what the bake step needs)
 
@@ -23,12 +25,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import queue
 import shutil
-import tarfile
 import tempfile
-import threading
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,16 +37,16 @@ from kiln.errors import KilnError
 from kiln.oci.blobcache import BlobCache
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.image import Image, RemoteImage
+from kiln.oci.limits import Budget
 from kiln.oci.mediatypes import tar_mode
 from kiln.oci.reference import ImageReference, parse_reference
 from kiln.oci.registry import RegistryClient, TransferStats
 from kiln.pausepoint import pause_point
 from kiln.report import SILENT, Reporter
+from kiln.source.layerstream import open_tar
 from kiln.source.layerwalk import VllmLayerWalk
-from kiln.source.tree import SourceTree
+from kiln.source.tree import CachedProvider, SourceTree
 from kiln.staging import write_atomic
-
-_READ_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -63,31 +61,36 @@ class ImageVllm:
     vllm_files: tuple[str, ...]  # every file under vllm/ visible in the layers read (incl. __pycache__)
 
 
-def read_vllm(image: Image, cache: Path | None = None, reporter: Reporter = SILENT) -> ImageVllm:
-    """Extract ``vllm/**/*.py`` from the fewest top-most layers of ``image`` (verified, cached)."""
+def read_vllm(image: Image, cache: Path | None = None, reporter: Reporter = SILENT,
+              budget: Budget | None = None) -> ImageVllm:
+    """Extract ``vllm/**/*.py`` from the fewest top-most layers of ``image`` (verified, cached).
+
+    ``budget`` bounds the work (``kiln.oci.limits``): the number of layers, the bytes they
+    decompress to, the build's deadline.
+    """
     cache = cache or cache_root()
+    budget = budget or Budget()
     config = image.config()
     arch, os_name = config.get("architecture"), config.get("os")
     if (arch and arch != "amd64") or (os_name and os_name != "linux"):
         raise KilnError(f"{image.name}: image is {os_name}/{arch}, kiln builds linux/amd64")
     layers = image.layers()
+    budget.check_layers(image.name, len(layers))
     sources = cache / "sources"
     sources.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=sources, prefix=".tmp-image-"))
     walk = VllmLayerWalk(work)
     try:
         for descriptor in reversed(layers):
+            name = f"{image.name}: layer {descriptor.digest}"
             try:
                 mode = tar_mode(descriptor.media_type)
             except KilnError as err:
-                raise KilnError(f"{image.name}: layer {descriptor.digest}: {err}") from None
+                raise KilnError(f"{name}: {err}") from None
             with reporter.task(f"layer {descriptor.digest[7:19]}", total=descriptor.size) as task, \
-                    image.open_layer(descriptor) as reader, _Prefetch(reader, task.advance) as stream:
-                try:
-                    with tarfile.open(fileobj=stream, mode=mode) as tar:
-                        walk.add_layer(tar, descriptor.digest)
-                except (tarfile.TarError, EOFError, OSError) as err:
-                    raise KilnError(f"{image.name}: layer {descriptor.digest} is not a readable tar ({err})") from None
+                    image.open_layer(descriptor) as reader, \
+                    open_tar(reader, mode == "r|gz", name, budget, reporter, task.advance) as tar:
+                walk.add_layer(tar, descriptor.digest)
             if walk.complete:
                 break
             pause_point("pull")
@@ -109,81 +112,17 @@ def read_vllm(image: Image, cache: Path | None = None, reporter: Reporter = SILE
                      found.layers, found.triton_version, found.files)
 
 
-class _Prefetch:
-    """Reads a layer ahead in a thread while the caller decompresses and parses it.
-
-    The reader's work (HTTP, sha256, the blob-cache write) and zlib release the GIL, so the two
-    overlap on a second core. Reads are 1 MiB: tarfile asks for 10 KiB at a time, and one call
-    per 10 KiB through the digest, cache and HTTP layers cost ~0.5 s per 250 MB. ``close`` (on
-    leaving the block) stops and joins the thread, before the blob cache drains and verifies
-    the rest of the blob on the caller's thread; an error in the thread is raised to the caller.
-    """
-
-    def __init__(self, reader, advance: Callable[[int], object], depth: int = 8):
-        self._reader, self._advance = reader, advance
-        self._queue: queue.Queue = queue.Queue(depth)
-        self._stop = threading.Event()
-        self._pending = memoryview(b"")
-        self._eof = False
-        self._thread = threading.Thread(target=self._run, name="kiln-layer-prefetch", daemon=True)
-        self._thread.start()
-
-    def __enter__(self) -> _Prefetch:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                data = self._reader.read(_READ_CHUNK)
-                self._put(data)
-                if not data:
-                    return
-        except BaseException as err:  # handed to the reading thread
-            self._put(err)
-
-    def _put(self, item) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
-    def read(self, n: int = -1) -> bytes:
-        while not self._pending:
-            if self._eof:
-                return b""
-            item = self._queue.get()
-            if isinstance(item, BaseException):
-                self._eof = True
-                raise item
-            if not item:
-                self._eof = True
-                return b""
-            self._advance(len(item))
-            self._pending = memoryview(item)
-        n = len(self._pending) if n is None or n < 0 else n
-        data, self._pending = self._pending[:n], self._pending[n:]
-        return bytes(data)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-class ImageSource:
+class ImageSource(CachedProvider):
     """``SourceProvider`` reading the pristine tree out of a base image in a registry."""
 
     def __init__(self, reference: str | ImageReference, expected_version: Version | str | None = None,
                  registry_config: RegistryConfig | None = None, cache: Path | None = None,
-                 stats: TransferStats | None = None, reporter: Reporter = SILENT):
+                 stats: TransferStats | None = None, reporter: Reporter = SILENT, budget: Budget | None = None):
         self.reference = parse_reference(reference) if isinstance(reference, str) else reference
         self.expected_version = Version(str(expected_version)) if expected_version else None
         self.registry_config = registry_config or RegistryConfig.load()
-        self.cache = cache or cache_root()
+        self._cache = cache
+        self.budget = budget or Budget(self.registry_config.limits)
         self.stats = stats or TransferStats()
         self.reporter = reporter
         self._client: RegistryClient | None = None
@@ -194,7 +133,8 @@ class ImageSource:
     @property
     def client(self) -> RegistryClient:
         if self._client is None:
-            self._client = RegistryClient.for_registry(self.reference.registry, self.registry_config, stats=self.stats)
+            self._client = RegistryClient.for_registry(self.reference.registry, self.registry_config,
+                                                       stats=self.stats, budget=self.budget)
         return self._client
 
     def fetch(self) -> SourceTree:
@@ -208,7 +148,7 @@ class ImageSource:
         if found is None:
             image = RemoteImage(ref.pinned(digest), self.client, BlobCache(self.cache / "blobs"),
                                 manifest_cache=self.cache / "manifests")
-            found = read_vllm(image, self.cache, self.reporter)
+            found = read_vllm(image, self.cache, self.reporter, self.budget)
             found = ImageVllm(found.tree, str(ref), digest, found.manifest_digest, found.site_dir,
                               found.layers_read, found.triton_version, found.vllm_files)
             _save_record(record_path, found)

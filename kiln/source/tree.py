@@ -8,6 +8,8 @@ from typing import Protocol
 
 from packaging.version import Version
 
+from kiln.cache import cache_root
+
 
 @dataclass(frozen=True)
 class SourceTree:
@@ -51,3 +53,16 @@ class SourceProvider(Protocol):
     def fetch(self) -> SourceTree:
         """Return the tree, downloading and verifying into the cache if needed."""
         ...
+
+
+class CachedProvider:
+    """Base of the providers: the kiln cache they fill, claimed on first use (``cache_root``),
+    so a run refused before any work creates no cache directory."""
+
+    _cache: Path | None = None
+
+    @property
+    def cache(self) -> Path:
+        if self._cache is None:
+            self._cache = cache_root()
+        return self._cache

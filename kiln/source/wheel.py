@@ -23,10 +23,10 @@ import requests
 from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import Version
 
-from kiln.cache import cache_root, file_lock, install_dir
+from kiln.cache import file_lock, install_dir
 from kiln.errors import KilnError
 from kiln.report import SILENT, Reporter
-from kiln.source.tree import SourceTree
+from kiln.source.tree import CachedProvider, SourceTree
 from kiln.staging import write_atomic
 
 DEFAULT_INDEX = "https://pypi.org/simple"
@@ -147,12 +147,12 @@ def choose_wheel(version: Version, wheels: list[WheelFile]) -> WheelFile:
     return chosen
 
 
-class WheelSource:
+class WheelSource(CachedProvider):
     """`SourceProvider` for a vLLM release: the wheel from PyPI, verified and extracted."""
 
     def __init__(self, version: Version | str, cache: Path | None = None, reporter: Reporter = SILENT):
         self.version = Version(str(version))
-        self.cache = cache or cache_root()
+        self._cache = cache
         self.reporter = reporter
 
     def describe(self) -> str:

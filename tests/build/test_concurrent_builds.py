@@ -17,6 +17,7 @@ from tests.support.build_processes import (
     source_trees,
     tag_digest,
 )
+from tests.support.reliability_checks import copy_out, layout_refs
 
 pytestmark = [pytest.mark.registry, pytest.mark.reliability]
 
@@ -57,3 +58,16 @@ def test_two_builds_share_one_cache(workspace, tmp_path, registry_plain, jobs):
             assert shared_trees[name] == files, name
     check_cache(shared)
     assert len(source_trees(shared)) == len({j[0] for j in jobs})  # one tree per base, never two
+
+
+def test_two_builds_writing_one_oci_layout_both_land(workspace, tmp_path, registry_plain):
+    """sm86 and sm120 started together, both with ``--oci`` on the same directory (a CI matrix
+    writing one layout): the layout ends with both images, each whole (skopeo copies it)."""
+    out = tmp_path / "matrix"
+    jobs = [("v0.20.1", 86, "matrix", "test/conc-layout"), ("v0.20.1", 120, "matrix", "test/conc-layout")]
+    together = _together(workspace, tmp_path / "cache", jobs, tmp_path)
+    assert layout_refs(out) == {result["tag"]: result["manifest_digest"] for result in together}
+    assert len(together) == 2 and together[0]["tag"] != together[1]["tag"]
+    for result in together:
+        assert copy_out(out, result["tag"], tmp_path) == result["manifest_digest"]
+    assert [p.name for p in tmp_path.iterdir() if ".kiln-" in p.name] == []  # no staging left beside it

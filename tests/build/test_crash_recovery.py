@@ -99,3 +99,20 @@ def test_killed_at_random_moments_then_rerun(reference, tmp_path):
     total = first["timings"]["total"]
     for i, delay in enumerate(sorted(rng.uniform(0.2, total + 1.0) for _ in range(3))):
         _killed_then_rerun(workspace, first, tmp_path / f"kill-{i}", f"test/crash-random-{i}", delay)
+
+
+def test_staging_left_by_a_killed_build_is_removed_by_the_next(reference, tmp_path):
+    """Killed at ``push``: the OCI layout is staged beside ``out`` (``.out.kiln-<pid>-…``), never
+    committed. The next build writing there removes it (its process is gone) and commits its own."""
+    workspace, first = reference
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    process = workspace.start(cache, PIN, SM, out, "test/crash-staging", pause_at="push")
+    wait_for_pause(process, "push")
+    process.send_signal(signal.SIGKILL)
+    process.communicate(timeout=60)
+    [stage] = [p for p in tmp_path.iterdir() if p.name.startswith(f".out.kiln-{process.pid}-")]
+    assert (stage / "index.json").is_file() and not out.exists()
+    again = finish(workspace.start(cache, PIN, SM, out, "test/crash-staging"))
+    assert again["manifest_digest"] == first["manifest_digest"]
+    assert layout_digest(out) == first["manifest_digest"]
+    assert [p.name for p in tmp_path.iterdir() if ".kiln-" in p.name] == []

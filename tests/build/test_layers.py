@@ -255,5 +255,5 @@ def test_base_with_inconsistent_diff_ids_is_refused():
     manifest, config_bytes = _base()
     config = json.loads(config_bytes)
     config["rootfs"]["diff_ids"].pop()
-    with pytest.raises(KilnError, match="1 diff_ids for 2 layers"):
+    with pytest.raises(KilnError, match="rootfs.diff_ids lists 1 digests for 2 layers"):
         ImageModel.from_base(manifest, json.dumps(config).encode())

@@ -10,9 +10,6 @@ layout the test writes by hand.
 
 from __future__ import annotations
 
-import gzip
-import hashlib
-import io
 import json
 import os
 import re
@@ -29,125 +26,21 @@ from kiln.errors import KilnError
 from kiln.oci.image import OciLayoutImage
 from kiln.source.image import read_vllm
 from tests.support import TEST_IMAGES
+from tests.support.hostile import (
+    OCI_INDEX,
+    OCI_MANIFEST,
+    Images,
+    entry,
+    sha,
+    tar_layer,
+    truncated_layer,
+)
 from tests.support.registry import REPO, SITE, VLLM_VERSION
 
 pytestmark = [pytest.mark.registry, pytest.mark.reliability]
 
 IMAGES = TEST_IMAGES
-OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-OCI_INDEX = "application/vnd.oci.image.index.v1+json"
-OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
-OCI_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
 TAG = f"cu130-sm120-v{VLLM_VERSION}"
-
-
-# -- building and uploading images by hand ---------------------------------------------------
-
-
-def sha(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-class HandPusher:
-    """Blob uploads and manifest PUTs with ``requests``, straight at the distribution API."""
-
-    def __init__(self, registry):
-        self.url = registry.url
-
-    def blob(self, data: bytes, repo: str = REPO) -> dict:
-        start = requests.post(f"{self.url}/v2/{repo}/blobs/uploads/", timeout=30)
-        assert start.status_code == 202, start.text
-        location = start.headers["Location"]
-        location = location if location.startswith("http") else self.url + location
-        done = requests.put(location, params={"digest": sha(data)}, data=data, timeout=60,
-                            headers={"Content-Type": "application/octet-stream"})
-        assert done.status_code == 201, done.text
-        return {"digest": sha(data), "size": len(data)}
-
-    def manifest(self, tag: str, body: dict, media_type: str = OCI_MANIFEST, repo: str = REPO) -> str:
-        data = json.dumps(body).encode()
-        resp = requests.put(f"{self.url}/v2/{repo}/manifests/{tag}", data=data, timeout=30,
-                            headers={"Content-Type": media_type})
-        assert resp.status_code == 201, resp.text
-        return sha(data)
-
-    def get(self, kind: str, ref: str, repo: str = REPO) -> bytes:
-        resp = requests.get(f"{self.url}/v2/{repo}/{kind}/{ref}", timeout=30,
-                            headers={"Accept": f"{OCI_MANIFEST}, {OCI_INDEX}"})
-        assert resp.status_code == 200, resp.text
-        return resp.content
-
-
-@dataclass
-class Base:
-    """The fixture base (``vllm/vllm-openai:v0.20.1``) as JSON, to derive hostile images from."""
-
-    manifest: dict
-    config: dict
-
-
-def tar_layer(entries: list[tarfile.TarInfo | tuple[tarfile.TarInfo, bytes]], gz: bool = True) -> tuple[bytes, bytes]:
-    """(blob, uncompressed tar) from TarInfos written verbatim (absolute names, links, devices)."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for item in entries:
-            info, data = item if isinstance(item, tuple) else (item, None)
-            if data is not None:
-                info.size = len(data)
-            tar.addfile(info, io.BytesIO(data) if data is not None else None)
-    raw = buffer.getvalue()
-    return (gzip.compress(raw, mtime=0) if gz else raw), raw
-
-
-def entry(name: str, kind: bytes = tarfile.REGTYPE, link: str = "", data: bytes | None = None, size: int = 0):
-    info = tarfile.TarInfo(name)
-    info.type, info.linkname, info.mode = kind, link, 0o644
-    if kind == tarfile.DIRTYPE:
-        info.mode = 0o755
-    if data is None and kind == tarfile.REGTYPE:
-        data = b"# hostile\n"
-    if data is None:
-        info.size = size
-        return info
-    return info, data
-
-
-def truncated_layer(name: str, declared: int) -> tuple[bytes, bytes]:
-    """A layer whose one header declares ``declared`` bytes that never follow (a "huge" entry)."""
-    info = tarfile.TarInfo(name)
-    info.size = declared
-    raw = info.tobuf(tarfile.PAX_FORMAT)
-    return gzip.compress(raw, mtime=0), raw
-
-
-class Images:
-    def __init__(self, registry):
-        self.push = HandPusher(registry)
-        top = json.loads(self.push.get("manifests", f"v{VLLM_VERSION}"))
-        self.base = Base(top, json.loads(self.push.get("blobs", top["config"]["digest"])))
-
-    def with_top_layer(self, tag: str, blob: bytes, diff_id: str, media_type: str = OCI_LAYER) -> tuple[str, str]:
-        """The base plus one layer on top; returns (manifest digest, layer digest)."""
-        layer = {"mediaType": media_type, **self.push.blob(blob)}
-        config = json.loads(json.dumps(self.base.config))
-        config["rootfs"]["diff_ids"].append(diff_id)
-        config.setdefault("history", []).append({"created_by": f"hostile {tag}"})
-        return self.image(tag, config, [*self.base.manifest["layers"], layer]), layer["digest"]
-
-    def image(self, tag: str, config: dict, layers: list[dict], config_type: str = OCI_CONFIG,
-              config_size_delta: int = 0) -> str:
-        config_desc = {"mediaType": config_type, **self.push.blob(json.dumps(config).encode())}
-        config_desc["size"] += config_size_delta
-        body = {"schemaVersion": 2, "mediaType": OCI_MANIFEST, "config": config_desc, "layers": layers}
-        return self.push.manifest(tag, body)
-
-    def index(self, tag: str, entries: list[tuple[str, dict, str]]) -> str:
-        """An OCI index of (manifest digest, platform, media type) entries."""
-        manifests = []
-        for digest, platform, media_type in entries:
-            size = len(self.push.get("manifests", digest))
-            manifests.append({"mediaType": media_type, "digest": digest, "size": size, "platform": platform})
-        return self.push.manifest(tag, {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": manifests}, OCI_INDEX)
 
 
 @pytest.fixture(scope="module")
@@ -337,7 +230,22 @@ def _diff_ids_short(images: Images) -> tuple[str, str, tuple[str, ...]]:
     config = json.loads(json.dumps(images.base.config))
     config["rootfs"]["diff_ids"] = config["rootfs"]["diff_ids"][:-1]
     digest = images.image("diff-ids-short", config, images.base.manifest["layers"])
-    return "diff-ids-short", digest, ("config lists 4 diff_ids for 5 layers",)
+    return "diff-ids-short", digest, ("config rootfs.diff_ids lists 4 digests for 5 layers",)
+
+
+def _diff_ids_a_string(images: Images) -> tuple[str, str, tuple[str, ...]]:
+    """A string as long as the layer list: counting its characters would say "5 for 5 layers"."""
+    config = json.loads(json.dumps(images.base.config))
+    config["rootfs"]["diff_ids"] = "abcde"
+    digest = images.image("diff-ids-string", config, images.base.manifest["layers"])
+    return "diff-ids-string", digest, ('config rootfs.diff_ids is a string ("abcde"), not a list of the 5 layers\' digests',)
+
+
+def _diff_id_not_a_digest(images: Images) -> tuple[str, str, tuple[str, ...]]:
+    config = json.loads(json.dumps(images.base.config))
+    config["rootfs"]["diff_ids"][2] = "abc"
+    digest = images.image("diff-id-not-digest", config, images.base.manifest["layers"])
+    return "diff-id-not-digest", digest, ("config rootfs.diff_ids[2]: 'abc' is not a sha256 digest",)
 
 
 def _index_without_amd64(images: Images) -> tuple[str, str, tuple[str, ...]]:
@@ -369,6 +277,8 @@ MANIFEST_CASES = {
     "artifact config media type": _artifact_config,
     "config size mismatch": _config_size_mismatch,
     "diff_ids count != layers": _diff_ids_short,
+    "diff_ids a string": _diff_ids_a_string,
+    "diff_id not a digest": _diff_id_not_a_digest,
     "index without linux/amd64": _index_without_amd64,
     "index entry lies about its platform": _index_lies_about_platform,
     "nested index": _nested_index,

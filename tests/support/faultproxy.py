@@ -11,6 +11,7 @@ rules chosen by method, path pattern and occurrence:
     Fault("GET", r"/blobs/", "corrupt", after=5000)               # byte 5000 flipped, length unchanged
     Fault("PUT", r"/blobs/uploads/", "reset_upload", after=4096)  # read 4 KiB of the request body, then RST
     Fault("GET", r"/blobs/", "expire_token")                      # 401 + a fresh Bearer challenge
+    Fault("GET", r"/blobs/", "stall", after=100_000, pause=30)    # 100 kB, then nothing for 30 s, then the rest
 
 ``nth`` is the first matching occurrence hit (1-based), ``times`` how many in a row (None: all
 from ``nth`` on). ``proxy.strip_range = True`` makes the proxy drop ``Range`` request headers
@@ -31,7 +32,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade"}
 _CHUNK = 64 * 1024
-ACTIONS = ("status", "reset", "truncate", "corrupt", "reset_upload", "expire_token")
+ACTIONS = ("status", "reset", "truncate", "corrupt", "reset_upload", "expire_token", "stall")
 
 
 @dataclass
@@ -43,7 +44,8 @@ class Fault:
     times: int | None = 1
     status: int = 503
     headers: dict[str, str] = field(default_factory=dict)
-    after: int = 0  # body bytes sent (reset, truncate), flipped byte (corrupt), bytes read (reset_upload)
+    after: int = 0  # body bytes sent (reset, truncate, stall), flipped byte (corrupt), bytes read (reset_upload)
+    pause: float = 0.0  # seconds a stall lasts
     matched: int = 0  # occurrences seen so far
     fired: int = 0  # times the fault was applied
 
@@ -232,6 +234,12 @@ class FaultProxy:
                 else:
                     _close(handler)
                 return
+            if action == "stall" and sent <= fault.after < sent + len(data):
+                cut = fault.after - sent
+                handler.wfile.write(data[:cut])
+                handler.wfile.flush()
+                time.sleep(fault.pause)  # the client sees nothing (it may give up and hang up)
+                data, sent = data[cut:], sent + cut
             if action == "corrupt" and sent <= fault.after < sent + len(data):
                 index = fault.after - sent
                 data = data[:index] + bytes([data[index] ^ 0xFF]) + data[index + 1:]

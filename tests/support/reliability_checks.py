@@ -9,6 +9,9 @@
                                             temporary file left behind
     assert_one_line_error(run, *expected)   exit 2, the last stderr line is ``error: ...`` and
                                             holds every ``expected`` fragment
+    layout_refs(layout) -> {ref name: manifest digest}   an OCI layout's index.json entries
+    copy_out(layout, ref, work) -> digest   skopeo copies ``ref`` out of the layout whole (every
+                                            blob present); the digest of the manifest it read
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln import commands
+
+REF_NAME = "org.opencontainers.image.ref.name"
 
 
 @dataclass
@@ -40,7 +45,10 @@ class CliRun:
 def run_cli(argv: list[str]) -> CliRun:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = commands.main(argv)
+        try:
+            code = commands.main(argv)
+        except SystemExit as usage:  # argparse: a usage error exits 2
+            code = usage.code
     return CliRun(code, out.getvalue(), err.getvalue())
 
 
@@ -81,3 +89,17 @@ def assert_one_line_error(run: CliRun, *expected: str) -> str:
     for fragment in expected:
         assert fragment in lines[-1], (fragment, lines[-1])
     return lines[-1]
+
+
+def layout_refs(layout: Path) -> dict[str, str]:
+    index = json.loads((layout / "index.json").read_text())
+    return {(m.get("annotations") or {}).get(REF_NAME, ""): m["digest"] for m in index["manifests"]}
+
+
+def copy_out(layout: Path, ref: str, work: Path) -> str:
+    target = Path(tempfile.mkdtemp(dir=work, prefix="copied-"))
+    result = subprocess.run(["skopeo", "copy", "--quiet", f"oci:{layout}:{ref}", f"dir:{target}"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, f"oci:{layout}:{ref} is not complete: {result.stderr}"
+    manifest = subprocess.run(["skopeo", "inspect", "--raw", f"oci:{layout}:{ref}"], capture_output=True, check=True)
+    return "sha256:" + hashlib.sha256(manifest.stdout).hexdigest()
