@@ -139,7 +139,7 @@ def test_composes_with_p22_and_matches_pristine(catalogue, sessions, pristine):
 
 
 def test_verdicts(catalogue, sessions):
-    for label in ("v0.20.1", "vllm-0.33.0"):
+    for label in ("v0.20.1", "v0.33.0"):
         session = sessions(label)
         outcome = isolated_run(catalogue, session, BuildTarget(session.tree.vllm_version), "P38").outcomes["P38"]
         assert outcome.verdict is Verdict.APPLIES, outcome.detail
@@ -157,12 +157,12 @@ class _Workspace:
 
 @pytest.fixture(scope="module")
 def pristine_0330(sessions):
-    return sessions("vllm-0.33.0").tree.read(tq.TARGET)
+    return sessions("v0.33.0").tree.read(tq.TARGET)
 
 
 @pytest.fixture(scope="module")
 def patched_0330(catalogue, sessions):
-    return patched_files(catalogue, sessions("vllm-0.33.0"), "P38")[tq.TARGET]
+    return patched_files(catalogue, sessions("v0.33.0"), "P38")[tq.TARGET]
 
 
 def _prefill_0330(source, patch_ids=(), seen=None):
@@ -225,7 +225,7 @@ def test_0330_init_reserves_the_pool(patched_0330, monkeypatch):
     assert namespace["_TQ_SHARED_KV_FULL"][(2, 16, torch.float16)][0].shape == (1000, 2, 16)
 
 
-@pytest.mark.parametrize("label", ["v0.20.1", "vllm-0.33.0"])
+@pytest.mark.parametrize("label", ["v0.20.1", "v0.33.0"])
 def test_applying_twice_is_already_patched(catalogue, sessions, label):
     session = sessions(label)
     target = BuildTarget(session.tree.vllm_version)

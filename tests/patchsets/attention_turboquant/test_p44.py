@@ -136,7 +136,7 @@ TARGET_FILE = "v1/attention/backends/turboquant_attn.py"
 def test_verdicts(catalogue, sessions):
     session = sessions("v0.20.1")
     assert isolated_run(catalogue, session, BuildTarget(session.tree.vllm_version), "P44").outcomes["P44"].verdict is Verdict.APPLIES
-    session = sessions("vllm-0.33.0")
+    session = sessions("v0.33.0")
     outcome = isolated_run(catalogue, session, BuildTarget(session.tree.vllm_version), "P44").outcomes["P44"]
     # the zero fill is gone (torch.zeros became torch.empty); the allocation left is retired with it
     assert outcome.verdict is Verdict.UPSTREAM
