@@ -91,7 +91,8 @@ class Qwen3ConfigReleasesUnheadedCalls(Codemod):
         *before, last = call.args
         # the new keyword goes last: it takes the last argument's comma (what leads to the
         # closing parenthesis), the last argument takes the one between arguments
-        flag = before[-1].with_changes(keyword=cst.Name(FLAG), value=cst.Name("True"), comma=last.comma)
+        tight = cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace(""))
+        flag = before[-1].with_changes(keyword=cst.Name(FLAG), value=cst.Name("True"), equal=tight, comma=last.comma)
         new_call = call.with_changes(args=[*before, last.with_changes(comma=before[-1].comma), flag])
         why = "a <tool_call> commits to a call only once its <function= header follows"
         return with_marker(node.with_changes(body=[node.body[0].with_changes(value=new_call)]), "P61d", why)
