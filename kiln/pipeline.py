@@ -5,7 +5,8 @@ Public API:
     run_build(inputs, publishers, registry_config=None, allow_unlocked=False, cache=None,
               reporter=SILENT) -> BuildResult
 
-Every destination is checked before the first network request (``check_outputs``); the pull,
+Every destination is checked before the first network request (``check_outputs``); a pin with
+no verdicts in the record is built with a warning (its verdicts land in the audit file); the pull,
 the patching and the bake happen once; then every publisher writes the one ``BuiltImage``
 (``kiln.publish.publish``: staged, committed together, the push last).
 """
@@ -19,9 +20,11 @@ from pathlib import Path
 
 from kiln.build.image import bake
 from kiln.build.inputs import BuildInputs
+from kiln.build.layers import AUDIT_PATH
 from kiln.build.prepare import prepare_build
 from kiln.cache import cache_root
 from kiln.oci.endpoints import RegistryConfig
+from kiln.patch.record import load_record
 from kiln.pausepoint import pause_point
 from kiln.publish import Publisher, check_outputs, publish
 from kiln.publish.registry import RegistryPublisher
@@ -69,6 +72,12 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
     check_outputs(publishers)
     config = registry_config or RegistryConfig.load()
     cache = cache or cache_root()
+    record = inputs.files.record
+    if inputs.pin.name not in load_record(record):
+        # Nothing reviewed to compare with (a nightly pinned by hand): the build still decides
+        # and fails closed on every verdict, and the audit file records them all.
+        reporter.warn(f"pin {inputs.pin.name} has no recorded verdicts in {record}; this build's verdicts "
+                      f"are in its {AUDIT_PATH} (review them: `verify --pin {inputs.pin.name} --accept`)")
     prepared = prepare_build(inputs, config, allow_unlocked, cache, reporter)
     clock = prepared.clock
     budget = prepared.client.budget  # the build's limits: its deadline is checked between steps

@@ -2,12 +2,12 @@
 
 Public API:
     SourceChoice(label, version, provider)     which source a command reads
-    choose_source(files, pin=None, vllm=None, reporter=SILENT) -> SourceChoice
-    provider_for_pin(pin, reporter=SILENT) -> SourceProvider
+    choose_source(files, pin=None, vllm=None, reporter=SILENT, registry_config=None) -> SourceChoice
+    provider_for_pin(pin, registry_config=None, reporter=SILENT) -> SourceProvider
     SourceVerdicts       .outcomes, .expected, .differences, .origin, .counts()
     verify_source(catalogue, choice, record_path, sm=None, accept=False, memo=None) -> SourceVerdicts
     DefinitionVerdicts   .rows (pin, Outcome), .failures
-    verify_definition(definition, pins, catalogue, reporter=SILENT) -> DefinitionVerdicts
+    verify_definition(definition, pins, catalogue, reporter=SILENT, registry_config=None) -> DefinitionVerdicts
     patch_selection(catalogue, choice, ids, sm=None) -> (tree, RunResult)   for ``diff`` and ``apply``
     selection_ids(catalogue, ids) -> list[str]
 
@@ -23,6 +23,8 @@ from packaging.version import InvalidVersion, Version
 
 from kiln.definitions import ImageDefinition
 from kiln.errors import KilnError
+from kiln.oci.endpoints import RegistryConfig
+from kiln.oci.reference import parse_reference
 from kiln.patch.catalog import Catalogue
 from kiln.patch.engine import RunResult, Session, run_isolated, run_selection
 from kiln.patch.memo import VerdictMemo
@@ -31,8 +33,9 @@ from kiln.patch.record import Difference, accept, compare, load_record
 from kiln.paths import RepoFiles
 from kiln.pins import Pin, get_pin, load_pins
 from kiln.report import SILENT, Reporter
+from kiln.source.image import ImageSource
 from kiln.source.tree import SourceProvider, SourceTree
-from kiln.source.wheel import WheelSource
+from kiln.source.wheel import WheelSource, has_release_wheel
 
 
 @dataclass
@@ -42,13 +45,26 @@ class SourceChoice:
     provider: SourceProvider
 
 
-def provider_for_pin(pin: Pin, reporter: Reporter = SILENT) -> SourceProvider:
-    """Where a pin's pristine source is read from."""
-    return WheelSource(pin.vllm, reporter=reporter)
+def provider_for_pin(pin: Pin, registry_config: RegistryConfig | None = None,
+                     reporter: Reporter = SILENT) -> SourceProvider:
+    """Where a pin's pristine source is read from: its release wheel, or its image.
+
+    A release is read from its PyPI wheel: no registry needed, and the files are the ones pip
+    installed into the release image (``build`` reads and patches the image's own files
+    anyway). A version with no release wheel (a nightly, ``0.23.1rc1.dev424+g…``) is read from
+    the pin's image, by digest once locked, pulling only the layers that hold ``vllm/``
+    (cached by digest); ``registry_config`` carries mirrors and insecure hosts.
+    """
+    if has_release_wheel(pin.vllm):
+        return WheelSource(pin.vllm, reporter=reporter)
+    reference = parse_reference(pin.image)
+    if pin.digest:
+        reference = reference.pinned(pin.digest)
+    return ImageSource(reference, expected_version=pin.vllm, registry_config=registry_config, reporter=reporter)
 
 
 def choose_source(files: RepoFiles, pin: str | None = None, vllm: str | None = None,
-                  reporter: Reporter = SILENT) -> SourceChoice:
+                  reporter: Reporter = SILENT, registry_config: RegistryConfig | None = None) -> SourceChoice:
     if vllm:
         try:
             version = Version(vllm)
@@ -58,7 +74,7 @@ def choose_source(files: RepoFiles, pin: str | None = None, vllm: str | None = N
     if not pin:
         raise KilnError("say which source: --pin NAME (from pins.toml) or --vllm VERSION")
     chosen = get_pin(load_pins(files.pins), pin, files.pins)
-    return SourceChoice(chosen.name, chosen.vllm, provider_for_pin(chosen, reporter))
+    return SourceChoice(chosen.name, chosen.vllm, provider_for_pin(chosen, registry_config, reporter))
 
 
 @dataclass
@@ -102,11 +118,11 @@ class DefinitionVerdicts:
 
 
 def verify_definition(definition: ImageDefinition, pins: dict[str, Pin], catalogue: Catalogue,
-                      reporter: Reporter = SILENT) -> DefinitionVerdicts:
+                      reporter: Reporter = SILENT, registry_config: RegistryConfig | None = None) -> DefinitionVerdicts:
     """The image's selection on each of its pins, cumulatively, as ``build`` runs it."""
     result = DefinitionVerdicts(definition, definition.pins_of(pins))
     for pin in result.pins:
-        tree = provider_for_pin(pin, reporter).fetch()
+        tree = provider_for_pin(pin, registry_config, reporter).fetch()
         run = run_selection(catalogue, Session(tree), definition.target(pin), list(definition.patches))
         result.rows.extend((pin, outcome) for outcome in run.outcomes.values())
     return result

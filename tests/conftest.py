@@ -30,7 +30,7 @@ from tests.support.registry import (  # noqa: F401  (fixtures, shared by every t
 # Every source the record covers: label -> vLLM release whose wheel holds its pristine source.
 # The pins come from pins.toml, so after `pin bump --write` the new pin is checked (record,
 # golden diffs, idempotence) and the dropped one no longer is; candidates are listed here.
-CANDIDATES = {"vllm-0.33.0": "0.33.0"}
+CANDIDATES: dict[str, str] = {}  # e.g. {"vllm-0.34.0": "0.34.0"} while a release is evaluated unpinned
 SOURCES = {name: str(pin.vllm) for name, pin in load_pins(paths.PINS).items()} | CANDIDATES
 
 
@@ -84,4 +84,4 @@ def tree_0201(trees):
 
 @pytest.fixture(scope="session")
 def tree_0330(trees):
-    return trees("vllm-0.33.0")
+    return trees("v0.33.0")

@@ -1,8 +1,9 @@
 """``build.py plan``: the rebuild matrix for a change, on a real git repository.
 
-Each test copies kiln's data (pins, the patch catalogue, the image definition) into a fresh
-repository with two small extra images, commits, changes something, commits, and checks the
-exact matrix ``plan --since`` prints.
+Each test copies kiln's data (the patch catalogue, the Qwen image definition, built for one
+fixed pin) and a fixed one-pin ``pins.toml`` into a fresh repository with two small extra
+images, commits, changes something, commits, and checks the exact matrix ``plan --since``
+prints.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ kv_cache_dtype = "turboquant_k8v4"
 # Neither names its pins: both are built for every pin in pins.toml.
 ONLY_P65 = 'name = "only-p65"\nrepository = "docker.io/kiln/only-p65"\nsms = [120, 86]\ntag = "{cuda}-sm{sm}-{pin}"\npatches = ["P65"]\n' + MODEL
 GDN = 'name = "gdn"\nrepository = "docker.io/kiln/gdn"\nsms = [89]\ntag = "{pin}-sm{sm}"\npatches = ["P60", "P60b"]\n' + MODEL
+# A fixed pins file (pins.toml evolves; these tests must not): one pin, unlocked.
+PINS = '# the pins of the plan tests\n\n[pins."v0.20.1"]\nrole = "current"\nimage = "docker.io/vllm/vllm-openai:v0.20.1"\nvllm = "0.20.1"\ncuda = "cu130"\ndigest = ""\n'
 NEW_PIN = '\n[pins."v0.21.0"]\nrole = "current"\nimage = "docker.io/vllm/vllm-openai:v0.21.0"\nvllm = "0.21.0"\ncuda = "cu130"\ndigest = ""\n'
 
 
@@ -95,12 +98,17 @@ def project(tmp_path) -> tuple[Project, str]:
     """A repository holding kiln's data, the three images, an engine file, docs and tests."""
     root = tmp_path / "repo"
     root.mkdir()
-    shutil.copy(paths.PINS, root / "pins.toml")
+    (root / "pins.toml").write_text(PINS)
     shutil.copytree(paths.PATCHSETS, root / "patchsets", ignore=shutil.ignore_patterns("__pycache__"))
     for rel in (f"images/{QWEN}.toml", "build.py", "pyproject.toml", "kiln/build/layers.py", "README.md",
                 "docs/BUILDING.md", "ci/test"):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(paths.REPO / rel, root / rel)
+    # the shipped Qwen definition, built for the fixed pin only
+    qwen_toml = root / "images" / f"{QWEN}.toml"
+    text = qwen_toml.read_text()
+    pins_line = next(line for line in text.splitlines() if line.startswith("pins = "))
+    qwen_toml.write_text(text.replace(pins_line, 'pins = ["v0.20.1"]'))
     project = Project(root)
     project.write("images/only-p65.toml", ONLY_P65)
     project.write("images/gdn.toml", GDN)

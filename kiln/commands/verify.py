@@ -9,7 +9,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from kiln import verify as checks
-from kiln.commands.options import add_json_option, add_source_options, repo_files, sm_option
+from kiln.commands.options import (
+    add_json_option,
+    add_registry_options,
+    add_source_options,
+    registry_config,
+    repo_files,
+    sm_option,
+)
 from kiln.commands.output import styled
 from kiln.definitions import load_definition
 from kiln.errors import KilnError
@@ -39,6 +46,7 @@ def register(sub) -> None:
     p.add_argument("--sm", type=sm_option, help="also evaluate SM gates for this arch (e.g. 86)")
     p.add_argument("--accept", action="store_true", help="rewrite the record for this source")
     p.add_argument("--no-memo", action="store_true", help="recompute every verdict (ignore the verdict cache)")
+    add_registry_options(p)  # a pin with no release wheel (a nightly) is read from its image
     add_json_option(p, "the verdicts as JSON")
     p.set_defaults(run=run_verify)
 
@@ -46,6 +54,7 @@ def register(sub) -> None:
     add_source_options(p)
     p.add_argument("--patch", action="append", metavar="ID", help="only these patches (and what they require)")
     p.add_argument("--sm", type=sm_option)
+    add_registry_options(p)
     p.set_defaults(run=run_diff)
 
     p = sub.add_parser("apply", help="write the patched vllm/ tree and a JSON report")
@@ -54,6 +63,7 @@ def register(sub) -> None:
     p.add_argument("--sm", type=sm_option)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    add_registry_options(p)
     add_json_option(p, "the report as JSON")
     p.set_defaults(run=run_apply)
 
@@ -66,12 +76,12 @@ def run_verify(args, out) -> int:
             raise KilnError("verify --image takes no --pin/--vllm/--accept: it checks the image's own pins")
         pins = load_pins(files.pins)
         definition = load_definition(files.images, args.image, catalogue, pins)
-        result = checks.verify_definition(definition, pins, catalogue, out.reporter())
+        result = checks.verify_definition(definition, pins, catalogue, out.reporter(), registry_config(args))
         _show_definition(args, out, result)
         return 1 if result.failures else 0
     if args.vllm and is_release_range(args.vllm):
         return _verify_train(args, out, catalogue, files)
-    choice = checks.choose_source(files, args.pin, args.vllm, out.reporter())
+    choice = checks.choose_source(files, args.pin, args.vllm, out.reporter(), registry_config(args))
     memo = None if args.no_memo else VerdictMemo()
     result = checks.verify_source(catalogue, choice, files.record, args.sm, args.accept, memo)
     _show_source(args, out, catalogue, result, files.record)
@@ -180,7 +190,7 @@ def _show_definition(args, out, result: checks.DefinitionVerdicts) -> None:
 def run_diff(args, out) -> int:
     files = repo_files(args)
     catalogue = load_catalogue(files.patchsets)
-    choice = checks.choose_source(files, args.pin, args.vllm, out.reporter())
+    choice = checks.choose_source(files, args.pin, args.vllm, out.reporter(), registry_config(args))
     tree, result = checks.patch_selection(catalogue, choice, args.patch, args.sm)
     sys.stdout.write(unified_diff(tree, result))
     return 0
@@ -191,7 +201,7 @@ def run_apply(args, out) -> int:
     publisher = TreePublisher(args.out, args.force)
     publisher.check()  # before any work: a taken --out fails now, not after the patching
     catalogue = load_catalogue(files.patchsets)
-    choice = checks.choose_source(files, args.pin, args.vllm, out.reporter())
+    choice = checks.choose_source(files, args.pin, args.vllm, out.reporter(), registry_config(args))
     tree, result = checks.patch_selection(catalogue, choice, args.patch, args.sm)
     commit_all([publisher.stage(tree, choice.label, result)])
     data = publisher.report

@@ -15,6 +15,7 @@ Public API:
     Candidate                      the pin a bump adds, with the pristine tree it was judged on
     resolve_candidate(ref, current, pins, pins_path, config, name=None, cuda=None, reporter=SILENT)
         -> Candidate
+    default_pin_name(reference, version) -> str   ``dev424`` for a nightly, else the tag
     run_preflight(catalogue, images, current, old_tree, candidate, memo=None) -> Preflight
     Preflight                      .rows, .retire, .reanchor, .requires_impact, .perf_lost,
                                    .images, .failures, .blockers, .to_json()
@@ -41,6 +42,7 @@ from kiln.report import SILENT, Reporter
 from kiln.source.image import ImageSource
 from kiln.source.tree import SourceTree
 from kiln.source.wheel import WheelSource
+from kiln.verify import provider_for_pin
 
 RELEASE_IMAGE = "docker.io/vllm/vllm-openai:v{version}"  # where vLLM publishes a release's image
 
@@ -77,6 +79,20 @@ def release_version(ref: str) -> Version | None:
         return Version(ref)
     except InvalidVersion:
         return None
+
+
+def default_pin_name(reference: ImageReference, version: Version) -> str:
+    """The new pin's name when ``--name`` is not given; it ends every tag built on the pin.
+
+    A nightly (``vllm/vllm-openai:nightly-3f5a1e173…`` carrying ``0.23.1rc1.dev424+g3f5a1e173``)
+    is named by its dev number, ``dev424``, so tags read ``cu130-sm120-dev424``; another image
+    by its tag; an untagged one by its version.
+    """
+    if version.dev is not None:
+        return f"dev{version.dev}"
+    if reference.tag and reference.tag != "latest":
+        return reference.tag
+    return f"v{version}".replace("+", "-")
 
 
 def _check_name(name: str, current: Pin, pins: dict[str, Pin], path: Path) -> str:
@@ -116,8 +132,7 @@ def resolve_candidate(ref: str, current: Pin, pins: dict[str, Pin], pins_path: P
     except KilnError as err:
         raise KilnError(f"--to {ref}: {err}") from None
     version = found.tree.vllm_version
-    default = reference.tag if reference.tag and reference.tag != "latest" else f"v{version}".replace("+", "-")
-    name = _check_name(name or default, current, pins, pins_path)
+    name = _check_name(name or default_pin_name(reference, version), current, pins, pins_path)
     return Candidate(ref, name, str(reference), version, cuda, found.digest, f"resolved {reference}",
                      found.tree, from_image=True)
 
@@ -126,8 +141,8 @@ def old_pin_tree(current: Pin, candidate: Candidate, config: RegistryConfig,
                  reporter: Reporter = SILENT) -> SourceTree:
     """The current pin's pristine source, read the way the candidate's was (wheel or image)."""
     try:
-        if not candidate.from_image:
-            return WheelSource(current.vllm, reporter=reporter).fetch()
+        if not candidate.from_image:  # as verify reads it: its wheel, or its image for a nightly
+            return provider_for_pin(current, config, reporter).fetch()
         reference: ImageReference = parse_reference(current.image)
         if current.digest:
             reference = reference.pinned(current.digest)

@@ -133,6 +133,16 @@ def list_releases(session: requests.Session | None = None) -> list[Version]:
     return sorted(found)
 
 
+def has_release_wheel(version: Version) -> bool:
+    """Whether ``version`` can come from a PyPI wheel: a final (or post) release.
+
+    A dev or local build (a nightly image carries e.g. ``0.23.1rc1.dev424+g3f5a1e173``) never
+    does: PyPI refuses local versions and vLLM publishes no dev builds there. Pre-releases are
+    treated the same way: vLLM ships its release candidates as images, not on PyPI.
+    """
+    return not (version.is_prerelease or version.is_devrelease or version.local)
+
+
 def choose_wheel(version: Version, wheels: list[WheelFile]) -> WheelFile:
     """The x86_64 Linux wheel (the platform the images run); its ``.py`` files are the source."""
     linux = sorted(

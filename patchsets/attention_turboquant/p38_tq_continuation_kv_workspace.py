@@ -25,24 +25,29 @@ peak the profiler never saw. The dequant buffers themselves are P22's business; 
 patches compose but neither requires the other (P22 is UPSTREAM on 0.33.0, so a ``requires``
 would report this patch GATED there instead of its real verdict).
 
-Verdict on 0.33.0: DRIFTED, and the part that drifted is the statement run this patch
-rewrites. vLLM took half of the fix: ``_continuation_prefill`` no longer calls
-``.contiguous()`` and replaces ``torch.cat`` by ``k_full = torch.empty(seq_len, Hk, D)`` plus
-slice copies, and rotates MSE keys with an fp16 ``layer._tq_Pi_half``; but ``k_full``/``v_full``
-are still allocated per call and unreserved. The method also grew a SoA dequant branch
-(``if self._soa_store``), so replacing the whole method would drop it; the codemod anchors the
-exact trim/cat run, which is gone, hence the drift. A re-based patch would replace the two
-``torch.empty`` calls by ``_tq_shared_kv_full`` and keep the rest of the upstream method.
+Re-based for 0.21.0 on. vLLM took half of the fix: ``_continuation_prefill`` no longer calls
+``.contiguous()``, replaces ``torch.cat`` by ``k_full = torch.empty(seq_len, Hk, D)`` plus slice
+copies, and rotates MSE keys with an fp16 ``layer._tq_Pi_half``; but ``k_full``/``v_full`` are
+still allocated per call and never reserved. What that leaves on kiln's presets (fp16 models,
+k8v4: fp8 keys, so ``k_cached_trim`` and ``v_cached_trim`` are views and ``.to(fp16)`` copies
+nothing): the two buffers are the whole transient, ``2 * seq_len * Hk * D * 2`` bytes, 512 MiB
+at the 27B preset's 131072 tokens (Hk=4, D=256) and at the 35B-A3B preset's 262144 (Hk=2,
+D=256). The memory profiler never sees them (its dummy run has no cached prefix; 0.24.0's
+``_reserve_workspace`` reserves the dequant buffers only), so a deep continuation on a card
+whose KV cache filled the ``--gpu-memory-utilization`` budget still allocates half a GiB
+outside it: the OOM this patch was written for is halved, not gone. So the transform keeps
+its job on the new shape: ``WriteKvFullIntoSharedBuffers`` recognises either run and, on the
+0.21.0 shape, replaces only the two ``torch.empty`` by views of ``_tq_shared_kv_full``, keeping
+the rest of the upstream method (fp16 rotation, and the ROCm SoA dequant branch 0.28.0 added).
+The pool and its reservation at ``__init__`` are the same on every release.
 
 Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
 0.20.1-0.33.0):
-- 0.20.1, 0.20.2: APPLIES.
-- 0.21.0 on: DRIFTED. The upstream change that moved the dequant buffers to the workspace
-  (see P22) also rewrote this run: no ``.contiguous()``, ``torch.cat`` replaced by
-  ``torch.empty`` plus slice copies, fp16 rotation. ``k_full``/``v_full`` stay per-call,
-  unreserved allocations (``turboquant_attn.py:808`` on 0.21.0, ``:1051`` on 0.33.0), so the
-  transient is halved, not gone, and the anchored run is gone. 0.28.0 adds the ROCm SoA branch
-  (``self._soa_store``) to the method; the verdict stays DRIFTED to 0.33.0.
+- 0.20.1, 0.20.2: APPLIES (the ``.contiguous()``/``torch.cat`` run).
+- 0.21.0 on: APPLIES (the ``torch.empty`` run: ``turboquant_attn.py:808`` on 0.21.0, ``:1051``
+  on 0.33.0, unchanged in between; 0.28.0 adds the SoA branch above it). The upstream change
+  that moved the dequant buffers to the workspace (see P22) rewrote the 0.20.1 run; before
+  this re-base the codemod only knew that run and these releases read DRIFTED.
 """
 
 import libcst as cst
@@ -67,6 +72,7 @@ CONTINUATION = func("_continuation_prefill")
 POOL_WHY = "K/V of the whole sequence in buffers shared by all TQ layers"
 RESERVE_WHY = "reserve the shared K/V buffers now, where the memory profiler counts them"
 WRITE_WHY = "write the prefix and the chunk straight into the shared K/V buffers"
+SHARED_WHY = "K/V of the sequence: views of the buffers reserved at init, not per-call allocations"
 
 MAX_SPLITS = m.SimpleStatementLine(
     body=[
@@ -77,27 +83,45 @@ MAX_SPLITS = m.SimpleStatementLine(
 )
 
 
-def _torch_cat_into(name: str) -> m.SimpleStatementLine:
-    """``name = torch.cat([...], dim=0)``."""
+def _torch_into(name: str, fn: str) -> m.SimpleStatementLine:
+    """``name = torch.<fn>(...)``."""
     return m.SimpleStatementLine(
         body=[
             m.Assign(
                 targets=[m.AssignTarget(target=m.Name(name))],
-                value=m.Call(func=m.Attribute(value=m.Name("torch"), attr=m.Name("cat"))),
+                value=m.Call(func=m.Attribute(value=m.Name("torch"), attr=m.Name(fn))),
             )
         ]
     )
 
 
-# The run this patch replaces, as 0.20.1 has it: rotate (MSE) or `.contiguous()` (fp8) the
-# cached keys, `.contiguous()` the cached values, then two `torch.cat` with the chunk.
+# The run 0.20.1 has: rotate (MSE) or `.contiguous()` (fp8) the cached keys, `.contiguous()`
+# the cached values, then two `torch.cat` with the chunk.
 TRIM_AND_CAT = [
     m.If(test=m.UnaryOperation(operator=m.Not(), expression=m.Attribute(attr=m.Name("key_fp8")))),
     assign_to("v_cached_trim"),
     assign_to("qdtype"),
-    _torch_cat_into("k_full"),
-    _torch_cat_into("v_full"),
+    _torch_into("k_full", "cat"),
+    _torch_into("v_full", "cat"),
 ]
+# The run 0.21.0 on has (vLLM took the copies out): two per-call `torch.empty` for the whole
+# sequence, then slice copies of the prefix and the chunk into them.
+FRESH_KV_FULL = [
+    assign_to("qdtype"),
+    _torch_into("k_full", "empty"),
+    _torch_into("v_full", "empty"),
+]
+
+
+def _block_with(run: list) -> m.IndentedBlock:
+    return m.IndentedBlock(body=[m.ZeroOrMore(), *run, m.ZeroOrMore()])
+
+
+def _find_run(body: list, run: list) -> int | None:
+    for i in range(len(body) - len(run) + 1):
+        if all(m.matches(body[i + k], matcher) for k, matcher in enumerate(run)):
+            return i
+    return None
 
 
 class SharedKvFullPool(Codemod):
@@ -172,39 +196,50 @@ class ReserveKvFullAtInit(Codemod):
         return insert_after(node, with_marker(reserve, "P38", RESERVE_WHY))
 
 
-class ReplaceTrimCopiesAndTorchCat(Codemod):
-    """Replace the ``.contiguous()``/``.to()``/``torch.cat`` run by copies into the shared K/V."""
+class WriteKvFullIntoSharedBuffers(Codemod):
+    """The whole-sequence K/V of a continuation chunk become views of the shared buffers.
+
+    Two shapes, one transform. On 0.20.1 the ``.contiguous()``/``.to()``/``torch.cat`` run is
+    replaced by copies straight into the shared K/V. From 0.21.0 vLLM copies into two fresh
+    ``torch.empty`` buffers itself; only those two allocations are replaced, so the rest of
+    its method (fp16 rotation, the ROCm SoA dequant branch) stays as upstream wrote it.
+    """
 
     target = TARGET
-    anchor = (IMPL, CONTINUATION, m.IndentedBlock(body=[m.ZeroOrMore(), *TRIM_AND_CAT, m.ZeroOrMore()]))
+    anchor = (IMPL, CONTINUATION, m.OneOf(_block_with(TRIM_AND_CAT), _block_with(FRESH_KV_FULL)))
     patched = (IMPL, CONTINUATION, m.SimpleStatementLine(leading_lines=marked("P38")))
 
     def rewrite(self, node):
-        first, *rest = statements(
-            """
-            qdtype = query.dtype
-            k_full, v_full = _tq_shared_kv_full(Hk, D, seq_len, qdtype, device)
-            if not self.tq_config.key_fp8:
-                # Inverse-rotate MSE keys back to original space (fp32, then fp16)
-                k_rot = k_cached[0, :, :cached_len, :].reshape(-1, D).float() @ Pi
-                k_full[:cached_len] = (
-                    k_rot.to(torch.float16).reshape(Hk, cached_len, D).transpose(0, 1)
-                )
-                del k_rot  # do not hold the fp32 keys through the attention call
-            else:
-                k_full[:cached_len] = k_cached[0, :, :cached_len, :].transpose(0, 1)
-            v_full[:cached_len] = v_cached[0, :, :cached_len, :].transpose(0, 1)
-            k_full[cached_len:] = key_chunk
-            v_full[cached_len:] = val_chunk
-            """
-        )
         body = list(node.body)
-        for i in range(len(body) - len(TRIM_AND_CAT) + 1):
-            if all(m.matches(body[i + k], matcher) for k, matcher in enumerate(TRIM_AND_CAT)):
-                first = first.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
-                new = [with_marker(first, "P38", WRITE_WHY), *rest]
-                return node.with_changes(body=[*body[:i], *new, *body[i + len(TRIM_AND_CAT) :]])
-        raise ValueError("trim/cat run not found")  # the anchor guarantees it is there
+        at = _find_run(body, TRIM_AND_CAT)
+        if at is not None:
+            first, *rest = statements(
+                """
+                qdtype = query.dtype
+                k_full, v_full = _tq_shared_kv_full(Hk, D, seq_len, qdtype, device)
+                if not self.tq_config.key_fp8:
+                    # Inverse-rotate MSE keys back to original space (fp32, then fp16)
+                    k_rot = k_cached[0, :, :cached_len, :].reshape(-1, D).float() @ Pi
+                    k_full[:cached_len] = (
+                        k_rot.to(torch.float16).reshape(Hk, cached_len, D).transpose(0, 1)
+                    )
+                    del k_rot  # do not hold the fp32 keys through the attention call
+                else:
+                    k_full[:cached_len] = k_cached[0, :, :cached_len, :].transpose(0, 1)
+                v_full[:cached_len] = v_cached[0, :, :cached_len, :].transpose(0, 1)
+                k_full[cached_len:] = key_chunk
+                v_full[cached_len:] = val_chunk
+                """
+            )
+            first = first.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
+            new = [with_marker(first, "P38", WRITE_WHY), *rest]
+            return node.with_changes(body=[*body[:at], *new, *body[at + len(TRIM_AND_CAT) :]])
+        at = _find_run(body, FRESH_KV_FULL)
+        if at is None:
+            raise ValueError("neither K/V assembly run found")  # the anchor guarantees one
+        (shared,) = statements("k_full, v_full = _tq_shared_kv_full(Hk, D, seq_len, qdtype, device)")
+        shared = with_marker(shared.with_changes(leading_lines=body[at + 1].leading_lines), "P38", SHARED_WHY)
+        return node.with_changes(body=[*body[: at + 1], shared, *body[at + len(FRESH_KV_FULL) :]])
 
 
 class P38(Patch):
@@ -219,4 +254,4 @@ class P38(Patch):
     upstream_refs = ("vllm#40420",)
     gates = Gates(vllm=">=0.20.1", kv_cache_dtypes=("turboquant_*",))
     perf_critical = True  # losing it brings back the deep-prefix OOM
-    edits = (SharedKvFullPool, ReserveKvFullAtInit, ReplaceTrimCopiesAndTorchCat)
+    edits = (SharedKvFullPool, ReserveKvFullAtInit, WriteKvFullIntoSharedBuffers)

@@ -15,28 +15,35 @@ mirroring what vLLM later adopted and what it did not: ``DropMixedBatchZeroFill`
 ``torch.zeros`` into ``torch.empty``; ``PooledMixedBatchOutput`` replaces that allocation by
 the pool (``SharedMixedBatchOutputPool`` adds the pool itself).
 
-Verdict on 0.33.0: DRIFTED, half upstream. ``forward``'s mixed branch now reads
-``attn_out = torch.empty(N, self.num_heads, self.head_size, ...)``: the zero fill is gone
-upstream (``DropMixedBatchZeroFill`` reports "upstream shape present"), while the per-call
-allocation is still there (the pool edits would apply), so the edits disagree and the verdict
-says exactly that. What is left is one caching-allocator hit per layer and mixed step, no
-kernel; re-anchoring ``PooledMixedBatchOutput`` alone is possible but buys little, so
-retiring P44 for 0.33.0 is the likely call.
+Retired where vLLM dropped the zero fill (0.22.0 on): ``forward``'s mixed branch reads
+``attn_out = torch.empty(N, self.num_heads, self.head_size, ...)``, and what the pool would
+still save no longer matters. The memset kernel (the cost) is gone. The allocation left is
+one request to PyTorch's caching allocator per layer and mixed step, with no kernel: the
+block is freed when ``forward`` returns (``attn_out`` is copied into ``output``), so the next
+layer is handed the same cached block; the allocator already is a pool keyed by size. It is
+not a hidden peak either: the buffer lives only inside ``forward``, it is at most
+``max_num_batched_tokens x heads x head_size`` (48 MiB for the 27B preset: 4096 x 24 x 256 in
+fp16, 16 MiB for the 35B-A3B preset: 4096 x 16 x 256 in fp16), smaller than the profiled
+prefill activations of the same layer, and the pool would hold that memory for good instead.
+Neither is it captured: mixed batches run eagerly (PIECEWISE graphs leave attention out, and
+P65 keeps FULL graphs to single-token decode). ``upstream_fix`` therefore reports UPSTREAM
+where the mixed branch allocates with ``torch.empty`` and no ``torch.zeros``, with the place;
+before this review the edits disagreed there and the verdict read DRIFTED.
 
 Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
 0.20.1-0.33.0):
 - 0.20.1-0.21.0: APPLIES (``torch.zeros`` in the mixed branch).
-- 0.22.0 on: DRIFTED, half upstream: the mixed branch allocates ``torch.empty``
-  (``turboquant_attn.py:457`` on 0.22.0, ``:597`` on 0.33.0; PR not identified), so
-  ``DropMixedBatchZeroFill`` reports the upstream shape while the pool edits would still
-  apply, and the edits disagree. Unchanged through 0.33.0.
+- 0.22.0 on: UPSTREAM: the mixed branch allocates ``torch.empty`` (``turboquant_attn.py:457``
+  on 0.22.0, ``:597`` on 0.33.0; PR not identified), unchanged through 0.33.0. Read DRIFTED
+  before this review (``DropMixedBatchZeroFill`` saw the upstream shape while the pool edits
+  would still apply).
 """
 
 import libcst as cst
 import libcst.matchers as m
 
 from kiln.patch.model import Codemod, Gates, Patch
-from kiln.patch.shapes import cls, func, marked, marker_line, statements, with_marker
+from kiln.patch.shapes import cls, func, marked, marker_line, place_of, statements, with_marker
 
 TARGET = "v1/attention/backends/turboquant_attn.py"
 IMPL = cls("TurboQuantAttentionImpl")
@@ -169,3 +176,14 @@ class P44(Patch):
     )
     gates = Gates(vllm=">=0.20.1", kv_cache_dtypes=("turboquant_*",))
     edits = (SharedMixedBatchOutputPool, DropMixedBatchZeroFill, PooledMixedBatchOutput)
+
+    def upstream_fix(self, module_of) -> str | None:
+        """The zero fill is gone upstream; the plain allocation left is the allocator's to pool."""
+        module = module_of(TARGET)
+        if module is None or place_of(TARGET, module, (IMPL, FORWARD, ZEROS_ATTN_OUT)):
+            return None
+        where = place_of(TARGET, module, (IMPL, FORWARD, EMPTY_ATTN_OUT))
+        if where is None:
+            return None
+        return (f"TurboQuantAttentionImpl.forward allocates the mixed-batch output with torch.empty ({where}): "
+                "no zero fill; the per-call allocation left is a caching-allocator hit reused by the next layer")

@@ -45,6 +45,19 @@ buffers to per-layer allocations (and originally the decode scratch too, for a -
 regression measured on Ampere that its own later A/B on a newer pin did not reproduce). That
 brings back the per-layer growth P22 removed, so kiln keeps the shared workspace and reserves
 it instead, as upstream did.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1, 0.20.2: GATED (``vllm>=0.21.0``): TurboQuant takes no scratch from the
+  ``WorkspaceManager`` there (``turboquant_attn.py`` never calls ``current_workspace_manager``;
+  its buffers are per layer), so there is nothing to reserve.
+- 0.21.0-0.23.0: APPLIES: the decode and dequant scratch come from the workspace
+  (``current_workspace_manager`` in ``turboquant_attn.py`` from 0.21.0) and nothing reserves
+  them before the lock.
+- 0.24.0 on: UPSTREAM: ``TurboQuantMetadataBuilder._reserve_workspace``, called from the
+  builder's ``__init__`` (``turboquant_attn.py:205``/``:207`` on 0.24.0), takes both
+  reservations at construction (its ``get_simultaneous`` at ``:223`` on 0.24.0, ``:243`` from
+  0.29.0; vllm#44053). 0.23.0 has no such method.
 """
 
 import libcst.matchers as m

@@ -27,6 +27,13 @@ backends call it; TurboQuant starts in 0.21.0) and on 0.33.0 (``v1/worker/worksp
 slots by ``_get_workspace_id()``). No release memoises it; the upstream shape to watch is a
 memo lookup in ``get_simultaneous`` (``upstream`` matcher: a ``.get(`` on ``self._*`` before the
 size arithmetic).
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1-0.33.0: APPLIES (a variant: opt-in). ``WorkspaceManager.get_simultaneous``
+  (``v1/worker/workspace.py:92`` on 0.20.1, ``:181`` on 0.33.0) rebuilds its views on every call
+  in every release, and none memoises them; from 0.21.0 TurboQuant's decode is one of its
+  callers (see P98), before that the fused-MoE and MLA/flash-attention paths are.
 """
 
 import libcst as cst

@@ -41,6 +41,12 @@ Verdicts: 0.20.1 APPLIES (``v1/attention/backends/turboquant_attn.py:546`` is th
 test; builder at :203, mixed-branch prefill metadata at :469). 0.33.0 APPLIES
 (``turboquant_attn.py:740``, unchanged; builder at :273, prefill metadata at :638); no release
 from 0.20.1 to 0.33.0 carries a guard.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1-0.33.0: APPLIES: the fast path's test is the bare ``max_query_len == max_seq_len`` on
+  every release (``v1/attention/backends/turboquant_attn.py:546`` on 0.20.1, ``:740`` on
+  0.33.0); vllm#46461 is unmerged and no release guards it.
 """
 
 import libcst as cst

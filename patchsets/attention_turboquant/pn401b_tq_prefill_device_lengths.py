@@ -36,6 +36,16 @@ Verdicts: 0.20.1 GATED. 0.33.0 APPLIES (``turboquant_attn.py:297`` fills ``seq_l
 the upper bound, :769 reads it, :837 builds the lengths). The same statement is in every
 release from 0.21.0 to 0.33.0. vLLM's own fix, where it lands in this loop, would build the
 lengths from ``attn_metadata.seq_lens``: the ``upstream`` matcher looks for that.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1, 0.20.2: GATED (``vllm>=0.21.0``): the per-request loop reads the device's corrected
+  lengths (``attn_metadata.seq_lens.tolist()``, ``turboquant_attn.py:571`` on 0.20.2), so the
+  failure cannot happen.
+- 0.21.0 on: APPLIES: vllm#41434 made the loop read ``attn_metadata.seq_lens_cpu``, which the
+  builder fills from ``cam.seq_lens_cpu_upper_bound`` (``turboquant_attn.py:238`` and ``:608`` on
+  0.21.0; ``:297`` and ``:769`` on 0.33.0); no release builds the lengths from the device
+  ``seq_lens`` instead.
 """
 
 import libcst.matchers as m

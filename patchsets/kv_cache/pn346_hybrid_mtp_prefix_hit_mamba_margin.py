@@ -34,6 +34,14 @@ Verdicts: 0.20.1 APPLIES (``kv_cache_coordinator.py:551``). 0.33.0 UPSTREAM: the
 skips the margin for Mamba specs (``kv_cache_coordinator.py:875``: "No margin for mamba: its
 finder never drops"), present since 0.26.0; the test reads it from both releases and APPLIES
 on 0.21.0-0.25.1.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1-0.25.1: APPLIES: the coordinator gives the eagle search margin to every eagle
+  group, Mamba groups included (``v1/core/kv_cache_coordinator.py:551`` on 0.20.1).
+- 0.26.0 on: UPSTREAM: ``if drop_eagle_block and not isinstance(spec, MambaSpec)`` ("No margin
+  for mamba: its finder never drops"; ``v1/core/kv_cache_coordinator.py:746`` on 0.26.0,
+  ``:875`` on 0.33.0; vllm#49502). 0.25.1's coordinator has no such test.
 """
 
 import libcst as cst

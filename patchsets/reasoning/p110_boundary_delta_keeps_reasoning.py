@@ -28,6 +28,19 @@ not have it); 0.33.0 keeps it as ``reasoning_from_this_batch``.
 Verdicts: 0.20.1 APPLIES. 0.33.0 UPSTREAM: ``upstream_fix`` finds vLLM's own save of the
 boundary reasoning in ``DelegatingParser.parse_delta``'s tool-call phase
 (``parser/abstract_parser.py:947``) and names the line.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1, 0.20.2: APPLIES.
+- 0.21.0: DRIFTED, the failure unchanged. The tool-call phase of ``parse_delta`` now reads
+  ``delta_message, state.function_name_returned = (self._extract_tool_calls_streaming(...))``
+  (``parser/abstract_parser.py:701``; the tool-call id bookkeeping came with it), which the
+  anchor (``delta_message = self.extract_tool_calls_streaming(...)``) does not match, and still
+  nothing saves the delta's reasoning before the tool parser's answer replaces
+  ``delta_message``. Not re-anchored: no pin is on 0.21.0 and the next release fixes it.
+- 0.22.0 on: UPSTREAM: vllm#42691 keeps the boundary reasoning (``reasoning =
+  delta_message.reasoning if delta_message else None`` before the tool parser, put back after:
+  ``parser/abstract_parser.py:711`` on 0.22.0; ``reasoning_from_this_batch``, ``:947`` on 0.33.0).
 """
 
 import libcst as cst

@@ -27,6 +27,14 @@ in 0.29.0: ``SamplingParams._validate_stop_token_ids``, called from ``verify``.
 Verdicts: 0.20.1 APPLIES. 0.33.0 UPSTREAM: ``sampling_params.py`` defines its own
 ``SamplingParams._validate_stop_token_ids`` (line 1050, same bound) and ``verify`` calls it
 (line 914); ``upstream_fix`` finds both and names the lines.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1-0.28.0: APPLIES: ``SamplingParams.verify`` range-checks ``logit_bias`` but not
+  ``stop_token_ids`` (0.28.0's ``sampling_params.py`` has no ``_validate_stop_token_ids``).
+- 0.29.0 on: UPSTREAM: vllm#54196 added ``SamplingParams._validate_stop_token_ids``
+  (``sampling_params.py:874``, called from ``verify`` at ``:803`` on 0.29.0; ``:1050`` and ``:914``
+  on 0.33.0), the same bound this patch uses.
 """
 
 import libcst as cst

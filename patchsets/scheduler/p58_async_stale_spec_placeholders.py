@@ -37,6 +37,14 @@ the V1 runner still skips requests with ``prev_index < 0`` (``gpu_model_runner.p
 Verdicts: 0.20.1 APPLIES; 0.33.0 APPLIES (same loop, same anchor; on 0.33.0 the V1 runner is
 the fallback when the V2 runner does not support the configuration or
 ``VLLM_USE_V2_MODEL_RUNNER=0``).
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1-0.33.0: APPLIES. Neither the failure nor the anchor moves: ``AsyncScheduler``
+  hands every scheduled decode the shared placeholder list (``v1/core/sched/async_scheduler.py:35``
+  on 0.20.1, ``:44`` on 0.26.0, ``:49`` on 0.33.0) and the V1 runner still skips requests that
+  were not in the previous batch (``v1/worker/gpu_model_runner.py:1642``, ``:1801``, ``:1784``).
+  No release drops stale placeholders (vllm#40768 and #46899 were closed unmerged).
 """
 
 import libcst.matchers as m

@@ -27,6 +27,16 @@ and ``upstream_fix`` finds the guard in ``DelegatingParser._extract_tool_calls``
 (``parser/abstract_parser.py:424``, ``if content is None or ...: return [], None``) with no
 ``assert content is not None`` left in either parser file and no ``assert tool_calls`` in the
 chat path, and names the line.
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1, 0.20.2: APPLIES (``assert content is not None``, ``parser/abstract_parser.py:439, 449``
+  on 0.20.2).
+- 0.21.0 on: UPSTREAM: vllm#40148 (first released in 0.21.0) returns no call for a forced
+  tool choice without content: ``if content is None: return [], None`` in both forced branches
+  (``parser/abstract_parser.py:462``, ``entrypoints/openai/engine/serving.py:680, 693`` on
+  0.21.0; ``parser/abstract_parser.py:424`` on 0.33.0), and no release after it asserts content
+  or tool calls there.
 """
 
 import libcst as cst

@@ -30,9 +30,17 @@ would be emitted as content and the call lost; this version waits for the header
 
 Upstream: none for this parser (Genesis-original, from club-3090#72).
 
-Verdicts: 0.20.1 APPLIES. 0.33.0 TARGET_GONE: ``tool_parsers/qwen3coder_tool_parser.py`` no
-longer exists; ``qwen3_coder`` is served by ``Qwen3EngineToolParser``
-(``tool_parsers/qwen3_engine_tool_parser.py``, vllm#45413).
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1-0.23.0: APPLIES (``tool_parsers/qwen3coder_tool_parser.py``, unchanged where the
+  codemods anchor).
+- 0.24.0 on: GATED (``vllm<0.24.0``); before the gate it read TARGET_GONE. vllm#45413 removed
+  ``qwen3coder_tool_parser.py``: ``qwen3_coder`` is served by ``Qwen3EngineToolParser``
+  (``tool_parsers/qwen3_engine_tool_parser.py``), an adapter of the streaming parser engine.
+  The failure survived there (the text after a header-less tag is dropped in streaming and
+  non-streaming alike), so the fix was ported rather than retired: P61d carries it on the
+  engine from 0.24.0, and this patch is gated to the releases its file exists in, so an
+  image lists both and each pin gets the one that fits.
 """
 
 import libcst as cst
@@ -207,5 +215,5 @@ class P61c(Patch):
         "which the non-streaming parser returns as content."
     )
     upstream_refs = ("club-3090#72",)
-    gates = Gates(vllm=">=0.20.1")
+    gates = Gates(vllm=">=0.20.1,<0.24.0")  # from 0.24.0: P61d, on the parser engine
     edits = (AddDeferralState, AddDeferralMethods, HideReleasedTags, DeferCommit)

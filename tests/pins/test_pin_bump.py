@@ -9,6 +9,7 @@ a digest locked from a real registry, is in ``tests/oci/test_pin_bump_registry.p
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import tomllib
 from collections import Counter
@@ -73,10 +74,13 @@ digest = ""
 
 # The verdicts kiln must find on the real sources (the reviewed record says the same).
 EXPECTED_0330 = {
-    "P4": "UPSTREAM", "P5": "UPSTREAM", "P5b": "UPSTREAM", "P22": "UPSTREAM", "P38": "DRIFTED",
-    "P44": "DRIFTED", "P60": "UPSTREAM", "P60b": "GATED", "P62": "UPSTREAM", "P64": "TARGET_GONE",
-    "P65": "APPLIES", "P66": "UPSTREAM",
+    "P4": "UPSTREAM", "P5": "UPSTREAM", "P5b": "UPSTREAM", "P22": "UPSTREAM", "P38": "APPLIES",
+    "P44": "UPSTREAM", "P60": "UPSTREAM", "P60b": "GATED", "P61c": "GATED", "P61d": "APPLIES",
+    "P62": "UPSTREAM", "P64": "UPSTREAM", "P65": "APPLIES", "P66": "UPSTREAM",
 }
+# No shipped patch breaks on 0.33.0 any more, so the catalogue copy the tests use adds one that
+# does: P61c without its version gate (its file is gone from 0.24.0), as a patch of its own.
+GONE_PATCH = "P961"
 
 
 IMAGE_TEXT = """\
@@ -97,8 +101,8 @@ kv_cache_dtype = "turboquant_k8v4"
 # Fixed image definitions (images/ evolves; these tests must not): one built for pin v0.20.1
 # only, one built on every pin, so on the candidate too.
 IMAGES = {
-    "line-pinned": ('pins = ["v0.20.1"]', '["P38", "P65"]'),
-    "every-pin": ("", '["P64", "P65"]'),
+    "line-pinned": ('pins = ["v0.20.1"]', f'["{GONE_PATCH}", "P65"]'),
+    "every-pin": ("", f'["{GONE_PATCH}", "P65"]'),
 }
 
 
@@ -110,8 +114,16 @@ def closed_port() -> int:
 
 @pytest.fixture
 def work(tmp_path, monkeypatch) -> Path:
-    """Copies of pins.toml (with a rollback pin) and of the verdict record, and no registries file."""
+    """Copies of pins.toml (with a rollback pin), of the verdict record and of the catalogue (plus
+    ``GONE_PATCH``), and no registries file."""
     monkeypatch.setenv("KILN_REGISTRIES", str(tmp_path / "registries.toml"))
+    shutil.copytree(paths.PATCHSETS, tmp_path / "patchsets", ignore=shutil.ignore_patterns("__pycache__"))
+    p61c = tmp_path / "patchsets" / "tool_parsing" / "p61c_qwen3coder_deferred_commit.py"
+    gone = p61c.read_text().replace('id = "P61c"', f'id = "{GONE_PATCH}"').replace(
+        'class P61c(Patch)', f'class {GONE_PATCH}(Patch)').replace('vllm=">=0.20.1,<0.24.0"', 'vllm=">=0.20.1"')
+    gone = gone.replace("kiln P61c:", f"kiln {GONE_PATCH}:").replace('marked("P61c")', f'marked("{GONE_PATCH}")')
+    gone = gone.replace('"P61c", why', f'"{GONE_PATCH}", why').replace('"P61c",', f'"{GONE_PATCH}",')
+    (p61c.parent / "p961_ungated_qwen3coder_test.py").write_text(gone)
     (tmp_path / "pins.toml").write_text(PINS_TEXT)
     record = (paths.RECORD.read_text() + '\n["v0.18.0"]\nP4 = "GATED"\n')
     (tmp_path / "verdicts.toml").write_text(record)
@@ -127,7 +139,8 @@ def snapshot(work: Path) -> dict[str, bytes]:
 
 def bump(capsys, work: Path, *extra: str) -> tuple[int, str, str]:
     argv = ["--pins", work / "pins.toml", "--record", work / "verdicts.toml", "--images", work / "images",
-            "pin", "bump", *extra, "--mirror", f"docker.io=http://127.0.0.1:{closed_port()}"]
+            "--patchsets", work / "patchsets", "pin", "bump", *extra,
+            "--mirror", f"docker.io=http://127.0.0.1:{closed_port()}"]
     capsys.readouterr()
     code = commands.main([str(a) for a in argv])
     out = capsys.readouterr()
@@ -148,12 +161,13 @@ def test_preflight_0201_to_0330_report(capsys, work):
     record = tomllib.loads(paths.RECORD.read_text())
     new = {row["patch"]: row["new"] for row in report["patches"]}
     old = {row["patch"]: row["old"] for row in report["patches"]}
-    catalogue = load_catalogue(paths.PATCHSETS)
+    catalogue = load_catalogue(work / "patchsets")
     assert list(new) == list(catalogue.patches)  # every patch of the catalogue, in its order
     assert {pid: new[pid] for pid in EXPECTED_0330} == EXPECTED_0330
-    assert {pid: new[pid] for pid in record["vllm-0.33.0"]} == record["vllm-0.33.0"]
+    assert {pid: new[pid] for pid in record["v0.33.0"]} == record["v0.33.0"]
     assert {pid: old[pid] for pid in record["v0.20.1"]} == record["v0.20.1"]
-    assert {old[pid] for pid in EXPECTED_0330} == {"APPLIES"}
+    assert {old[pid] for pid in EXPECTED_0330 if pid != "P61d"} == {"APPLIES"} and old["P61d"] == "GATED"
+    assert old[GONE_PATCH] == "APPLIES" and new[GONE_PATCH] == "TARGET_GONE"
     assert report["from"]["pin"] == "v0.20.1" and report["drops"] == "v0.18.0"
     assert report["to"]["name"] == "v0.33.0" and report["to"]["vllm"] == "0.33.0"
     assert report["to"]["image"] == "docker.io/vllm/vllm-openai:v0.33.0" and report["to"]["cuda"] == "cu130"
@@ -164,27 +178,30 @@ def test_preflight_0201_to_0330_report(capsys, work):
     assert report["retire"] == [p for p in new if new[p] == "UPSTREAM" and old[p] != "UPSTREAM"]
     assert report["reanchor"] == [p for p in new if new[p] in ("DRIFTED", "TARGET_GONE")]
     # ... and on the patches the 0.33.0 record covers they are exactly these
-    assert [p for p in report["retire"] if p in EXPECTED_0330] == ["P4", "P5", "P5b", "P22", "P60", "P62", "P66"]
-    assert [p for p in report["reanchor"] if p in EXPECTED_0330] == ["P38", "P44", "P64"]
+    assert [p for p in report["retire"] if p in EXPECTED_0330] == [
+        "P4", "P5", "P5b", "P22", "P44", "P60", "P62", "P64", "P66"]
+    assert report["reanchor"] == [GONE_PATCH]  # no shipped patch needs re-anchoring
     actions = {row["patch"]: row["action"] for row in report["patches"]}
-    assert actions["P60b"] == "blocked" and actions["P65"] == "keep"
+    assert actions["P60b"] == "blocked" and actions["P65"] == "keep" and actions["P38"] == "keep"
+    assert actions["P61c"] == "gated" and actions["P61d"] == "new"
     assert {"patch": "P60b", "requires": "P60", "verdict": "UPSTREAM"} in report["requires_impact"]
     perf = {pid for pid, p in catalogue.patches.items() if p.perf_critical and old[pid] == "APPLIES"
             and new[pid] not in ("APPLIES", "ALREADY_PATCHED")}
-    assert {"P22", "P38"} <= perf
+    assert perf == {"P5b", "P22"}  # both retired upstream; P38 keeps applying
     assert {item["patch"] for item in report["perf_critical_lost"]} == perf
     assert any(f.startswith("P22 is perf_critical") for f in report["failures"])
-    assert any(f.startswith("P38 is perf_critical") for f in report["failures"])
+    assert any(f.startswith("P5b is perf_critical") for f in report["failures"])
+    assert not any(f.startswith("P38") for f in report["failures"])
     assert any(f.startswith("P60b requires P60") for f in report["failures"])
     assert report["ok"] is False and report["written"] is False and report["blockers"] == []
 
     # every image definition is run as it would be built on the candidate
     images = {i["image"]: i for i in report["images"]}
     assert images["line-pinned"]["builds_on_candidate"] is False
-    assert [(o["patch"], o["verdict"]) for o in images["line-pinned"]["broken"]] == [("P38", "DRIFTED")]
+    assert [(o["patch"], o["verdict"]) for o in images["line-pinned"]["broken"]] == [(GONE_PATCH, "TARGET_GONE")]
     assert images["every-pin"]["builds_on_candidate"] is True
-    assert [(o["patch"], o["verdict"]) for o in images["every-pin"]["broken"]] == [("P64", "TARGET_GONE")]
-    assert "image every-pin builds on every pin and would fail on v0.33.0: P64 TARGET_GONE" in report["failures"]
+    assert [(o["patch"], o["verdict"]) for o in images["every-pin"]["broken"]] == [(GONE_PATCH, "TARGET_GONE")]
+    assert f"image every-pin builds on every pin and would fail on v0.33.0: {GONE_PATCH} TARGET_GONE" in report["failures"]
     assert not any("line-pinned" in f for f in report["failures"])  # not built on the candidate
     assert snapshot(work) == before
 
@@ -194,7 +211,7 @@ def test_preflight_0201_to_0330_report(capsys, work):
     assert f"retire (newly UPSTREAM): {', '.join(report['retire'])}" in out
     assert f"re-anchor (DRIFTED / TARGET_GONE): {', '.join(report['reanchor'])}" in out
     assert "P60b (requires P60, UPSTREAM)" in out
-    assert "preflight FAILED" in err and "P22 is perf_critical" in err and "P38 is perf_critical" in err
+    assert "preflight FAILED" in err and "P22 is perf_critical" in err and "P5b is perf_critical" in err
     assert snapshot(work) == before
 
 
@@ -223,7 +240,7 @@ def test_write_force_rotates_pins_and_record(capsys, work, cuda):
     assert {pid: record["v0.33.0"][pid] for pid in EXPECTED_0330} == EXPECTED_0330
     assert "v0.18.0" not in record
     assert record["v0.20.1"] == record_before["v0.20.1"]
-    assert record["vllm-0.33.0"] == record_before["vllm-0.33.0"]
+    assert {pid: v for pid, v in record["v0.33.0"].items() if pid != GONE_PATCH} == record_before["v0.33.0"]
     assert record_text.startswith(paths.RECORD.read_text().splitlines(keepends=True)[0])
     assert [p.name for p in work.iterdir() if p.name.startswith(".")] == []  # no staged file left
 
@@ -236,7 +253,7 @@ def test_write_force_rotates_pins_and_record(capsys, work, cuda):
     assert listed["v0.33.0"]["verdicts"] == dict(Counter(record["v0.33.0"].values()))
     assert listed["v0.20.1"]["verdicts"] == dict(Counter(record["v0.20.1"].values()))
     assert commands.main(["--pins", str(work / "pins.toml"), "--record", str(work / "verdicts.toml"),
-                     "verify", "--pin", "v0.33.0", "--json"]) == 0
+                          "--patchsets", str(work / "patchsets"), "verify", "--pin", "v0.33.0", "--json"]) == 0
 
 
 def test_third_pin_is_refused(capsys, work):

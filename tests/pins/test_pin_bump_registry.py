@@ -2,7 +2,7 @@
 
 The candidate is the fixture base plus one layer, built with umoci and pushed with skopeo as
 ``vllm/vllm-openai:v0.20.2``: the layer whites out ``tool_parsers/qwen3coder_tool_parser.py`` (P64's
-target), and the image still carries vLLM 0.20.1 in its dist-info, so the bump must read the
+target, and P61c's), and the image still carries vLLM 0.20.1 in its dist-info, so the bump must read the
 version from the image, not from the tag. Both pins' sources are read from the images
 (``ImageSource``), the candidate's digest is locked as skopeo sees it.
 """
@@ -87,11 +87,12 @@ def test_bump_to_image_locks_digest_and_reads_version_from_image(capsys, files, 
     assert report["to"]["source"].startswith(f"image docker.io/{CANDIDATE}@{candidate} (3 of 6 layers read)")
     new = {row["patch"]: row["new"] for row in report["patches"]}
     old = {row["patch"]: row["old"] for row in report["patches"]}
-    # the removed file is the only difference between the two images
-    assert old["P64"] == "APPLIES" and new.pop("P64") == "TARGET_GONE"
-    assert new == {pid: verdict for pid, verdict in old.items() if pid != "P64"}
+    # the removed file is the only difference between the two images: both its patches lose it
+    for pid in ("P61c", "P64"):
+        assert old[pid] == "APPLIES" and new.pop(pid) == "TARGET_GONE"
+    assert new == {pid: verdict for pid, verdict in old.items() if pid not in ("P61c", "P64")}
     assert old["P65"] == "APPLIES"
-    assert report["reanchor"] == ["P64"] and report["retire"] == []
+    assert report["reanchor"] == ["P61c", "P64"] and report["retire"] == []
     assert report["ok"] is True and report["written"] is True and report["forced"] == []
     image = next(i for i in report["images"] if i["image"] == "e2e-p65")
     assert image["broken"] == [] and image["builds_on_candidate"] is False

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from kiln import paths
-from kiln.definitions import load_definition
+from kiln.definitions import load_definition, load_definitions
 from kiln.errors import KilnError
 from kiln.oci.reference import parse_reference
 from kiln.pins import load_pins
@@ -37,12 +37,26 @@ def qwen(catalogue):
     return image, image.pins_of(pins)[0]
 
 
-def test_every_sm_of_the_real_image_gives_valid_values(qwen, validator):
-    image, pin = qwen
+def _shipped(catalogue) -> list[tuple]:
+    """Every image definition of ``images/`` with every pin it is built for."""
+    pins = load_pins(paths.PINS)
+    return [(image, pin) for image in load_definitions(paths.IMAGES, catalogue, pins) for pin in image.pins_of(pins)]
+
+
+def test_the_shipped_images_are_checked(catalogue):
+    assert {(image.name, pin.name) for image, pin in _shipped(catalogue)} == {
+        (name, pin) for name in ("qwen3.6-27b-tq", "qwen3.6-35b-a3b-fp8") for pin in ("v0.33.0", "v0.20.1")}
+
+
+@pytest.mark.parametrize("case", range(4), ids=lambda i: f"image-pin-{i}")
+def test_every_sm_of_every_shipped_image_gives_valid_values(catalogue, validator, case):
+    image, pin = _shipped(catalogue)[case]
+    # an image without its own repository (users set theirs) is named by --repository
+    repository = image.repository or f"ghcr.io/example/vllm-{image.name}"
     for sm in image.sms:
-        values = helm_values(image, pin, sm, image.repository, image.tag(pin.cuda, sm, pin), DIGEST)
+        values = helm_values(image, pin, sm, repository, image.tag(pin.cuda, sm, pin), DIGEST)
         validator.validate(values)
-        assert values["image"] == {"repository": image.repository, "tag": image.tag(pin.cuda, sm, pin),
+        assert values["image"] == {"repository": repository, "tag": image.tag(pin.cuda, sm, pin),
                                    "digest": DIGEST, "pullPolicy": "IfNotPresent"}
         assert values["model"] == {"id": image.model.id}
         assert values["serve"]["args"] == list(image.serve_args)

@@ -25,6 +25,9 @@ Images, under the real Docker Hub name so a mirror ``docker.io=<host>`` stands i
     vllm/vllm-openai:v0.20.1-triton36 ``base`` + a layer replacing triton 3.5.0's dist-info with
                                       3.6.0's (the Triton the test toolchain runs)
     vllm/vllm-openai:v0.20.1-notriton ``base`` + a layer whiting out triton's dist-info
+    vllm/vllm-openai:nightly-<sha>    nightly-shaped: ``base`` + a layer replacing vLLM's dist-info by
+                                      one carrying the dev version ``NIGHTLY_VERSION`` (no wheel on
+                                      PyPI has it) and rewriting ``vllm/_version.py`` (plain only)
     test/no-vllm:1                    rootfs + filler-cuda only (plain registry only)
 registry_basic and registry_token hold only ``vllm/vllm-openai:v0.20.1``.
 """
@@ -56,6 +59,10 @@ import requests
 from kiln.cache import cache_root
 
 VLLM_VERSION = "0.20.1"
+# A nightly build's version, as vLLM's nightly images carry one (0.20.1's files under it).
+NIGHTLY_VERSION = "0.20.2rc1.dev424+g3f5a1e173"
+NIGHTLY_TAG = "nightly-3f5a1e1733200760169ff31ebe60a271072b199e"
+NIGHTLY_MARK = "# kiln fixture: a nightly build's own file"
 SITE = "usr/local/lib/python3.12/dist-packages"
 REPO = "vllm/vllm-openai"
 USER, PASSWORD = "testuser", "testpass"
@@ -336,6 +343,37 @@ def _blob(layout: Path, data: bytes) -> tuple[str, int]:
     return f"sha256:{digest}", len(data)
 
 
+def _record_hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def _nightly_layer(dest: Path, release_site: Path) -> None:
+    """A layer over ``base`` making it a nightly: the dev dist-info, and its ``_version.py``."""
+    release_info = f"vllm-{VLLM_VERSION}.dist-info"
+    info = f"vllm-{NIGHTLY_VERSION}.dist-info"
+    (dest / info).mkdir(parents=True)
+    (dest / f".wh.{release_info}").write_bytes(b"")
+    version_py = (f"{NIGHTLY_MARK}\n__version__ = version = {NIGHTLY_VERSION!r}\n"
+                  f"__version_tuple__ = version_tuple = (0, 20, 2, 'rc1', 'dev424', 'g3f5a1e173')\n").encode()
+    (dest / "vllm").mkdir()
+    (dest / "vllm/_version.py").write_bytes(version_py)
+    metadata = (release_site / release_info / "METADATA").read_text().replace(
+        f"\nVersion: {VLLM_VERSION}\n", f"\nVersion: {NIGHTLY_VERSION}\n", 1)
+    assert f"Version: {NIGHTLY_VERSION}" in metadata
+    (dest / info / "METADATA").write_text(metadata)
+    lines = []
+    for line in (release_site / release_info / "RECORD").read_text().splitlines():
+        path = line.split(",", 1)[0].replace(release_info + "/", info + "/")
+        if path == "vllm/_version.py":
+            line = f"{path},{_record_hash(version_py)},{len(version_py)}"
+        elif path == f"{info}/METADATA":
+            line = f"{path},{_record_hash(metadata.encode())},{len(metadata.encode())}"
+        elif path.startswith(info + "/"):
+            line = f"{path},,"
+        lines.append(line)
+    (dest / info / "RECORD").write_text("\n".join(lines) + "\n")
+
+
 def build_base_layout(work: Path, wheel: Path) -> BaseLayout:
     work.mkdir(parents=True, exist_ok=True)
     rnd = random.Random(20240101)
@@ -409,6 +447,11 @@ def build_base_layout(work: Path, wheel: Path) -> BaseLayout:
                 f"Metadata-Version: 2.1\nName: triton\nVersion: {triton}\n")
         run("umoci", "raw", "add-layer", "--image", f"{layout}:base", "--tag", tag,
             "--history.created_by", f"fixture {tag}", _tar(work / "trees" / tag, work / f"{tag}.tar"))
+    # a nightly-shaped image: the dist-info of a dev build (its RECORD and METADATA name the dev
+    # version) replaces the release's, and one module differs from every wheel.
+    _nightly_layer(work / "trees" / "nightly" / SITE, trees["vllm"] / SITE)
+    run("umoci", "raw", "add-layer", "--image", f"{layout}:base", "--tag", "nightly",
+        "--history.created_by", "fixture nightly", _tar(work / "trees" / "nightly", work / "nightly.tar"))
     # an amd64 image without vLLM (rootfs + a filler), for the "base has no vLLM" error.
     run("umoci", "new", "--image", f"{layout}:novllm")
     run("umoci", "config", "--image", f"{layout}:novllm", "--architecture", "amd64", "--os", "linux")
@@ -494,6 +537,7 @@ def _push_all(server: RegistryServer, layout: BaseLayout, full: bool) -> None:
         server.push(layout.oci("novllm"), "test/no-vllm:1")
         server.push(layout.oci("triton36"), f"{REPO}:v{VLLM_VERSION}-triton36")
         server.push(layout.oci("notriton"), f"{REPO}:v{VLLM_VERSION}-notriton")
+        server.push(layout.oci("nightly"), f"{REPO}:{NIGHTLY_TAG}")
 
 
 @pytest.fixture(scope="session")

@@ -310,7 +310,7 @@ def test_verdict_on_0201_applies(catalogue, sessions):
 
 
 def test_verdict_on_0330_is_upstream_in_another_shape(catalogue, sessions):
-    session = sessions("vllm-0.33.0")
+    session = sessions("v0.33.0")
     outcome = isolated_run(catalogue, session, BuildTarget(Version("0.33.0")), "P60").outcomes["P60"]
     assert outcome.verdict is Verdict.UPSTREAM, outcome.detail
     assert RUNNER in outcome.detail and GDN_ATTN in outcome.detail

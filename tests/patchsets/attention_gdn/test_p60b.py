@@ -39,7 +39,7 @@ def test_verdict_on_0201_applies(catalogue, sessions):
 
 
 def test_verdict_on_0330_follows_p60_upstream(catalogue, sessions):
-    session = sessions("vllm-0.33.0")
+    session = sessions("v0.33.0")
     outcomes = isolated_run(catalogue, session, BuildTarget(Version("0.33.0")), "P60b").outcomes
     assert outcomes["P60"].verdict is Verdict.UPSTREAM
     assert outcomes["P60b"].verdict is Verdict.GATED
@@ -47,7 +47,7 @@ def test_verdict_on_0330_follows_p60_upstream(catalogue, sessions):
 
 
 def test_on_its_own_0330_lacks_the_layer_file_and_the_kernel_parameters(catalogue, sessions):
-    session = sessions("vllm-0.33.0")
+    session = sessions("v0.33.0")
     patch = catalogue.get("P60b")
     pretend = {"P60": Outcome("P60", Verdict.APPLIES)}
     outcome = evaluate(patch, State(session), BuildTarget(Version("0.33.0")), pretend)

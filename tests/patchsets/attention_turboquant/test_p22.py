@@ -123,7 +123,7 @@ def test_cu_seqlens_stay_on_the_device_and_are_updated_in_place(patched, pristin
 def test_verdicts(catalogue, sessions):
     session = sessions("v0.20.1")
     assert isolated_run(catalogue, session, BuildTarget(session.tree.vllm_version), "P22").outcomes["P22"].verdict is Verdict.APPLIES
-    session = sessions("vllm-0.33.0")
+    session = sessions("v0.33.0")
     outcome = isolated_run(catalogue, session, BuildTarget(session.tree.vllm_version), "P22").outcomes["P22"]
     assert outcome.verdict is Verdict.UPSTREAM
     assert "_reserve_workspace" in outcome.detail and "WorkspaceManager" in outcome.detail

@@ -116,7 +116,7 @@ def test_dense_models_keep_boundary_protection(run, patched_block, pristine_bloc
     assert run(patched_block, dense, ["5"]) == run(pristine_block, dense, ["5"]) == ["0", "1", "5", "34", "35"]
 
 
-@pytest.mark.parametrize(("label", "expected"), [("v0.20.1", Verdict.APPLIES), ("vllm-0.33.0", Verdict.UPSTREAM)])
+@pytest.mark.parametrize(("label", "expected"), [("v0.20.1", Verdict.APPLIES), ("v0.33.0", Verdict.UPSTREAM)])
 def test_verdicts(catalogue, sessions, label, expected):
     session = sessions(label)
     outcome = isolated_run(catalogue, session, BuildTarget(session.tree.vllm_version), "P4").outcomes["P4"]

@@ -136,17 +136,15 @@ TARGET_FILE = "v1/attention/backends/turboquant_attn.py"
 def test_verdicts(catalogue, sessions):
     session = sessions("v0.20.1")
     assert isolated_run(catalogue, session, BuildTarget(session.tree.vllm_version), "P44").outcomes["P44"].verdict is Verdict.APPLIES
-    session = sessions("vllm-0.33.0")
+    session = sessions("v0.33.0")
     outcome = isolated_run(catalogue, session, BuildTarget(session.tree.vllm_version), "P44").outcomes["P44"]
-    # half upstream: torch.zeros became torch.empty (no zero fill); the per-call allocation stays
-    assert outcome.verdict is Verdict.DRIFTED
+    # the zero fill is gone (torch.zeros became torch.empty); the allocation left is retired with it
+    assert outcome.verdict is Verdict.UPSTREAM
     # the detail names the line of vLLM's own `attn_out = torch.empty(N, ...)` in the pristine file
     lines = session.tree.read(TARGET_FILE).splitlines()
     line = next(n for n, text in enumerate(lines, 1) if text.strip() == "attn_out = torch.empty(")
-    assert outcome.detail == (
-        "edits disagree (applies, upstream); DropMixedBatchZeroFill: upstream shape present in "
-        f"{TARGET_FILE}:{line}"
-    )
+    assert f"allocates the mixed-batch output with torch.empty ({TARGET_FILE}:{line})" in outcome.detail
+    assert "torch.zeros(" not in "\n".join(lines[line - 1:line + 6])
 
 
 def test_applying_twice_is_already_patched(catalogue, sessions):

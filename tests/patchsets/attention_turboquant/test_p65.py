@@ -48,7 +48,7 @@ def test_without_spec_decode_keeps_uniform_batch(builder_cls):
     assert builder_cls.get_cudagraph_support(config, None) is AttentionCGSupport.UNIFORM_BATCH
 
 
-@pytest.mark.parametrize("label", ["v0.20.1", "vllm-0.33.0"])
+@pytest.mark.parametrize("label", ["v0.20.1", "v0.33.0"])
 def test_patched_file_keeps_the_classvar_and_adds_the_override(catalogue, sessions, label):
     text = patched_files(catalogue, sessions(label), "P65")[TARGET]
     cls_src = extract(text, "TurboQuantMetadataBuilder")

@@ -30,7 +30,7 @@ from tests.patchsets.support.patchlib import patched_files
 
 BACKEND = "v1/attention/backends/turboquant_attn.py"
 KERNEL = "v1/attention/ops/triton_turboquant_spec_verify.py"
-LABELS = ["v0.20.1", "vllm-0.33.0"]
+LABELS = ["v0.20.1", "v0.33.0"]
 
 
 @pytest.mark.parametrize("label", LABELS)
@@ -109,8 +109,8 @@ CASES = [
     ("v0.20.1", "turboquant_4bit_nc", 4),
     ("v0.20.1", "turboquant_k8v4", 3),
     ("v0.20.1", "turboquant_4bit_nc", 6),
-    ("vllm-0.33.0", "turboquant_4bit_nc", 3),
-    ("vllm-0.33.0", "turboquant_k8v4", 6),
+    ("v0.33.0", "turboquant_4bit_nc", 3),
+    ("v0.33.0", "turboquant_k8v4", 6),
 ]
 
 
@@ -126,7 +126,7 @@ def numerics(catalogue, sessions, tmp_path_factory):
         for lab, preset, group in CASES:
             if lab == label:
                 cases.append(dict(id=f"{label}-{preset}-{group}", root=root, backend=changed[BACKEND],
-                                  preset=preset, group=group, transposed=label == "vllm-0.33.0"))
+                                  preset=preset, group=group, transposed=label == "v0.33.0"))
     return tq.interpret(cases, where)
 
 

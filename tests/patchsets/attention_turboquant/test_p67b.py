@@ -30,7 +30,7 @@ from tests.patchsets.support import tq_interpret as tq
 from tests.patchsets.support.patchlib import patched_files
 
 TARGET = "v1/attention/backends/turboquant_attn.py"
-LABELS = ["v0.20.1", "vllm-0.33.0"]
+LABELS = ["v0.20.1", "v0.33.0"]
 
 
 @pytest.mark.parametrize("label", LABELS)
@@ -42,7 +42,7 @@ def test_verdict_applies_on_both(catalogue, sessions, label):
 
 
 def test_spec_as_decode_upstream_retires_it(catalogue, sessions):
-    session = sessions("vllm-0.33.0")
+    session = sessions("v0.33.0")
     text = session.tree.read(TARGET)
     assert text.count("supports_spec_as_decode=False") == 1
     import libcst as cst
@@ -150,8 +150,8 @@ def test_other_batches_keep_their_paths(catalogue, sessions, label):
 CASES = [
     ("v0.20.1", "turboquant_k8v4", 4),
     ("v0.20.1", "turboquant_4bit_nc", 3),
-    ("vllm-0.33.0", "turboquant_4bit_nc", 4),
-    ("vllm-0.33.0", "turboquant_k8v4", 3),
+    ("v0.33.0", "turboquant_4bit_nc", 4),
+    ("v0.33.0", "turboquant_k8v4", 3),
 ]
 
 
@@ -167,7 +167,7 @@ def numerics(catalogue, sessions, tmp_path_factory):
         for lab, preset, group in CASES:
             if lab == label:
                 cases.append(dict(id=f"{label}-{preset}-{group}", root=root, backend=changed[TARGET],
-                                  preset=preset, group=group, transposed=label == "vllm-0.33.0"))
+                                  preset=preset, group=group, transposed=label == "v0.33.0"))
     return tq.interpret(cases, where)
 
 

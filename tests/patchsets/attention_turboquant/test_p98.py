@@ -144,7 +144,7 @@ def test_verdicts(catalogue, sessions, sources):
     for session in sources.values():
         assert verdict(session).verdict is Verdict.APPLIES
     assert verdict(sessions("v0.20.1")).verdict is Verdict.GATED
-    upstream = verdict(sessions("vllm-0.33.0"))
+    upstream = verdict(sessions("v0.33.0"))
     assert upstream.verdict is Verdict.UPSTREAM
     assert upstream.detail.startswith(f"{tq.TARGET}:243: TurboQuantMetadataBuilder._reserve_workspace")
     first = Session(WheelSource(Version("0.24.0")).fetch())  # vllm#44053's release

@@ -20,7 +20,7 @@ from kiln.patch.model import BuildTarget, Verdict
 from tests.patchsets.support import tq_workspace as ws
 from tests.patchsets.support.patchlib import patched_files
 
-LABELS = ["v0.20.1", "vllm-0.33.0"]
+LABELS = ["v0.20.1", "v0.33.0"]
 DECODE = (((4, 8, 32, 129), torch.float32), ((4, 8, 128), torch.bfloat16), ((4, 8), torch.float32))
 BIGGER = (((1, 2, 4096, 128), torch.float16), ((1, 2, 4096, 128), torch.float16))  # 4 MiB > DECODE
 
@@ -97,7 +97,7 @@ def test_locked_workspace_still_refuses_growth(texts, label, monkeypatch):
 
 def test_lanes_keep_their_own_views(texts, monkeypatch):
     """0.33.0 keys workspaces by (ubatch, lane); the memo does the same."""
-    _, patched = texts["vllm-0.33.0"]
+    _, patched = texts["v0.33.0"]
     module, memo = _manager(patched, monkeypatch, num_lanes=2)
     lane0 = memo.get_simultaneous(*DECODE)
     with module.use_workspace_lane(1):

@@ -19,7 +19,7 @@ from kiln.patch.model import BuildTarget, Verdict
 from tests.patchsets.support import tq_prefill as tp
 from tests.patchsets.support.patchlib import patched_files
 
-LABELS = ["v0.20.1", "vllm-0.33.0"]
+LABELS = ["v0.20.1", "v0.33.0"]
 PATCHED_BUILDER = ("build", "_prefill_has_cached_prefix")
 TOLERANCE = 2e-3  # fp16 output rounding
 
@@ -108,7 +108,7 @@ def test_upstream_guard_retires_it(catalogue, sessions):
     """vllm#46461's shape (a `_has_continuation` guard on the fast path) reads UPSTREAM, with file:line."""
     import libcst as cst
 
-    session = sessions("vllm-0.33.0")
+    session = sessions("v0.33.0")
     text = session.tree.read(tp.TARGET)
     bare = "if _HAS_FLASH_ATTN and attn_metadata.max_query_len == attn_metadata.max_seq_len:"
     assert text.count(bare) == 1
@@ -130,7 +130,7 @@ def test_composes_with_the_other_turboquant_patches(catalogue, sessions):
 
 
 def test_applying_twice_is_already_patched(catalogue, sessions):
-    session = sessions("vllm-0.33.0")
+    session = sessions("v0.33.0")
     target = BuildTarget(session.tree.vllm_version)
     first = isolated_run(catalogue, session, target, "PN401")
     again = isolated_run(catalogue, session.overlay(first.state.changed), target, "PN401")

@@ -36,10 +36,10 @@ def session_0210():
 
 @pytest.fixture(scope="module")
 def sources(sessions, session_0210):
-    return {"0.21.0": session_0210, "vllm-0.33.0": sessions("vllm-0.33.0")}
+    return {"0.21.0": session_0210, "v0.33.0": sessions("v0.33.0")}
 
 
-@pytest.mark.parametrize("label", ["0.21.0", "vllm-0.33.0"])
+@pytest.mark.parametrize("label", ["0.21.0", "v0.33.0"])
 @pytest.mark.parametrize("case", sorted(OVERSTATED))
 def test_verify_rows_attend_their_true_context(catalogue, sources, label, case):
     session = sources[label]
@@ -60,7 +60,7 @@ def _continuations(batch):
     return [row for row in batch.rows if 1 < row.q_len < row.seq_len]
 
 
-@pytest.mark.parametrize("label", ["0.21.0", "vllm-0.33.0"])
+@pytest.mark.parametrize("label", ["0.21.0", "v0.33.0"])
 def test_exact_host_lengths_give_the_same_output(catalogue, sources, label):
     session = sources[label]
     utils = session.tree.read(tp.UTILS)
@@ -91,7 +91,7 @@ def test_applies_on_every_release_since_0210(catalogue, version):
 def test_device_lengths_upstream_retire_it(catalogue, sessions):
     import libcst as cst
 
-    session = sessions("vllm-0.33.0")
+    session = sessions("v0.33.0")
     text = session.tree.read(tp.TARGET)
     host = "synth_seq_lens = _arange_cache[cached_len + 1 : seq_len + 1]"
     assert text.count(host) == 1
@@ -102,7 +102,7 @@ def test_device_lengths_upstream_retire_it(catalogue, sessions):
 
 
 def test_composes_with_pn401_and_the_spec_decode_choices(catalogue, sessions):
-    session = sessions("vllm-0.33.0")
+    session = sessions("v0.33.0")
     target = BuildTarget(session.tree.vllm_version)
     for ids in (["P65", "PN401", "PN401b"], ["P67", "PN401", "PN401b"]):
         result = run_selection(catalogue, session, target, ids)

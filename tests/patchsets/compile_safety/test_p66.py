@@ -132,7 +132,7 @@ def test_cudagraphs_off_is_untouched(patched, compilation_config_cls):
 def test_verdicts(catalogue, sessions):
     session = sessions("v0.20.1")
     assert isolated_run(catalogue, session, BuildTarget(session.tree.vllm_version), "P66").outcomes["P66"].verdict is Verdict.APPLIES
-    session = sessions("vllm-0.33.0")
+    session = sessions("v0.33.0")
     outcome = isolated_run(catalogue, session, BuildTarget(session.tree.vllm_version), "P66").outcomes["P66"]
     assert outcome.verdict is Verdict.UPSTREAM
     assert "uniform_decode_sizes" in outcome.detail

@@ -84,7 +84,7 @@ def test_smaller_mamba_page_is_padded_not_asserted(unify, pristine_unify, specs)
     assert out["mamba"].page_size_padded == attention.page_size_bytes
 
 
-@pytest.mark.parametrize(("label", "expected"), [("v0.20.1", Verdict.APPLIES), ("vllm-0.33.0", Verdict.UPSTREAM)])
+@pytest.mark.parametrize(("label", "expected"), [("v0.20.1", Verdict.APPLIES), ("v0.33.0", Verdict.UPSTREAM)])
 def test_verdicts(catalogue, sessions, label, expected):
     session = sessions(label)
     outcome = isolated_run(catalogue, session, BuildTarget(session.tree.vllm_version), "P5").outcomes["P5"]

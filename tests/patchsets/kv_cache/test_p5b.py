@@ -186,7 +186,7 @@ def test_store_kernels_take_the_strided_cache(patched, trees):
     assert store.count("# kiln P5b:") == 2
 
 
-@pytest.mark.parametrize(("label", "expected"), [("v0.20.1", Verdict.APPLIES), ("vllm-0.33.0", Verdict.UPSTREAM)])
+@pytest.mark.parametrize(("label", "expected"), [("v0.20.1", Verdict.APPLIES), ("v0.33.0", Verdict.UPSTREAM)])
 def test_verdicts(catalogue, sessions, label, expected):
     session = sessions(label)
     outcome = isolated_run(catalogue, session, BuildTarget(session.tree.vllm_version), "P5b").outcomes["P5b"]

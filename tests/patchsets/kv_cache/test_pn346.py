@@ -187,7 +187,7 @@ def test_verdicts_across_releases(catalogue, version, verdict):
 
 
 def test_upstream_on_0330_names_the_line(catalogue, sessions):
-    session = sessions("vllm-0.33.0")
+    session = sessions("v0.33.0")
     outcome = isolated_run(catalogue, session, BuildTarget(session.tree.vllm_version), "PN346").outcomes["PN346"]
     assert outcome.verdict is Verdict.UPSTREAM
     assert outcome.detail.startswith(f"{COORDINATOR}:875:")

@@ -104,7 +104,7 @@ def test_verdicts(catalogue, sessions):
     again = isolated_run(catalogue, old.overlay(first.state.changed), target, "P110")
     assert again.outcomes["P110"].verdict is Verdict.ALREADY_PATCHED
 
-    new = sessions("vllm-0.33.0")
+    new = sessions("v0.33.0")
     outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "P110").outcomes[
         "P110"
     ]

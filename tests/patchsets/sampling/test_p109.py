@@ -171,7 +171,7 @@ def test_verdicts(catalogue, sessions):
     again = isolated_run(catalogue, old.overlay(first.state.changed), target, "P109")
     assert again.outcomes["P109"].verdict is Verdict.ALREADY_PATCHED  # its own code is not "upstream"
 
-    new = sessions("vllm-0.33.0")
+    new = sessions("v0.33.0")
     outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "P109").outcomes[
         "P109"
     ]

@@ -259,7 +259,7 @@ def guard(catalogue):
     return edit.patched
 
 
-LABELS = ["v0.20.1", "vllm-0.33.0"]
+LABELS = ["v0.20.1", "v0.33.0"]
 
 
 @pytest.mark.parametrize("label", LABELS)

@@ -422,7 +422,7 @@ def test_upstream_on_0330_detected_by_shape(catalogue, sessions, edits):
     from kiln.patch.engine import isolated_run
     from kiln.patch.model import BuildTarget, Verdict
 
-    session = sessions("vllm-0.33.0")
+    session = sessions("v0.33.0")
     outcome = isolated_run(
         catalogue, session, BuildTarget(session.tree.vllm_version), "P62"
     ).outcomes["P62"]

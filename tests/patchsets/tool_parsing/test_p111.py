@@ -218,7 +218,7 @@ def test_verdicts(catalogue, sessions):
     again = isolated_run(catalogue, old.overlay(first.state.changed), target, "P111")
     assert again.outcomes["P111"].verdict is Verdict.ALREADY_PATCHED
 
-    new = sessions("vllm-0.33.0")
+    new = sessions("v0.33.0")
     outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "P111").outcomes[
         "P111"
     ]

@@ -128,7 +128,7 @@ def test_verdicts(catalogue, sessions):
 
     # 0.33.0: the old parser file is gone and qwen3_coder is served by the streaming parser
     # engine, which emits every event of a delta in one message: UPSTREAM, with the places.
-    new = sessions("vllm-0.33.0")
+    new = sessions("v0.33.0")
     assert not new.tree.exists(PARSER)
     outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "P64").outcomes[
         "P64"

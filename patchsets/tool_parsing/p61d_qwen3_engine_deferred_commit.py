@@ -1,0 +1,208 @@
+"""P61d: the qwen3 parser engine commits to a tool call only once ``<function=`` follows ``<tool_call>``.
+
+P61c for the parser engine. From 0.24.0 ``qwen3_coder`` (and the ``qwen3`` reasoning parser)
+are adapters of one streaming engine (``parser/engine/``, configured by ``qwen3_config`` in
+``parser/qwen3.py``), and P61c's file is gone. The failure it fixed survived the rewrite, and
+widened. ``<tool_call>`` moves the engine from content (or reasoning) to the ``TOOL_PREAMBLE``
+state and emits ``TOOL_CALL_START``; text in that state has no content event
+(``ParserEngineConfig.content_events`` names none for it, so ``_emit_for_state`` returns
+nothing) and is dropped until a ``<function=`` header or ``</tool_call>``. A tag the model
+writes without a header after it (mentioned in prose, emitted mid-thought, or followed by a
+Hermes-style JSON body ``<tool_call>{"name": ...}``) silences the stream and loses the text
+after it, up to the next real call or the end: in the streaming result and, the engine being
+the same, in the non-streaming one too (on 0.20.1 only streaming lost it). Run on 0.24.0 and
+0.33.0 through the real adapter (``tests/patchsets/tool_parsing/test_p61d.py``): "Use the
+<tool_call> tag. Done." comes back as "Use the ".
+
+What the patch does, for configs that ask for it (``qwen3_config`` does; no other model's
+engine changes): a transition into ``TOOL_PREAMBLE`` that starts a call holds the call's start
+event. Whitespace after the tag is held too, as the header may still follow (the engine's
+lexer never hands out part of a terminal, so a partial ``<function=`` never arrives as text).
+Any other text releases the tag: the tag, the held whitespace and the text become one content
+chunk, the engine goes back to content, and the call is taken back: its index, and its start
+event, which becomes an empty text chunk, so when the tag came in the same delta (always, for
+non-streaming) the adapter sees no call at all and keeps the content in order; an event
+already returned with an earlier delta opened a call that stays empty and is skipped.
+``<function=`` or ``</tool_call>`` after the tag behave exactly as before. As in P61c, a
+stream that ends while a tag is held sends nothing (as the original did).
+
+Upstream: none (club-3090#72's case, Genesis P61c; the engine has no such rule on 0.33.0).
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1-0.23.0: GATED (``vllm>=0.24.0``): the engine does not exist; P61c covers these.
+- 0.24.0 on: APPLIES. 0.24.0 serves ``qwen3_coder`` by ``Qwen3EngineToolParser``
+  (``tool_parsers/qwen3_engine_tool_parser.py``, an adapter of ``Qwen3Parser``; vllm#45413 as
+  recorded for P64). ``(CONTENT, TOOL_START) -> TOOL_PREAMBLE`` (``parser/qwen3.py:123`` on
+  0.24.0, ``:205`` on 0.33.0) and the missing content event for ``TOOL_PREAMBLE``
+  (``_emit_for_state``, ``parser/engine/streaming_parser_engine.py:279`` on 0.24.0, ``:483`` on
+  0.33.0) are unchanged through 0.33.0; every codemod's anchor is found on every release.
+"""
+
+import libcst as cst
+import libcst.matchers as m
+
+from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.shapes import assign_to, cls, func, insert_after, marked, statements, with_marker
+
+CONFIG_FILE = "parser/engine/parser_engine_config.py"
+QWEN3_FILE = "parser/qwen3.py"
+ENGINE_FILE = "parser/engine/streaming_parser_engine.py"
+ENGINE = cls("StreamingParserEngine")
+FLAG = "release_unheaded_tool_calls"
+
+
+def _assigns_self(attr: str, **kwargs) -> m.SimpleStatementLine:
+    """``self.<attr> = ...`` (annotated or not)."""
+    target = m.Attribute(value=m.Name("self"), attr=m.Name(attr))
+    return m.SimpleStatementLine(
+        body=[m.OneOf(m.Assign(targets=[m.AssignTarget(target=target)]), m.AnnAssign(target=target))], **kwargs
+    )
+
+
+class AddReleaseFlag(Codemod):
+    """``ParserEngineConfig`` gains the switch, off by default (other models' engines unchanged)."""
+
+    target = CONFIG_FILE
+    anchor = (cls("ParserEngineConfig"), assign_to("initial_state"))
+    patched = (cls("ParserEngineConfig"),
+               m.SimpleStatementLine(body=[m.AnnAssign(target=m.Name(FLAG))], leading_lines=marked("P61d")))
+
+    def rewrite(self, node):
+        (flag,) = statements(f"{FLAG}: bool = False")
+        why = "a <tool_call> with no <function= header after it is released as content"
+        return insert_after(node, with_marker(flag, "P61d", why))
+
+
+def _returns_config(**kwargs) -> m.SimpleStatementLine:
+    """``return ParserEngineConfig(...)``."""
+    return m.SimpleStatementLine(body=[m.Return(value=m.Call(func=m.Name("ParserEngineConfig")))], **kwargs)
+
+
+class Qwen3ConfigReleasesUnheadedCalls(Codemod):
+    """``qwen3_config`` (qwen3, qwen3_coder and the parsers sharing its grammar) turns it on."""
+
+    target = QWEN3_FILE
+    anchor = (func("qwen3_config"), _returns_config())
+    patched = (func("qwen3_config"), _returns_config(leading_lines=marked("P61d")))
+
+    def rewrite(self, node):
+        call = node.body[0].value
+        *before, last = call.args
+        # the new keyword goes last: it takes the last argument's comma (what leads to the
+        # closing parenthesis), the last argument takes the one between arguments
+        tight = cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace(""))
+        flag = before[-1].with_changes(keyword=cst.Name(FLAG), value=cst.Name("True"), equal=tight, comma=last.comma)
+        new_call = call.with_changes(args=[*before, last.with_changes(comma=before[-1].comma), flag])
+        why = "a <tool_call> commits to a call only once its <function= header follows"
+        return with_marker(node.with_changes(body=[node.body[0].with_changes(value=new_call)]), "P61d", why)
+
+
+class HeldToolStartState(Codemod):
+    """Per-stream state: the held tag's start event, and the whitespace held after it."""
+
+    target = ENGINE_FILE
+    anchor = (ENGINE, func("reset"), _assigns_self("tool_index"))
+    patched = (ENGINE, func("reset"), _assigns_self("_held_tool_start", leading_lines=marked("P61d")))
+
+    def rewrite(self, node):
+        held, preamble = statements(
+            """
+            self._held_tool_start: SemanticEvent | None = None  # a <tool_call>'s start event
+            self._held_preamble = ""  # the whitespace after it, held with it
+            """
+        )
+        return insert_after(node, with_marker(held, "P61d", "per stream: a held <tool_call>"), preamble,
+                            blank_line=False)
+
+
+EVENTS_LOOP = m.For(iter=m.Attribute(value=m.Name("transition"), attr=m.Name("events")))
+
+
+class HoldOnEnteringPreamble(Codemod):
+    """A transition into ``TOOL_PREAMBLE`` that starts a call holds its start event."""
+
+    target = ENGINE_FILE
+    anchor = (ENGINE, func("_apply_transition"), EVENTS_LOOP)
+    patched = (ENGINE, func("_apply_transition"), _assigns_self("_held_tool_start", leading_lines=marked("P61d")))
+
+    def rewrite(self, node):
+        held, preamble = statements(
+            """
+            self._held_tool_start = (
+                events[-1]
+                if self.state == ParserState.TOOL_PREAMBLE
+                and self.config.release_unheaded_tool_calls
+                and events
+                and events[-1].type == EventType.TOOL_CALL_START
+                else None
+            )
+            self._held_preamble = ""
+            """
+        )
+        why = "<function= (or </tool_call>) decides a held <tool_call>; text first releases it"
+        return insert_after(node, with_marker(held, "P61d", why), preamble, blank_line=False)
+
+
+RELEASE = '''
+    def _release_unheaded_tool_start(self, text: str) -> list[SemanticEvent]:
+        """Text after a held <tool_call> that is not its <function= header.
+
+        Whitespace is held (the header may follow). Anything else releases the tag, the held
+        whitespace and the text as one content chunk, back in the content state, and takes
+        the call back: its index, and its start event, which becomes an empty text chunk. Not
+        yet returned (the tag came in this delta), the caller then sees no call at all;
+        returned with an earlier delta, it opened a call that stays empty, and callers skip
+        a call without a name.
+        """
+        self._held_preamble += text
+        if not self._held_preamble.strip():
+            return []
+        start = self._held_tool_start
+        released = start.value + self._held_preamble
+        self._held_tool_start, self._held_preamble = None, ""
+        self.state = ParserState.CONTENT
+        self.tool_index -= 1
+        start.type, start.value = EventType.TEXT_CHUNK, ""
+        return [
+            SemanticEvent(EventType.TEXT_CHUNK, value=released, tool_index=self.tool_index)
+        ]
+'''
+
+
+class ReleaseUnheadedToolStart(Codemod):
+    """Text reaching ``_emit_for_state`` while a tag is held goes to the release rule first."""
+
+    target = ENGINE_FILE
+    anchor = (ENGINE, func("_emit_for_state"))
+    patched = (ENGINE, func("_release_unheaded_tool_start", leading_lines=marked("P61d")))
+
+    def rewrite(self, node):
+        (guard,) = statements(
+            """
+            if self._held_tool_start is not None and self.state == ParserState.TOOL_PREAMBLE:
+                return self._release_unheaded_tool_start(text)
+            """
+        )
+        why = "a held <tool_call>: hold whitespace, release it as content on anything else"
+        body = node.body.with_changes(body=[with_marker(guard, "P61d", why), *node.body.body])
+        (holder,) = statements("class _:\n" + RELEASE)
+        (method,) = holder.body.body
+        release = with_marker(method.with_changes(leading_lines=[]), "P61d",
+                              "release a <tool_call> no <function= header follows")
+        return insert_after(node.with_changes(body=body), release)
+
+
+class P61d(Patch):
+    id = "P61d"
+    family = "tool_parsing"
+    title = "qwen3 parser engine: a <tool_call> without a <function= header is streamed as content"
+    why = (
+        "The parser engine drops all text after a <tool_call> until a <function= header or "
+        "</tool_call>: a tag mentioned in prose or mid-thought silences the stream and loses "
+        "the text after it (streaming and non-streaming), and shifts later call indices."
+    )
+    upstream_refs = ("club-3090#72",)
+    gates = Gates(vllm=">=0.24.0")
+    edits = (AddReleaseFlag, Qwen3ConfigReleasesUnheadedCalls, HeldToolStartState, HoldOnEnteringPreamble,
+             ReleaseUnheadedToolStart)
