@@ -42,13 +42,31 @@ def _kiln(python: str, cwd: Path, env: dict, *argv: str) -> subprocess.Completed
                           capture_output=True, text=True, timeout=900)
 
 
+_NO_TORCH = """import sys
+
+
+class _Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("torch", "numpy"):
+            raise ModuleNotFoundError(f"No module named {name!r} (the README's install has none)")
+
+
+sys.meta_path.insert(0, _Refuse())
+"""
+
+
 def _other_venv(root: Path) -> str:
-    """A second interpreter path (another venv) that sees kiln's packages, as another user's would."""
+    """A second interpreter path (another venv) that sees kiln's packages, as another user's would,
+    but not torch or numpy: the README's install has neither, and a build must not need them."""
     venv.EnvBuilder(with_pip=False).create(root)
     [site] = root.glob("lib/python3*/site-packages")
     own = next(p for p in sys.path if p.endswith("site-packages") and Path(p, "libcst").is_dir())
-    (site / "kiln-test.pth").write_text(f"import site; site.addsitedir({own!r})\n")
-    return str(root / "bin" / "python")
+    (site / "kiln_no_torch.py").write_text(_NO_TORCH)
+    (site / "kiln-test.pth").write_text(f"import site; site.addsitedir({own!r})\nimport kiln_no_torch\n")
+    python = str(root / "bin" / "python")
+    probe = subprocess.run([python, "-c", "import torch"], capture_output=True, text=True)
+    assert probe.returncode == 1 and "the README's install has none" in probe.stderr
+    return python
 
 
 def _layers(layout: Path) -> list[str]:
@@ -58,7 +76,8 @@ def _layers(layout: Path) -> list[str]:
 
 
 def test_shipped_definition_builds_bit_reproducibly(tmp_path, registry_plain):
-    """Two cold builds: other cache, toolchain location, working and temp directory, interpreter path."""
+    """Two cold builds: other cache, toolchain location, working and temp directory, interpreter path
+    (the second without torch or numpy)."""
     assert "[model.kernels]" in SHIPPED.read_text()  # the Triton layer is part of what is compared
     pins = _pins(tmp_path, registry_plain)
     results, layers = [], []
