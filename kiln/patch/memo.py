@@ -3,15 +3,17 @@ their inputs, so they are cached by them.
 
 Public API:
     VerdictMemo(root=None)       one patch's verdict (``verify``, ``pin bump``, the train)
-    SelectionMemo(root=None)     a whole selection's outcomes and patched files (``build``)
+    SelectionMemo(root=None)     a selection's outcomes and patched files, per independent group
+    independent_groups(catalogue, order) -> list[list[str]]
     patched_selection(catalogue, tree, target, ids, memo=None) -> PatchedSelection
     engine_digest()              the engine's code + libcst version, part of every key
 
 Key = the source tree's content address + the sha256 of each patch module (and of everything
 it requires) + the engine's own code and the libcst version + the build target (+ for a
 selection, the patch ids asked for). Change any input and the result is recomputed; nothing
-else can make it stale. ``diff`` and ``apply`` always run the codemods; a build reuses a
-selection it has patched before (a warm rebuild with nothing changed skips the patching).
+else can make it stale. ``diff`` and ``apply`` always run the codemods; a build reuses what it
+has patched before, per independent group of patches (``SelectionMemo``): a rebuild with
+nothing changed patches nothing, one with a patch module edited re-runs that patch's group.
 """
 
 from __future__ import annotations
@@ -84,13 +86,31 @@ class PatchedSelection:
 
     outcomes: dict[str, Outcome]
     changed: dict[str, str]  # vllm-relative path -> patched text, sorted
-    memoised: bool = False
+    patched: tuple[str, ...] = ()  # the patches this call ran (the rest came from the memo)
 
     def changed_text(self) -> dict[str, str]:
         return dict(self.changed)
 
 
+@dataclass(frozen=True)
+class _Group:
+    """One independent group's result, and every file its patches read (to check independence)."""
+
+    outcomes: list[Outcome]
+    changed: dict[str, str]
+    reads: frozenset[str]
+
+
 class SelectionMemo(_JsonMemo):
+    """A selection's result, remembered per *independent group* of its patches.
+
+    Patches that share no target file, ``requires`` or ``conflicts`` edge cannot see each
+    other's edits, so a group's outcomes and files depend only on its own patches: editing one
+    patch module re-runs its group alone. That holds only while no group *reads* a file another
+    group changes (an ``upstream_fix`` may look anywhere): every group records what it read,
+    and when that rule fails ``patched_selection`` runs the whole selection instead.
+    """
+
     kind = "selections"
 
     def key(self, tree: SourceTree, catalogue: Catalogue, target: BuildTarget, ids: list[str]) -> str:
@@ -98,27 +118,76 @@ class SelectionMemo(_JsonMemo):
         parts = [tree.identity, engine_digest(), repr(target), ",".join(ids), *modules]
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
-    def get(self, key: str) -> PatchedSelection | None:
+    def get(self, key: str) -> _Group | None:
         data = self._read(key)
         if not data:
             return None
-        outcomes = {o["patch"]: _outcome(o) for o in data["outcomes"]}
-        return PatchedSelection(outcomes, dict(sorted(data["changed"].items())), memoised=True)
+        return _Group([_outcome(o) for o in data["outcomes"]], data["changed"], frozenset(data["reads"]))
 
-    def put(self, key: str, selection: PatchedSelection) -> None:
-        self._write(key, {"outcomes": [o.to_json() for o in selection.outcomes.values()],
-                          "changed": selection.changed})
+    def put(self, key: str, group: _Group) -> None:
+        self._write(key, {"outcomes": [o.to_json() for o in group.outcomes], "changed": group.changed,
+                          "reads": sorted(group.reads)})
+
+
+class _ReadingSession(Session):
+    """A Session that notes every file a run asks for."""
+
+    def __init__(self, tree: SourceTree):
+        super().__init__(tree)
+        self.reads: set[str] = set()
+
+    def module(self, rel: str):
+        self.reads.add(rel)
+        return super().module(rel)
+
+
+def independent_groups(catalogue: Catalogue, order: list[str]) -> list[list[str]]:
+    """``order`` split into groups linked by a shared target file, ``requires`` or ``conflicts``."""
+    parent = {pid: pid for pid in order}
+
+    def root(pid: str) -> str:
+        while parent[pid] != pid:
+            pid = parent[pid]
+        return pid
+
+    owner: dict[str, str] = {}
+    for pid in order:
+        patch = catalogue.get(pid)
+        for other in [owner.setdefault(t, pid) for t in patch.targets] + [
+                o for o in (*patch.requires, *patch.conflicts) if o in parent]:
+            parent[root(pid)] = root(other)
+    groups: dict[str, list[str]] = {}
+    for pid in order:
+        groups.setdefault(root(pid), []).append(pid)
+    return list(groups.values())
 
 
 def patched_selection(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, ids: list[str],
                       memo: SelectionMemo | None = None) -> PatchedSelection:
-    """``run_selection`` on ``tree``, or its remembered result for exactly these inputs."""
-    key = memo.key(tree, catalogue, target, ids) if memo else ""
-    found = memo.get(key) if memo else None
-    if found is not None:
-        return found
+    """``run_selection`` on ``tree``, reusing what ``memo`` remembers for exactly these inputs."""
+    order = catalogue.closure(ids)
+    if memo is None:
+        return _whole(catalogue, tree, target, ids, order)
+    session = _ReadingSession(tree)
+    groups, patched = [], []
+    for group in independent_groups(catalogue, order):
+        key = memo.key(tree, catalogue, target, group)
+        found = memo.get(key)
+        if found is None:
+            session.reads = set()
+            result = run_selection(catalogue, session, target, group)
+            found = _Group(list(result.outcomes.values()), result.changed_text(), frozenset(session.reads))
+            memo.put(key, found)
+            patched += group
+        groups.append(found)
+    changed = {rel: text for group in groups for rel, text in group.changed.items()}
+    if any(group.reads & (changed.keys() - group.changed.keys()) for group in groups):
+        return _whole(catalogue, tree, target, ids, order)  # a group read another's output
+    outcomes = {o.patch_id: o for group in groups for o in group.outcomes}
+    return PatchedSelection({pid: outcomes[pid] for pid in order}, dict(sorted(changed.items())), tuple(patched))
+
+
+def _whole(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, ids: list[str],
+           order: list[str]) -> PatchedSelection:
     result = run_selection(catalogue, Session(tree), target, ids)
-    selection = PatchedSelection(dict(result.outcomes), result.changed_text())
-    if memo:
-        memo.put(key, selection)
-    return selection
+    return PatchedSelection(dict(result.outcomes), result.changed_text(), tuple(order))

@@ -1,5 +1,6 @@
-"""A build's patched selection is remembered by content: a warm rebuild skips the patching,
-and any changed input (patch module, source, target, selection, engine) patches again."""
+"""A build's patched selection is remembered by content, per independent group of patches: a
+warm rebuild patches nothing, an edited patch module re-runs its own group, and the result is
+always exactly what the engine computes for the whole selection."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from kiln import paths
 from kiln.definitions import load_definition
 from kiln.patch import memo as memo_module
 from kiln.patch.engine import Session, run_selection
-from kiln.patch.memo import SelectionMemo, patched_selection
+from kiln.patch.memo import SelectionMemo, independent_groups, patched_selection
 from kiln.pins import load_pins
 from kiln.source.tree import SourceTree
 
@@ -21,67 +22,83 @@ from kiln.source.tree import SourceTree
 def shipped(catalogue):
     pins = load_pins(paths.PINS)
     definition = load_definition(paths.IMAGES, "qwen3.6-27b-tq", catalogue, pins)
-    return definition, definition.target(pins["v0.20.1"], 120)
+    return list(definition.patches), definition.target(pins["v0.20.1"], 120)
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    calls = []
-    real = memo_module.run_selection
-
-    def counting(*args):
-        calls.append(args[3])
-        return real(*args)
-
-    monkeypatch.setattr(memo_module, "run_selection", counting)
-    return calls
+@pytest.fixture(scope="module")
+def whole(catalogue, tree_0201, shipped):
+    ids, target = shipped
+    return run_selection(catalogue, Session(tree_0201), target, ids)
 
 
-def test_second_call_reuses_the_first_exactly(tmp_path, catalogue, tree_0201, shipped, counted):
-    definition, target = shipped
+def _same(selection, result) -> None:
+    assert selection.changed_text() == result.changed_text()
+    assert [(o.patch_id, o.verdict, o.detail, o.files) for o in selection.outcomes.values()] == \
+           [(o.patch_id, o.verdict, o.detail, o.files) for o in result.outcomes.values()]
+
+
+def test_groups_share_no_file(catalogue, shipped):
+    ids, _ = shipped
+    groups = independent_groups(catalogue, catalogue.closure(ids))
+    assert sorted(pid for group in groups for pid in group) == sorted(catalogue.closure(ids))
+    assert ["P22", "P38", "P44", "P65"] in groups  # every patch of turboquant_attn.py together
+    files = [{t for pid in group for t in catalogue.get(pid).targets} for group in groups]
+    assert all(not (a & b) for i, a in enumerate(files) for b in files[i + 1:])
+
+
+def test_warm_patches_nothing_and_equals_the_engine(tmp_path, catalogue, tree_0201, shipped, whole):
+    ids, target = shipped
     memo = SelectionMemo(tmp_path)
-    ids = list(definition.patches)
     first = patched_selection(catalogue, tree_0201, target, ids, memo)
     again = patched_selection(catalogue, tree_0201, target, ids, memo)
-    assert len(counted) == 1 and not first.memoised and again.memoised
-    assert again.changed_text() == first.changed_text() and again.changed
-    assert [(o.patch_id, o.verdict, o.detail, o.files) for o in again.outcomes.values()] == \
-           [(o.patch_id, o.verdict, o.detail, o.files) for o in first.outcomes.values()]
-    # and what it remembers is what the engine computes
-    direct = run_selection(catalogue, Session(tree_0201), target, ids)
-    assert again.changed_text() == direct.changed_text()
+    assert sorted(first.patched) == sorted(catalogue.closure(ids)) and again.patched == ()
+    _same(first, whole)
+    _same(again, whole)
 
 
-def test_any_input_changed_patches_again(tmp_path, catalogue, tree_0201, shipped, counted):
-    definition, target = shipped
+def test_an_edited_patch_module_reruns_its_group_only(tmp_path, catalogue, tree_0201, shipped, whole):
+    ids, target = shipped
     memo = SelectionMemo(tmp_path)
-    ids = list(definition.patches)
+    patched_selection(catalogue, tree_0201, target, ids, memo)
+    edited = copy.copy(catalogue)
+    edited.digests = {**catalogue.digests, "P65": "0" * 64}
+    result = patched_selection(edited, tree_0201, target, ids, memo)
+    assert result.patched == ("P22", "P38", "P44", "P65")
+    _same(result, whole)
+
+
+def test_every_input_is_in_the_key(tmp_path, catalogue, tree_0201, shipped, monkeypatch):
+    ids, target = shipped
+    memo = SelectionMemo(tmp_path)
     base = memo.key(tree_0201, catalogue, target, ids)
     edited = copy.copy(catalogue)
     edited.digests = {**catalogue.digests, "P65": "0" * 64}
-    other_tree = SourceTree(tree_0201.root, tree_0201.vllm_version, "sha256:" + "1" * 64, "elsewhere")
     keys = {
         "patch module edited": memo.key(tree_0201, edited, target, ids),
-        "other source": memo.key(other_tree, catalogue, target, ids),
+        "other source": memo.key(SourceTree(tree_0201.root, tree_0201.vllm_version, "sha256:" + "1" * 64, "x"),
+                                 catalogue, target, ids),
         "other SM": memo.key(tree_0201, catalogue, dataclasses.replace(target, sm=86), ids),
         "one patch fewer": memo.key(tree_0201, catalogue, target, ids[:-1]),
     }
-    assert base not in keys.values() and len(set(keys.values())) == len(keys)
-    patched_selection(catalogue, tree_0201, target, ids, memo)
-    patched_selection(edited, tree_0201, target, ids, memo)  # another key: patched again
-    assert len(counted) == 2
-
-
-def test_engine_code_is_part_of_the_key(tmp_path, catalogue, tree_0201, shipped, monkeypatch):
-    definition, target = shipped
-    memo = SelectionMemo(tmp_path)
-    before = memo.key(tree_0201, catalogue, target, list(definition.patches))
     monkeypatch.setattr(memo_module, "engine_digest", lambda: "an edited engine")
-    assert memo.key(tree_0201, catalogue, target, list(definition.patches)) != before
+    keys["engine edited"] = memo.key(tree_0201, catalogue, target, ids)
+    assert base not in keys.values() and len(set(keys.values())) == len(keys)
 
 
-def test_no_memo_always_patches(catalogue, tree_0201, shipped, counted):
-    definition, target = shipped
-    patched_selection(catalogue, tree_0201, target, list(definition.patches))
-    patched_selection(catalogue, tree_0201, target, list(definition.patches))
-    assert len(counted) == 2
+def test_a_group_that_read_another_groups_output_means_a_whole_run(tmp_path, catalogue, tree_0201, shipped, whole):
+    ids, target = shipped
+    memo = SelectionMemo(tmp_path)
+    patched_selection(catalogue, tree_0201, target, ids, memo)
+    key = memo.key(tree_0201, catalogue, target, ["P4"])
+    entry = memo.get(key)
+    memo.put(key, dataclasses.replace(entry, reads=entry.reads | {"config/vllm.py"}))  # P66's file
+    result = patched_selection(catalogue, tree_0201, target, ids, memo)
+    assert sorted(result.patched) == sorted(catalogue.closure(ids))  # not trusted: all patched again
+    _same(result, whole)
+
+
+def test_without_a_memo_everything_is_patched(catalogue, tree_0201, shipped, whole):
+    ids, target = shipped
+    result = patched_selection(catalogue, tree_0201, target, ids)
+    assert sorted(result.patched) == sorted(catalogue.closure(ids))
+    _same(result, whole)
