@@ -46,10 +46,7 @@ def isolated_registry_env(request, tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_REGISTRIES", str(tmp_path / "registries.toml"))
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "kiln-cache"))
     # the Triton toolchains (~190 MB each) are fetched once for all tests, not once per test
-    shared = TOOLCHAIN_CACHE / "triton" / "toolchains"
-    shared.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "kiln-cache" / "triton").mkdir(parents=True)
-    (tmp_path / "kiln-cache" / "triton" / "toolchains").symlink_to(shared)
+    monkeypatch.setenv("KILN_TRITON_TOOLCHAINS", str(TOOLCHAIN_CACHE / "triton" / "toolchains"))
 
 
 @pytest.fixture(scope="session")

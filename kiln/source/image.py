@@ -39,7 +39,7 @@ from kiln.errors import KilnError
 from kiln.oci.blobcache import BlobCache
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.image import Image, RemoteImage
-from kiln.oci.mediatypes import tar_mode
+from kiln.oci.mediatypes import open_layer_tar, tar_mode
 from kiln.oci.reference import ImageReference, parse_reference
 from kiln.oci.registry import RegistryClient, TransferStats
 from kiln.pausepoint import pause_point
@@ -84,7 +84,7 @@ def read_vllm(image: Image, cache: Path | None = None, reporter: Reporter = SILE
             with reporter.task(f"layer {descriptor.digest[7:19]}", total=descriptor.size) as task, \
                     image.open_layer(descriptor) as reader, _Prefetch(reader, task.advance) as stream:
                 try:
-                    with tarfile.open(fileobj=stream, mode=mode) as tar:
+                    with open_layer_tar(stream, mode) as tar:
                         walk.add_layer(tar, descriptor.digest)
                 except (tarfile.TarError, EOFError, OSError) as err:
                     raise KilnError(f"{image.name}: layer {descriptor.digest} is not a readable tar ({err})") from None

@@ -3,12 +3,13 @@
 Public API:
     Toolchain(version, site, fingerprint, wheel)
     toolchain_for(version, image, cache, reporter=SILENT) -> Toolchain
+    toolchains_dir(cache) -> Path     where toolchains live (``$KILN_TRITON_TOOLCHAINS`` to share one)
     STAGE                     the fixed directory the worker sees sources and Triton under
     SOURCE_MTIME              the mtime of every file the compile reads (toolchain and sources)
     stage_dir(), stage_link(name, target)
 
 The toolchain is fetched on demand, once per version, into
-``<cache>/triton/toolchains/triton-<version>/``: pip only *chooses* the wheel (``pip install
+``<cache>/triton/toolchains/triton-<version>/`` (or ``$KILN_TRITON_TOOLCHAINS/triton-<version>/``): pip only *chooses* the wheel (``pip install
 --dry-run --report``, so the machine's pip configuration and indexes apply), kiln downloads it
 with progress, checks its sha256 and unpacks it itself. Nothing else is installed: the worker
 needs no torch (``standin_torch.py``) and runs in kiln's own interpreter.
@@ -94,13 +95,19 @@ def toolchain_for(version: str | None, image: str, cache: Path, reporter: Report
     if not version:
         raise KilnError(f"{image}: base image has no Triton (no triton-*.dist-info next to vLLM); "
                         "cannot compile its kernel cache")
-    final = cache / "triton" / "toolchains" / f"triton-{version}"
+    final = toolchains_dir(cache) / f"triton-{version}"
     install_dir(final, lambda tmp: _fetch(version, image, tmp, reporter))
     try:
         marker = json.loads((final / _MARKER).read_text())
     except (OSError, ValueError):
         raise KilnError(f"{final}: not a toolchain kiln installed (no readable {_MARKER}); remove it") from None
     return Toolchain(version, final, marker["record_sha256"], marker["wheel"])
+
+
+def toolchains_dir(cache: Path) -> Path:
+    """``$KILN_TRITON_TOOLCHAINS`` (one directory several kiln caches share), else ``<cache>/triton/toolchains``."""
+    shared = os.environ.get("KILN_TRITON_TOOLCHAINS")
+    return Path(shared) if shared else cache / "triton" / "toolchains"
 
 
 def _fetch(version: str, image: str, into: Path, reporter: Reporter) -> None:

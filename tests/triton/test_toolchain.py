@@ -69,6 +69,7 @@ def test_download_checks_the_index_sha256_and_reports_progress(tmp_path):
 
 
 def test_fetched_once_then_reused_with_its_recorded_fingerprint(tmp_path, monkeypatch):
+    monkeypatch.delenv("KILN_TRITON_TOOLCHAINS", raising=False)
     wheel = _wheel(tmp_path / "triton-9.9.9-cp311-cp311-linux_x86_64.whl")
     calls = []
 
@@ -87,7 +88,15 @@ def test_fetched_once_then_reused_with_its_recorded_fingerprint(tmp_path, monkey
     assert not (first.site / wheel.name).exists()  # the wheel itself is not kept
 
 
-def test_a_version_the_index_lacks_is_named(tmp_path):
+def test_shared_directory_wins_over_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_TRITON_TOOLCHAINS", str(tmp_path / "shared"))
+    assert tc.toolchains_dir(tmp_path / "cache") == tmp_path / "shared"
+    monkeypatch.delenv("KILN_TRITON_TOOLCHAINS")
+    assert tc.toolchains_dir(tmp_path / "cache") == tmp_path / "cache/triton/toolchains"
+
+
+def test_a_version_the_index_lacks_is_named(tmp_path, monkeypatch):
+    monkeypatch.delenv("KILN_TRITON_TOOLCHAINS", raising=False)
     with pytest.raises(KilnError, match=r"img: no triton==0\.0\.1 wheel for this Python"):
         tc.toolchain_for("0.0.1", "img", tmp_path)
     assert not list((tmp_path / "triton" / "toolchains").glob("triton-*"))
