@@ -5,7 +5,7 @@ Public API:
     VerdictMemo(root=None)       one patch's verdict (``verify``, ``pin bump``, the train)
     SelectionMemo(root=None)     a selection's outcomes and patched files, per independent group
     independent_groups(catalogue, order) -> list[list[str]]
-    patched_selection(catalogue, tree, target, ids, memo=None) -> PatchedSelection
+    patched_selection(catalogue, tree, target, ids, memo=None, jobs=None) -> PatchedSelection
     engine_digest()              the engine's code + libcst version, part of every key
 
 Key = the source tree's content address + the sha256 of each patch module (and of everything
@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from importlib.metadata import version
@@ -163,28 +166,57 @@ def independent_groups(catalogue: Catalogue, order: list[str]) -> list[list[str]
 
 
 def patched_selection(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, ids: list[str],
-                      memo: SelectionMemo | None = None) -> PatchedSelection:
-    """``run_selection`` on ``tree``, reusing what ``memo`` remembers for exactly these inputs."""
+                      memo: SelectionMemo | None = None, jobs: int | None = None) -> PatchedSelection:
+    """``run_selection`` on ``tree``, reusing what ``memo`` remembers for exactly these inputs.
+
+    Groups the memo lacks run in up to ``jobs`` processes (default: the core count), the
+    largest first: they share nothing, and parsing and rewriting are CPU-bound.
+    """
     order = catalogue.closure(ids)
     if memo is None:
         return _whole(catalogue, tree, target, ids, order)
-    session = _ReadingSession(tree)
-    groups, patched = [], []
-    for group in independent_groups(catalogue, order):
-        key = memo.key(tree, catalogue, target, group)
-        found = memo.get(key)
-        if found is None:
-            session.reads = set()
-            result = run_selection(catalogue, session, target, group)
-            found = _Group(list(result.outcomes.values()), result.changed_text(), frozenset(session.reads))
-            memo.put(key, found)
-            patched += group
-        groups.append(found)
-    changed = {rel: text for group in groups for rel, text in group.changed.items()}
-    if any(group.reads & (changed.keys() - group.changed.keys()) for group in groups):
+    groups = independent_groups(catalogue, order)
+    keys = [memo.key(tree, catalogue, target, group) for group in groups]
+    found = [memo.get(key) for key in keys]
+    missing = [i for i, entry in enumerate(found) if entry is None]
+    for i, entry in zip(missing, _run_groups(catalogue, tree, target, [groups[i] for i in missing], jobs),
+                        strict=True):
+        memo.put(keys[i], entry)
+        found[i] = entry
+    changed = {rel: text for group in found for rel, text in group.changed.items()}
+    if any(group.reads & (changed.keys() - group.changed.keys()) for group in found):
         return _whole(catalogue, tree, target, ids, order)  # a group read another's output
-    outcomes = {o.patch_id: o for group in groups for o in group.outcomes}
-    return PatchedSelection({pid: outcomes[pid] for pid in order}, dict(sorted(changed.items())), tuple(patched))
+    outcomes = {o.patch_id: o for group in found for o in group.outcomes}
+    patched = tuple(pid for i in missing for pid in groups[i])
+    return PatchedSelection({pid: outcomes[pid] for pid in order}, dict(sorted(changed.items())), patched)
+
+
+_FORKED: tuple | None = None  # (catalogue, tree, target) for forked workers: patch classes do not pickle
+
+
+def _run_group(group: list[str]) -> _Group:
+    catalogue, tree, target = _FORKED
+    session = _ReadingSession(tree)
+    result = run_selection(catalogue, session, target, group)
+    return _Group(list(result.outcomes.values()), result.changed_text(), frozenset(session.reads))
+
+
+def _run_groups(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, groups: list[list[str]],
+                jobs: int | None) -> list[_Group]:
+    global _FORKED
+    _FORKED = (catalogue, tree, target)
+    workers = min(len(groups), jobs or os.cpu_count() or 1)
+    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return [_run_group(group) for group in groups]
+
+    def size(group: list[str]) -> int:  # parsing dominates: the biggest files first
+        files = {t for pid in group for t in catalogue.get(pid).targets}
+        return sum((tree.package / rel).stat().st_size for rel in files if (tree.package / rel).is_file())
+
+    by_size = sorted(range(len(groups)), key=lambda i: -size(groups[i]))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        futures = {i: pool.submit(_run_group, groups[i]) for i in by_size}
+        return [futures[i].result() for i in range(len(groups))]
 
 
 def _whole(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, ids: list[str],

@@ -46,10 +46,11 @@ def test_groups_share_no_file(catalogue, shipped):
     assert all(not (a & b) for i, a in enumerate(files) for b in files[i + 1:])
 
 
-def test_warm_patches_nothing_and_equals_the_engine(tmp_path, catalogue, tree_0201, shipped, whole):
+@pytest.mark.parametrize("jobs", [1, 2])  # in this process, or groups in two forked processes
+def test_warm_patches_nothing_and_equals_the_engine(tmp_path, catalogue, tree_0201, shipped, whole, jobs):
     ids, target = shipped
     memo = SelectionMemo(tmp_path)
-    first = patched_selection(catalogue, tree_0201, target, ids, memo)
+    first = patched_selection(catalogue, tree_0201, target, ids, memo, jobs=jobs)
     again = patched_selection(catalogue, tree_0201, target, ids, memo)
     assert sorted(first.patched) == sorted(catalogue.closure(ids)) and again.patched == ()
     _same(first, whole)
