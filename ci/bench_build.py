@@ -308,7 +308,7 @@ Goals:
 | bytes pushed ~= the two new layers + config + manifest ({expected_push:,} B) | {cold_json['bytes_pushed']:,} B; {cold_json['blobs_mounted']} base blobs mounted, {cold_json['blobs_uploaded']} uploaded | {verdict(cold_json['bytes_pushed'] <= expected_push * 1.01 + 1024)} |
 
 Inflating the cached vLLM layer ({mib(layers['vllm'][1])} gzip, {mib(inflate.get('zlib', {}).get('bytes', 0))} of tar), 1 MiB reads,
-median of 3 (one thread; rapidgzip also with 2); kiln uses zlib-ng (`kiln/oci/mediatypes.py`):
+median of 3 (one thread; rapidgzip also with 2); kiln uses isal, ISA-L (`kiln/oci/mediatypes.py`):
 
 | library | time | compressed in | tar out | vs zlib |
 |---|---|---|---|---|
@@ -322,7 +322,7 @@ cache from its entry, and the push finds every blob present. Edited: only P65's 
 The baseline only pulls: a real `docker build` would also unpack every layer and push.
 Peak RSS is each process's own maximum resident set (`wait4`).
 
-Reproduce: `.venv/bin/pip install isal rapidgzip; .venv/bin/python ci/bench_build.py --filler-gib {args.filler_gib:g} --fillers {args.fillers} --reps {args.reps} --section {args.section}`
+Reproduce: `.venv/bin/pip install zlib-ng rapidgzip; .venv/bin/python ci/bench_build.py --filler-gib {args.filler_gib:g} --fillers {args.fillers} --reps {args.reps} --section {args.section}`
 (needs `docker-registry skopeo umoci busybox-static`; about {3 * base_bytes / 2**30:.1f} GiB of temporary disk at its peak).
 """
     if args.dry_run:

@@ -1,4 +1,4 @@
-"""Gzip layers are inflated by zlib-ng (``open_layer_tar``): same members as the standard
+"""Gzip layers are inflated by ISA-L (``open_layer_tar``): same members as the standard
 library's ``r|gz``, every member of a concatenated gzip, and corrupt or cut data refused."""
 
 from __future__ import annotations
