@@ -127,15 +127,10 @@ def count(module: cst.Module, anchor: Anchor) -> int:
 
 
 def line_of(module: cst.Module, node: cst.CSTNode) -> int | None:
-    """Start line of ``node`` in ``module`` (a metadata pass: for reports only)."""
+    """Start line of ``node`` in ``module``, for explanations that name file:line (a metadata
+    pass: for reports only)."""
     lines = _lines(module, [node])
     return lines[0] if lines else None
-
-
-def line_of(module: cst.Module, node: cst.CSTNode) -> int:
-    """Start line of ``node`` in ``module``: for explanations that name file:line (e.g. UPSTREAM)."""
-    (line,) = _lines(module, [node])
-    return line
 
 
 def _lines(module: cst.Module, nodes: list[cst.CSTNode]) -> list[int]:
