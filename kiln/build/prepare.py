@@ -8,9 +8,10 @@ Public API:
 
 Steps: resolve the pin's base reference to a digest (one manifest HEAD) and check it against
 the pin's lock; read the pristine ``vllm/`` from only the top layers that hold it
-(``ImageSource``); run the image's patch selection on it, or reuse its memoised result
-(``kiln.patch.memo``; a patch whose verdict blocks a build stops it here, naming the patch); decide the patched-source layer, the audit file and, when the
-definition declares kernels, the Triton cache layer; decide the labels. Baking the layers into
+(``ImageSource``); run the image's patch selection on it, or reuse what ``kiln.patch.memo``
+remembers of it (a patch whose verdict blocks a build stops it here, naming the patch); decide
+the patched-source layer, the audit file and, when the definition declares kernels, the
+Triton cache layer; decide the labels. Baking the layers into
 an image (``kiln.build.image``) and the Dockerfile context (``kiln.publish.context``) both start
 from this one value, so they cannot drift apart.
 """
