@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -41,18 +42,29 @@ class Measured:
 
 
 def measured(cmd: list[str], env: dict | None = None, cwd: Path = REPO) -> Measured:
-    """One run of ``cmd``: wall time, output and its own peak RSS (``wait4``, not the whole
-    benchmark's RUSAGE_CHILDREN maximum)."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    """One run of ``cmd``: wall time, output and its own peak RSS.
+
+    The RSS comes from GNU time (``/usr/bin/time -f %M``), a small process: ``wait4`` on a
+    child forked from this (large) benchmark process reports at least this process's own RSS
+    at the fork, because Linux carries the high-water mark of the forked copy across exec.
+    """
+    time_bin = shutil.which("time") or "/usr/bin/time"
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.NamedTemporaryFile(suffix=".rss") as rss:
+        wrapped = [time_bin, "-f", "%M", "-o", rss.name, *cmd] if Path(time_bin).is_file() else cmd
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=out, stderr=err)
+        proc = subprocess.Popen(wrapped, cwd=cwd, env={**os.environ, **(env or {})}, stdout=out, stderr=err)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
         proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
+        kib = usage.ru_maxrss
+        if wrapped is not cmd:
+            text = Path(rss.name).read_text().split()
+            kib = int(text[-1]) if text and text[-1].isdigit() else kib
         return Measured(wall, proc.returncode, out.read().decode(errors="replace"),
-                        err.read().decode(errors="replace"), usage.ru_maxrss / 1024)
+                        err.read().decode(errors="replace"), kib / 1024)
 
 
 def median_of(cmd: list[str], runs: int, env: dict | None = None) -> float:

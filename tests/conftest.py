@@ -19,6 +19,7 @@ from kiln.patch.engine import Session
 from kiln.pins import load_pins
 from kiln.source.wheel import WheelSource
 from tests.support.registry import (  # noqa: F401  (fixtures, shared by every test package)
+    TOOLCHAIN_CACHE,
     base_layout,
     registry_basic,
     registry_plain,
@@ -44,6 +45,8 @@ def isolated_registry_env(request, tmp_path, monkeypatch):
     monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker-config"))
     monkeypatch.setenv("KILN_REGISTRIES", str(tmp_path / "registries.toml"))
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "kiln-cache"))
+    # the Triton toolchains (~190 MB each) are fetched once for all tests, not once per test
+    monkeypatch.setenv("KILN_TRITON_TOOLCHAINS", str(TOOLCHAIN_CACHE / "triton" / "toolchains"))
 
 
 @pytest.fixture(scope="session")

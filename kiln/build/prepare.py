@@ -8,9 +8,10 @@ Public API:
 
 Steps: resolve the pin's base reference to a digest (one manifest HEAD) and check it against
 the pin's lock; read the pristine ``vllm/`` from only the top layers that hold it
-(``ImageSource``); run the image's patch selection on it (a patch whose verdict blocks a build
-stops it here, naming the patch); decide the patched-source layer, the audit file and, when the
-definition declares kernels, the Triton cache layer; decide the labels. Baking the layers into
+(``ImageSource``); run the image's patch selection on it, or reuse what ``kiln.patch.memo``
+remembers of it (a patch whose verdict blocks a build stops it here, naming the patch); decide
+the patched-source layer, the audit file and, when the definition declares kernels, the
+Triton cache layer; decide the labels. Baking the layers into
 an image (``kiln.build.image``) and the Dockerfile context (``kiln.publish.context``) both start
 from this one value, so they cannot drift apart.
 """
@@ -34,7 +35,7 @@ from kiln.oci.layer import LayerContents
 from kiln.oci.mutate import ImageModel, to_oci
 from kiln.oci.reference import ImageReference, parse_reference
 from kiln.oci.registry import RegistryClient, TransferStats
-from kiln.patch.engine import Session, run_selection
+from kiln.patch.memo import SelectionMemo, patched_selection
 from kiln.patch.model import Outcome, Verdict
 from kiln.pausepoint import pause_point
 from kiln.pins import Pin
@@ -137,9 +138,10 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     base_model = to_oci(ImageModel.from_base(base.manifest(), base.config_bytes()))
     clock.lap("pull")
 
-    # 3. patch
+    # 3. patch (a selection patched before on exactly this source, code and target is reused)
     tree = found.tree
-    result = run_selection(inputs.catalogue, Session(tree), inputs.target(), list(definition.patches))
+    result = patched_selection(inputs.catalogue, tree, inputs.target(), list(definition.patches),
+                               SelectionMemo(cache))
     for outcome in result.outcomes.values():
         if outcome.verdict.blocks_build:
             raise KilnError(

@@ -27,6 +27,7 @@ from kiln.errors import KilnError
 from kiln.oci.digest import BlobVerificationError, VerifyingReader, check_digest
 from kiln.oci.limits import LimitExceeded
 from kiln.oci.retry import TransferError
+from kiln.staging import umask
 
 
 class BlobCache:
@@ -56,6 +57,7 @@ class BlobCache:
             return
         final.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(dir=final.parent, prefix=f".tmp-{final.name[:16]}-")
+        os.fchmod(fd, 0o666 & ~umask())  # as any new file: an OCI layout output hard-links it
         tmp = Path(tmp_name)
         try:
             with os.fdopen(fd, "wb") as sink, fetch() as raw:

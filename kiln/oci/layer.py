@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.errors import KilnError
+from kiln.staging import umask
 
 LAYER_MTIME = 1_000_000_000  # 2001-09-09T01:46:40Z
 GZIP_LEVEL = 6
@@ -113,6 +114,7 @@ class LayerBuilder:
         """Write the layer into ``directory`` (a temp name, renamed to ``<hex>.tar.gz``)."""
         directory.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=".tmp-layer-", suffix=".tar.gz")
+        os.fchmod(fd, 0o666 & ~umask())  # as any new file: an OCI layout output hard-links it
         tmp = Path(tmp_name)
         try:
             with os.fdopen(fd, "wb") as raw:

@@ -1,7 +1,8 @@
 """Manifest and layer media types, and the Accept header every manifest request carries.
 
 Public API: the ``OCI_*`` / ``DOCKER_*`` constants, ``MANIFEST_ACCEPT`` (all four manifest
-types, in one header), ``INDEX_TYPES``, ``IMAGE_MANIFEST_TYPES``, ``IMAGE_CONFIG_TYPES``, ``tar_mode(media_type)``.
+types, in one header), ``INDEX_TYPES``, ``IMAGE_MANIFEST_TYPES``, ``IMAGE_CONFIG_TYPES``, ``tar_mode(media_type)``,
+the layer's tar mode (decompression: ``kiln.source.layerstream``).
 
 Why all four in Accept: distribution answers 404 for OCI content the client did not list and
 silently converts Docker content to schema1 (a different digest) when Docker v2 is missing.

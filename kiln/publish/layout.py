@@ -22,6 +22,7 @@ import fcntl
 import json
 import os
 import shutil
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,7 +33,7 @@ from kiln.oci.manifest import Descriptor
 from kiln.oci.mediatypes import OCI_INDEX
 from kiln.oci.mutate import canonical_json
 from kiln.publish import Publisher
-from kiln.staging import Staged, stage_dir, write_atomic
+from kiln.staging import Staged, stage_dir, umask, write_atomic
 
 LAYOUT_MARKER = "oci-layout"
 
@@ -62,11 +63,15 @@ def _locked(directory: Path) -> Iterator[None]:
 
 
 def _place(source: Path, target: Path) -> None:
-    """Hard-link a blob when on the same filesystem, copy otherwise."""
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copyfile(source, target)
+    """Hard-link a blob when on the same filesystem and of the mode the umask gives new files
+    (a link shares the cached file's mode); copy otherwise (a copy gets the umask's mode)."""
+    if stat.S_IMODE(source.stat().st_mode) == 0o666 & ~umask():
+        try:
+            os.link(source, target)
+            return
+        except OSError:
+            pass
+    shutil.copyfile(source, target)
 
 
 class LayoutPublisher(Publisher):

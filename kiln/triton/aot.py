@@ -44,13 +44,15 @@ from pathlib import Path
 
 from kiln.cache import file_lock
 from kiln.errors import KilnError
+from kiln.triton import standin_torch
 from kiln.triton import worker as worker_module
 from kiln.triton.kernels import KERNELS, RUNTIME_CACHE_DIR, KernelPreset, launch_plan
-from kiln.triton.toolchain import Toolchain, stage_dir
+from kiln.triton.toolchain import SOURCE_MTIME, Toolchain, stage_dir
 
 KERNEL_AUDIT_PATH = "opt/kiln/triton-kernels.json"
 FORMAT = 1  # bump when what an entry holds changes
 _WORKER = Path(worker_module.__file__)
+_STANDIN_TORCH = Path(standin_torch.__file__)  # the worker's tensors (no torch needed)
 _CONFIG_FILE = "model_executor/layers/quantization/turboquant/config.py"
 # Environment variables that may change Triton's cache key or output (Triton reads them by name).
 _ENV_PREFIXES = ("TRITON_", "DISABLE_", "PTXAS_", "LLVM_", "MLIR_", "NVPTX_", "AMDGCN_")
@@ -114,6 +116,7 @@ def _stage_sources(preset: KernelPreset, sources: KernelSources) -> tuple[Path, 
                 path = tmp / "vllm" / rel
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(text, encoding="utf-8")
+                os.utime(path, (SOURCE_MTIME, SOURCE_MTIME))  # ptxas records it in the line info
             (tmp / ".complete").write_text(content)
             try:
                 os.rename(tmp, final)
@@ -121,6 +124,10 @@ def _stage_sources(preset: KernelPreset, sources: KernelSources) -> tuple[Path, 
                 pass
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    for rel in texts:  # a directory staged by an older kiln kept the time it was written
+        path = final / "vllm" / rel
+        if path.stat().st_mtime != SOURCE_MTIME:
+            os.utime(path, (SOURCE_MTIME, SOURCE_MTIME))
     return final, content
 
 
@@ -209,6 +216,7 @@ def _entry_key(toolchain: Toolchain, sm: int, preset: KernelPreset, plan: list[d
         "format": FORMAT, "triton": toolchain.version, "toolchain": toolchain.fingerprint, "sm": sm,
         "preset": preset.to_json(), "plan": plan, "sources": source_hash, "runtime_dir": runtime_dir,
         "env": sorted(runtime_env.items()), "worker": hashlib.sha256(_WORKER.read_bytes()).hexdigest(),
+        "tensors": hashlib.sha256(_STANDIN_TORCH.read_bytes()).hexdigest(),
     }
     return hashlib.sha256(json.dumps(ingredients, sort_keys=True).encode()).hexdigest()
 
@@ -244,7 +252,7 @@ def _compile_and_check(sm: int, preset: KernelPreset, plan: list[dict], staged: 
     home.mkdir()
     build_dir = work / "cache"
     job = {"sm": sm, "toolchain_site": str(toolchain.staged_site()), "roots": [str(staged)],
-           "preset": preset.to_json(), "launches": plan}
+           "standin_torch": str(_STANDIN_TORCH), "preset": preset.to_json(), "launches": plan}
     report = _run_worker(toolchain, {**job, "mode": "compile"}, _worker_env(build_dir, home, runtime_env, True),
                          work, sm)
     if report.get("triton") != toolchain.version:
@@ -368,7 +376,7 @@ def kernel_cache_files(sm_cache: SmCache, toolchain: Toolchain, preset: KernelPr
     audit = {
         "schema": 1,
         "sm": sm_cache.sm,
-        "triton": {"version": toolchain.version, "record_sha256": toolchain.fingerprint},
+        "triton": {"version": toolchain.version, "record_sha256": toolchain.fingerprint, "wheel": toolchain.wheel},
         "cache_dir": runtime_dir,
         "key": sm_cache.key,
         "preset": preset.to_json(),

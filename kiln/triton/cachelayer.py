@@ -17,6 +17,8 @@ on sm < 89) are reported as a warning and listed in the audit file and the build
 
 from __future__ import annotations
 
+import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,9 +43,16 @@ def triton_cache_layer(preset: KernelPreset, sm: int, found: ImageVllm, changed:
     """``label`` names the preset in errors (``images/x.toml: model.kernels``); ``image_name`` the layer."""
     sources = KernelSources(changed, found.tree.root)
     check_kernels(preset, sources.read, label)
-    toolchain = toolchain_for(found.triton_version, found.image, cache)
+    toolchain = toolchain_for(found.triton_version, found.image, cache, reporter)
     with reporter.status(f"compiling Triton kernels for sm_{sm} (Triton {toolchain.version})"):
         result = compile_kernel_caches(preset, [sm], sources, toolchain, cache, runtime_env=runtime_env)[sm]
+    python = _image_python(found.site_dir)
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if python and python != here:
+        reporter.warn(f"sm_{sm}: kernels compiled with Triton {toolchain.version}'s wheel for Python {here} (kiln's "
+                      f"interpreter), but the image runs Python {python}: Triton keys its cache by libtriton.so, "
+                      f"which differs between the two wheels, so the image will compile them again at first "
+                      f"launch; run kiln under Python {python} (docs/TRITON.md)")
     for failure in result.failures:
         reporter.warn(f"sm_{sm}: kernel {failure['kernel']} "
                       f"({', '.join(f'{k}={v}' for k, v in failure['params'].items())}) is not in the cache: "
@@ -51,13 +60,20 @@ def triton_cache_layer(preset: KernelPreset, sm: int, found: ImageVllm, changed:
                       "see docs/TRITON.md")
     files = kernel_cache_files(result, toolchain, preset)
     kernels = sorted({k["name"] for launch in result.launches for k in launch["kernels"]})
-    summary = {"sm": sm, "triton": toolchain.version, "cache_dir": RUNTIME_CACHE_DIR, "key": result.key,
+    summary = {"sm": sm, "triton": toolchain.version, "triton_wheel": toolchain.wheel, "image_python": python,
+               "cache_dir": RUNTIME_CACHE_DIR, "key": result.key,
                "kernels": len({k["hash"] for launch in result.launches for k in launch["kernels"]}),
                "kernel_names": kernels, "compiled": result.compiled, "from_cache": result.cached,
                "not_built": result.failures, "seconds": result.seconds}
     contents = LayerContents(files=files, removals=(),
                              created_by=f"kiln triton cache {image_name} sm{sm}: {', '.join(kernels) or 'none'}")
     return TritonLayer(contents, {"TRITON_CACHE_DIR": RUNTIME_CACHE_DIR}, summary)
+
+
+def _image_python(site_dir: str) -> str | None:
+    """``3.12`` from ``usr/local/lib/python3.12/dist-packages`` (None when the path does not say)."""
+    match = re.search(r"/python(\d+\.\d+)/", f"/{site_dir}/")
+    return match.group(1) if match else None
 
 
 def image_env(config: dict) -> dict[str, str]:

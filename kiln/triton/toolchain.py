@@ -1,50 +1,63 @@
 """The Triton that compiles an image's kernels: the version its base image carries, from PyPI.
 
 Public API:
-    Toolchain(version, site, fingerprint, reused)
-    toolchain_for(version, image, cache) -> Toolchain
+    Toolchain(version, site, fingerprint, wheel)
+    toolchain_for(version, image, cache, reporter=SILENT) -> Toolchain
+    toolchains_dir(cache) -> Path     where toolchains live (``$KILN_TRITON_TOOLCHAINS`` to share one)
     STAGE                     the fixed directory the worker sees sources and Triton under
+    SOURCE_MTIME              the mtime of every file the compile reads (toolchain and sources)
+    stage_dir(), stage_link(name, target)
 
-Triton's cache key hashes the Triton install by content (``triton_key()``: version, the
-compiler/backends/language sources, ``libtriton.so``), never by its path. So any unmodified
-install of the same wheel gives the keys the image's own Triton computes: the one kiln itself
-runs with when the version matches (saves a 188 MB download), else ``pip install --no-deps
---target`` into ``<cache>/triton/toolchains/triton-<version>/`` (staged, renamed into place).
+The toolchain is fetched on demand, once per version, into
+``<cache>/triton/toolchains/triton-<version>/`` (or ``$KILN_TRITON_TOOLCHAINS/triton-<version>/``): pip only *chooses* the wheel (``pip install
+--dry-run --report``, so the machine's pip configuration and indexes apply), kiln downloads it
+with progress, checks its sha256 and unpacks it itself. Nothing else is installed: the worker
+needs no torch (``standin_torch.py``) and runs in kiln's own interpreter.
 
-Paths still matter for *bytes*: a cubin's line info names the directory of every source file
-that holds a ``@triton.jit`` function, Triton's ``language/`` directory included. The worker
-therefore sees Triton and the vLLM sources under ``STAGE`` through symlinks whose names depend
-only on content, so the same inputs give the same cubins on any machine.
+Why kiln unpacks the wheel rather than ``pip install --target``: the compile's bytes must
+depend on content only. Triton's cache key hashes the install by content (``triton_key()``),
+but a cubin's line info also names every source file holding a ``@triton.jit`` function
+(Triton's ``language/`` included) and ptxas records each file's *mtime* there; and pip writes
+the current time as mtime and a venv path into RECORD (script shebangs). So every file gets
+``SOURCE_MTIME``, the fingerprint is the sha256 of the wheel's own RECORD (the hash of every
+file in it), and the worker sees Triton and the vLLM sources under ``STAGE`` through symlinks
+named by content: the same wheel and sources give the same cubins in any directory, on any
+machine.
 """
 
 from __future__ import annotations
 
+import compileall
 import hashlib
-import importlib.metadata
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import zipfile
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from urllib.parse import unquote, urlsplit
 
-from kiln.cache import file_lock
+from kiln.cache import install_dir
 from kiln.errors import KilnError
+from kiln.report import SILENT, Reporter
 
 STAGE = Path("/tmp/kiln-triton")
+SOURCE_MTIME = 1_000_000_000  # 2001-09-09, as kiln's layers (any fixed value would do)
+_MARKER = "kiln-toolchain.json"
 
 
 @dataclass(frozen=True)
 class Toolchain:
     version: str
     site: Path  # a directory holding the ``triton`` package (first on the worker's sys.path)
-    fingerprint: str  # sha256 of the install's RECORD (every file's hash, as pip wrote it)
-    reused: bool  # kiln's own interpreter's Triton
+    fingerprint: str  # sha256 of the wheel's RECORD (every file's hash, as the wheel lists it)
+    wheel: str  # the wheel's file name (its tags say which Python and platform it is for)
 
     @property
     def python(self) -> str:
-        # the worker also needs torch and numpy; kiln's environment provides them
         return sys.executable
 
     def staged_site(self) -> Path:
@@ -77,52 +90,115 @@ def stage_link(name: str, target: Path) -> Path:
     return link
 
 
-def _record_fingerprint(dist: importlib.metadata.Distribution) -> str | None:
-    record = dist.read_text("RECORD")
-    return hashlib.sha256(record.encode()).hexdigest() if record else None
-
-
-def _find(version: str, paths: list[str]) -> Toolchain | None:
-    for dist in importlib.metadata.distributions(path=paths):
-        if (dist.metadata["Name"] or "").lower() != "triton" or dist.version != version:
-            continue
-        site = Path(dist.locate_file(""))
-        fingerprint = _record_fingerprint(dist)
-        if fingerprint and (site / "triton" / "__init__.py").is_file():
-            return Toolchain(version, site, fingerprint, reused=False)
-    return None
-
-
-def toolchain_for(version: str | None, image: str, cache: Path) -> Toolchain:
+def toolchain_for(version: str | None, image: str, cache: Path, reporter: Reporter = SILENT) -> Toolchain:
     """The toolchain for the base image's Triton ``version`` (None: the base has none)."""
     if not version:
         raise KilnError(f"{image}: base image has no Triton (no triton-*.dist-info next to vLLM); "
                         "cannot compile its kernel cache")
-    own = _find(version, sys.path)
-    if own is not None:
-        return Toolchain(own.version, own.site, own.fingerprint, reused=True)
-    root = cache / "triton" / "toolchains"
-    final = root / f"triton-{version}"
-    root.mkdir(parents=True, exist_ok=True)
-    with file_lock(root / f".triton-{version}.lock"):
-        found = _find(version, [str(final)]) if final.is_dir() else None
-        if found is None:
-            staging = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-triton-{version}-"))
-            try:
-                result = subprocess.run(
-                    [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                     "--no-deps", "--only-binary=:all:", "--target", str(staging), f"triton=={version}"],
-                    capture_output=True, text=True)
-                if result.returncode != 0:
-                    tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
-                    raise KilnError(f"{image}: cannot install triton=={version} from PyPI for the kernel "
-                                    f"cache: {tail[0]}")
-                if final.exists():
-                    shutil.rmtree(final)
-                os.rename(staging, final)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-            found = _find(version, [str(final)])
-            if found is None:
-                raise KilnError(f"{final}: triton=={version} installed but its dist-info is not readable")
-    return found
+    final = toolchains_dir(cache) / f"triton-{version}"
+    install_dir(final, lambda tmp: _fetch(version, image, tmp, reporter))
+    try:
+        marker = json.loads((final / _MARKER).read_text())
+    except (OSError, ValueError):
+        raise KilnError(f"{final}: not a toolchain kiln installed (no readable {_MARKER}); remove it") from None
+    return Toolchain(version, final, marker["record_sha256"], marker["wheel"])
+
+
+def toolchains_dir(cache: Path) -> Path:
+    """``$KILN_TRITON_TOOLCHAINS`` (one directory several kiln caches share), else ``<cache>/triton/toolchains``."""
+    shared = os.environ.get("KILN_TRITON_TOOLCHAINS")
+    return Path(shared) if shared else cache / "triton" / "toolchains"
+
+
+def _fetch(version: str, image: str, into: Path, reporter: Reporter) -> None:
+    url, sha256 = _choose_wheel(version, image)
+    name = unquote(PurePosixPath(urlsplit(url).path).name)
+    wheel = into / name
+    _download(url, sha256, wheel, f"Triton {version} ({name.split('-')[2]})", reporter)
+    with reporter.status(f"unpacking Triton {version}"):
+        record = _unpack(wheel, into)
+        wheel.unlink()
+        # bytecode for the interpreter that runs the worker, valid for SOURCE_MTIME sources
+        compileall.compile_dir(into / "triton", quiet=2, workers=1)
+    (into / _MARKER).write_text(json.dumps({"version": version, "wheel": name, "wheel_sha256": sha256,
+                                            "record_sha256": record, "python": sys.version.split()[0]},
+                                           indent=1, sort_keys=True) + "\n")
+
+
+def _choose_wheel(version: str, image: str) -> tuple[str, str]:
+    """The URL and sha256 of the wheel pip would install here (its indexes, this Python)."""
+    with tempfile.TemporaryDirectory(prefix="kiln-pip-") as tmp:
+        report = Path(tmp) / "report.json"
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--disable-pip-version-check",
+             "--ignore-installed", "--no-deps", "--only-binary=:all:", "--report", str(report),
+             f"triton=={version}"], capture_output=True, text=True)
+        if result.returncode != 0 or not report.is_file():
+            tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise KilnError(f"{image}: no triton=={version} wheel for this Python "
+                            f"({sys.version.split()[0]}) on the package index: {tail[0]}")
+        [item] = json.loads(report.read_text())["install"]
+    info = item["download_info"]
+    sha256 = (info.get("archive_info") or {}).get("hashes", {}).get("sha256") or ""
+    return info["url"], sha256
+
+
+def _download(url: str, sha256: str, path: Path, label: str, reporter: Reporter) -> None:
+    digest = hashlib.sha256()
+    parts = urlsplit(url)
+    if parts.scheme == "file":
+        source = Path(unquote(parts.path))
+        with reporter.task(f"copying {label}", source.stat().st_size) as task, \
+                source.open("rb") as src, path.open("wb") as dst:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                dst.write(chunk)
+                task.advance(len(chunk))
+    else:
+        import requests
+
+        try:
+            with requests.get(url, stream=True, timeout=60) as response:
+                response.raise_for_status()
+                total = int(response.headers.get("Content-Length") or 0) or None
+                with reporter.task(f"fetching {label}", total) as task, path.open("wb") as dst:
+                    for chunk in response.iter_content(1 << 20):
+                        digest.update(chunk)
+                        dst.write(chunk)
+                        task.advance(len(chunk))
+        except requests.RequestException as err:
+            raise KilnError(f"{parts.scheme}://{parts.hostname}{parts.path}: cannot download the Triton "
+                            f"wheel: {err}") from None
+    if sha256 and digest.hexdigest() != sha256:
+        raise KilnError(f"{path.name}: sha256 {digest.hexdigest()} differs from the index's {sha256}")
+
+
+def _unpack(wheel: Path, into: Path) -> str:
+    """Unpack ``wheel``'s importable files into ``into`` at ``SOURCE_MTIME``; the RECORD's sha256."""
+    record = None
+    with zipfile.ZipFile(wheel) as archive:
+        for info in archive.infolist():
+            name = info.filename
+            parts = PurePosixPath(name).parts
+            if name.startswith("/") or ".." in parts:
+                raise KilnError(f"{wheel.name}: member {name!r} leaves the install directory")
+            if parts[0].endswith(".data"):
+                if len(parts) < 3 or parts[1] not in ("purelib", "platlib"):
+                    continue  # scripts, headers: nothing the compile imports
+                parts = parts[2:]
+            target = into.joinpath(*parts)
+            if info.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            data = archive.read(info)
+            target.write_bytes(data)
+            executable = (info.external_attr >> 16) & 0o111
+            os.chmod(target, 0o755 if executable else 0o644)
+            os.utime(target, (SOURCE_MTIME, SOURCE_MTIME))
+            if parts[0].endswith(".dist-info") and parts[-1] == "RECORD":
+                record = hashlib.sha256(data).hexdigest()
+    if record is None or not (into / "triton" / "__init__.py").is_file():
+        shutil.rmtree(into / "triton", ignore_errors=True)
+        raise KilnError(f"{wheel.name}: not a Triton wheel (no triton/__init__.py or no RECORD)")
+    return record

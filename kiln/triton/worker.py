@@ -4,7 +4,10 @@ Run as a script in the toolchain's Python (``python worker.py JOB.json``); print
 report on stdout. It imports nothing from kiln: the toolchain may be another interpreter.
 
 What it does, in order:
-1. puts the toolchain's ``site`` directory first on ``sys.path`` (the Triton the image carries);
+1. puts the toolchain's ``site`` directory first on ``sys.path`` (the Triton the image carries)
+   and, when the job names ``standin_torch``, registers that file as ``torch``: tensors with
+   shapes, strides and dtypes but no data, all the binder and the launchers read (a build
+   needs no torch; ``ci/gpu_check.py`` runs the builders on real CUDA tensors instead);
 2. installs a stand-in Triton driver whose target is ``GPUTarget("cuda", sm, 32)`` — what the
    real ``CudaDriver`` reports on that GPU — with a no-op launcher, so a launch compiles the
    kernel for real (ptxas and all) and then does nothing;
@@ -24,7 +27,7 @@ What it does, in order:
 A failing launch (e.g. fp8e4b15 from bf16 on sm_86) is reported, not raised: the caller
 decides what a failure means.
 
-Job (JSON): {"mode": "compile"|"check", "sm": int, "toolchain_site": str|null,
+Job (JSON): {"mode": "compile"|"check", "sm": int, "toolchain_site": str|null, "standin_torch": str|null,
              "roots": [overlay, pristine], "preset": {...}, "launches": [{"kernel", "module",
              "function", "builder", "params"}]}
 The cache directory and Triton's environment come from the process environment.
@@ -46,6 +49,14 @@ def _setup_path(job: dict) -> None:
     site = job.get("toolchain_site")
     if site:
         sys.path.insert(0, site)
+    standin = job.get("standin_torch")
+    if standin:  # before Triton or vLLM import torch: tensors without data (standin_torch.py)
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("torch", standin)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["torch"] = module
+        spec.loader.exec_module(module)
 
 
 def _install_driver(sm: int):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import sys
 import tarfile
 from pathlib import Path
 
@@ -76,6 +77,13 @@ def test_build_adds_a_checked_kernel_cache_layer(tmp_path, capsys, registry_plai
     assert audit["sm"] == 120 and audit["triton"]["version"] == "3.6.0" and audit["not_built"] == []
     assert first["triton"]["sm"] == 120 and first["triton"]["kernels"] == len(cubins)
     assert {"_tq_fused_store_fp8", "_tq_decode_stage1", "_fwd_kernel_stage2"} <= set(first["triton"]["kernel_names"])
+    # the fixture base runs Python 3.12 (its site dir says so); a cache compiled under another
+    # Python's Triton wheel is not found by the image's Triton: the build must say so
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert first["triton"]["image_python"] == "3.12"
+    assert first["triton"]["triton_wheel"].startswith(f"triton-3.6.0-cp{here.replace('.', '')}-")
+    mismatch = f"sm_120: kernels compiled with Triton 3.6.0's wheel for Python {here}"
+    assert (mismatch in err) == (here != "3.12"), err
 
     # same inputs, same digests: a second build (kernel entries now from the kiln cache)
     code, second, err = _build(capsys, pins, registry_plain, 120, "--oci", str(tmp_path / "two"))

@@ -21,6 +21,7 @@ from kiln.publish.values import VALUES_SCHEMA, ValuesPublisher, helm_values, val
 from kiln.staging import stage_bytes
 
 DIGEST = "sha256:" + "ab" * 32
+REPOSITORY = "ghcr.io/you/vllm-qwen3.6-27b-tq"  # the shipped definition sets none: --repository
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +52,8 @@ def test_the_shipped_images_are_checked(catalogue):
 @pytest.mark.parametrize("case", range(4), ids=lambda i: f"image-pin-{i}")
 def test_every_sm_of_every_shipped_image_gives_valid_values(catalogue, validator, case):
     image, pin = _shipped(catalogue)[case]
-    # an image without its own repository (users set theirs) is named by --repository
-    repository = image.repository or f"ghcr.io/example/vllm-{image.name}"
+    assert image.repository == ""  # no placeholder that looks real: the user names theirs
+    repository = f"ghcr.io/you/vllm-{image.name}"  # what --repository would say
     for sm in image.sms:
         values = helm_values(image, pin, sm, repository, image.tag(pin.cuda, sm, pin), DIGEST)
         validator.validate(values)
@@ -70,7 +71,7 @@ def test_every_sm_of_every_shipped_image_gives_valid_values(catalogue, validator
 @pytest.mark.parametrize(("sm", "major", "minor"), [(86, "8", "6"), (90, "9", "0"), (120, "12", "0"), (121, "12", "1")])
 def test_node_selector_is_the_compute_capability(qwen, sm, major, minor):
     image, pin = qwen
-    values = helm_values(image, pin, sm, image.repository, "t", DIGEST)
+    values = helm_values(image, pin, sm, REPOSITORY, "t", DIGEST)
     assert values["nodeSelector"] == {"nvidia.com/gpu.compute.major": major, "nvidia.com/gpu.compute.minor": minor}
 
 
@@ -96,7 +97,7 @@ _DELETE = object()
 ])
 def test_schema_rejects(qwen, validator, path, value):
     image, pin = qwen
-    values = helm_values(image, pin, 120, image.repository, image.tag(pin.cuda, 120, pin), DIGEST)
+    values = helm_values(image, pin, 120, REPOSITORY, image.tag(pin.cuda, 120, pin), DIGEST)
     broken = copy.deepcopy(values)
     node = broken
     for key in path[:-1]:
@@ -112,7 +113,7 @@ def test_schema_rejects(qwen, validator, path, value):
 
 def test_values_file_is_staged_then_committed(qwen, tmp_path):
     image, pin = qwen
-    values = helm_values(image, pin, 120, image.repository, image.tag(pin.cuda, 120, pin), DIGEST)
+    values = helm_values(image, pin, 120, REPOSITORY, image.tag(pin.cuda, 120, pin), DIGEST)
     dest = tmp_path / "deep" / "values.json"
     staged = stage_bytes(dest, values_bytes(values))
     assert not dest.exists()  # nothing visible before the build commits its outputs

@@ -70,6 +70,9 @@ TOOLS = ("docker-registry", "skopeo", "umoci", "openssl", "htpasswd", "busybox",
 
 # Resolved at import, before any test points KILN_CACHE_DIR at a temporary directory.
 _ASSETS = cache_root() / "test-assets"
+# A kiln cache holding only Triton toolchains (``triton/toolchains/``), shared by every test and
+# session so each Triton version is fetched once; isolated tests link their cache's to it.
+TOOLCHAIN_CACHE = _ASSETS / "toolchain-cache"
 
 
 def missing_tools() -> list[str]:

@@ -1,7 +1,8 @@
 """Ahead-of-time Triton kernel caches, on CPU: real Triton 3.6 compiles for four SMs.
 
 The kernels are vLLM 0.20.1's TurboQuant store/decode launchers from the real wheel source,
-compiled through Triton's JIT path with the stand-in driver (``kiln/triton/worker.py``). The
+compiled through Triton's JIT path with the stand-in driver and tensors (``kiln/triton/worker.py``,
+``standin_torch.py``) by the Triton 3.6.0 wheel kiln fetches from PyPI (once, shared by the tests). The
 preset is small (head dim 64) so the four SMs compile in CI time; bf16 makes the sm_86 fp8
 store fail the way it does on a real sm_86 GPU.
 """
@@ -32,7 +33,8 @@ from kiln.triton.kernels import (
     launch_plan,
     parse_kernel_preset,
 )
-from kiln.triton.toolchain import toolchain_for
+from kiln.triton.toolchain import SOURCE_MTIME, toolchain_for
+from tests.support.registry import TOOLCHAIN_CACHE
 
 SMS = (86, 89, 90, 120)
 SMALL = {"launchers": ["turboquant_store", "turboquant_decode"], "head_dim": 64, "num_heads": 6,
@@ -48,8 +50,8 @@ def preset(dtype: str = "bfloat16", **changes):
 
 
 @pytest.fixture(scope="module")
-def toolchain(tmp_path_factory):
-    return toolchain_for("3.6.0", "test-image", tmp_path_factory.mktemp("toolchain-cache"))
+def toolchain():
+    return toolchain_for("3.6.0", "test-image", TOOLCHAIN_CACHE)
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +69,18 @@ def _metadata(root: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(root.glob("*/*.json")) if not p.name.startswith("__grp__")]
 
 
-def test_toolchain_reuses_the_matching_triton(toolchain):
-    import triton
+def test_toolchain_is_the_pypi_wheel_at_fixed_mtimes(toolchain):
+    import hashlib
 
-    assert toolchain.reused and toolchain.version == triton.__version__ == "3.6.0"
-    assert (toolchain.site / "triton" / "__init__.py").is_file()
+    assert toolchain.version == "3.6.0" and toolchain.wheel.startswith("triton-3.6.0-cp")
+    assert toolchain.site == TOOLCHAIN_CACHE / "triton" / "toolchains" / "triton-3.6.0"
+    record = toolchain.site / "triton-3.6.0.dist-info" / "RECORD"
+    assert toolchain.fingerprint == hashlib.sha256(record.read_bytes()).hexdigest()
+    # ptxas writes each source file's mtime into a cubin's line info: content alone must decide it
+    sources = list((toolchain.site / "triton" / "language").rglob("*.py"))
+    assert sources and {int(p.stat().st_mtime) for p in sources} == {SOURCE_MTIME}
+    assert (toolchain.site / "triton/backends/nvidia/bin/ptxas").stat().st_mode & 0o111
+    assert toolchain_for("3.6.0", "test-image", TOOLCHAIN_CACHE) == toolchain  # fetched once
 
 
 def test_four_sms_compile_real_cubins_for_their_arch(built):
@@ -122,7 +131,8 @@ def test_fresh_process_rerun_compiles_nothing(built, toolchain, sources, tmp_pat
     rewrite_group_prefix(copy, RUNTIME_CACHE_DIR, str(copy))
     staged, _ = aot._stage_sources(preset(), sources)
     job = {"mode": "check", "sm": 90, "toolchain_site": str(toolchain.staged_site()), "roots": [str(staged)],
-           "preset": preset().to_json(), "launches": launch_plan(preset()), "report": str(tmp_path / "r.json")}
+           "standin_torch": str(aot._STANDIN_TORCH), "preset": preset().to_json(),
+           "launches": launch_plan(preset()), "report": str(tmp_path / "r.json")}
     (tmp_path / "job.json").write_text(json.dumps(job))
     env = aot._worker_env(copy, tmp_path, {}, False)
     subprocess.run([sys.executable, str(Path(aot.__file__).parent / "worker.py"), str(tmp_path / "job.json")],
@@ -169,7 +179,7 @@ def test_a_line_shift_is_a_named_miss(built, toolchain, tree_0201, tmp_path):
     build_dir = tmp_path / "cache"
     shutil.copytree(caches[120].root, build_dir)
     job = {"sm": 120, "toolchain_site": str(toolchain.staged_site()), "roots": [str(staged)],
-           "preset": preset().to_json(), "launches": launch_plan(preset())}
+           "standin_torch": str(aot._STANDIN_TORCH), "preset": preset().to_json(), "launches": launch_plan(preset())}
     (tmp_path / "home").mkdir()
     with pytest.raises(KilnError) as err:
         aot._self_check(120, launch_plan(preset()), job, caches[120].launches, toolchain, tmp_path, build_dir,

@@ -1,0 +1,139 @@
+"""The image kiln ships (``images/qwen3.6-27b-tq.toml``, its Triton layer included), built as a
+new user builds it: from empty caches, against a vLLM-shaped base in a local registry.
+
+Only what must be is overridden: ``--pins`` points the definition's pin at the local base
+(the fixture image with Triton 3.6.0's dist-info) and ``--mirror`` stands the registry in for
+Docker Hub. Builds run as subprocesses of ``build.py``, as a user runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+from kiln import paths
+from tests.support import TEST_IMAGES
+from tests.support.registry import VLLM_VERSION
+
+pytestmark = pytest.mark.registry
+
+IMAGE, PIN, SM = "qwen3.6-27b-tq", f"v{VLLM_VERSION}", 120
+SHIPPED = paths.IMAGES / f"{IMAGE}.toml"
+
+
+def _pins(root: Path, registry, variant: str = "triton36") -> Path:
+    name = f"vllm/vllm-openai:v{VLLM_VERSION}-{variant}"
+    path = root / "pins.toml"
+    path.write_text(f'[pins."{PIN}"]\nrole = "current"\nimage = "docker.io/{name}"\nvllm = "{VLLM_VERSION}"\n'
+                    f'cuda = "cu130"\ndigest = "{registry.digest_of(name)}"\n')
+    return path
+
+
+def _kiln(python: str, cwd: Path, env: dict, *argv: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("KILN_", "TMPDIR"))}
+    return subprocess.run([python, str(paths.REPO / "build.py"), *argv], cwd=cwd, env={**base, **env},
+                          capture_output=True, text=True, timeout=900)
+
+
+_NO_TORCH = """import sys
+
+
+class _Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("torch", "numpy"):
+            raise ModuleNotFoundError(f"No module named {name!r} (the README's install has none)")
+
+
+sys.meta_path.insert(0, _Refuse())
+"""
+
+
+def _other_venv(root: Path) -> str:
+    """A second interpreter path (another venv) that sees kiln's packages, as another user's would,
+    but not torch or numpy: the README's install has neither, and a build must not need them."""
+    venv.EnvBuilder(with_pip=False).create(root)
+    [site] = root.glob("lib/python3*/site-packages")
+    own = next(p for p in sys.path if p.endswith("site-packages") and Path(p, "libcst").is_dir())
+    (site / "kiln_no_torch.py").write_text(_NO_TORCH)
+    (site / "kiln-test.pth").write_text(f"import site; site.addsitedir({own!r})\nimport kiln_no_torch\n")
+    python = str(root / "bin" / "python")
+    probe = subprocess.run([python, "-c", "import torch"], capture_output=True, text=True)
+    assert probe.returncode == 1 and "the README's install has none" in probe.stderr
+    return python
+
+
+def _layers(layout: Path) -> list[str]:
+    [entry] = json.loads((layout / "index.json").read_text())["manifests"]
+    manifest = json.loads((layout / "blobs/sha256" / entry["digest"].split(":")[1]).read_bytes())
+    return [layer["digest"] for layer in manifest["layers"]]
+
+
+def test_shipped_definition_builds_bit_reproducibly(tmp_path, registry_plain):
+    """Two cold builds: other cache, toolchain location, working and temp directory, interpreter path
+    (the second without torch or numpy)."""
+    assert "[model.kernels]" in SHIPPED.read_text()  # the Triton layer is part of what is compared
+    pins = _pins(tmp_path, registry_plain)
+    results, layers = [], []
+    for run, python in (("one", sys.executable), ("two", _other_venv(tmp_path / "venv-two"))):
+        work = tmp_path / f"work-{run}"
+        (work / "tmp").mkdir(parents=True)
+        env = {"KILN_CACHE_DIR": str(work / "cache"), "TMPDIR": str(work / "tmp"),
+               "KILN_REGISTRIES": str(work / "registries.toml"), "DOCKER_CONFIG": str(work / "docker")}
+        done = _kiln(python, work, env, "--pins", str(pins), "build", "--image", IMAGE, "--pin", PIN,
+                     "--sm", str(SM), "--mirror", registry_plain.mirror, "--oci", str(work / "out"), "--json")
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(done.stdout)
+        # a cold build: the toolchain fetched into this cache, every kernel compiled here
+        assert (work / "cache/triton/toolchains/triton-3.6.0/triton/__init__.py").is_file()
+        assert result["triton"]["compiled"] > 0 and not result["triton"]["from_cache"]
+        results.append(result)
+        layers.append(_layers(work / "out"))
+    one, two = results
+    assert one["triton"]["kernels"] >= 3 and len(layers[0]) == len(layers[1])
+    assert layers[0][-1] == layers[1][-1]  # the Triton layer
+    assert layers[0][-2] == layers[1][-2] == one["layer_digest"]  # the patched-source layer
+    assert one["config_digest"] == two["config_digest"]
+    assert one["manifest_digest"] == two["manifest_digest"]
+
+
+def test_push_without_a_repository_asks_for_one_before_any_work(tmp_path, registry_plain):
+    assert not re.search(r"^repository\s*=", SHIPPED.read_text(), re.MULTILINE)
+    pins = _pins(tmp_path, registry_plain)
+    before = registry_plain.log()
+    done = _kiln(sys.executable, tmp_path, {"KILN_CACHE_DIR": str(tmp_path / "cache")},
+                 "--pins", str(pins), "build", "--image", IMAGE, "--pin", PIN,
+                 "--sm", str(SM), "--mirror", registry_plain.mirror, "--push")
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"error: {SHIPPED}: repository: not set; --push needs one: pass --repository "
+                                   "REGISTRY/NAMESPACE/NAME or set `repository` in the image definition")
+    assert registry_plain.log() == before  # nothing was asked of the mirror
+
+
+def test_push_through_a_mirror_goes_to_docker_hub_never_to_the_mirror(tmp_path, start_registry, registry_plain):
+    mirror = start_registry("plain", copy_from=registry_plain)  # its own access log
+    name = f"vllm/vllm-openai:v{VLLM_VERSION}"
+    pins = tmp_path / "pins.toml"
+    pins.write_text(f'[pins."{PIN}"]\nrole = "current"\nimage = "docker.io/{name}"\nvllm = "{VLLM_VERSION}"\n'
+                    f'cuda = "cu130"\ndigest = "{mirror.digest_of(name)}"\n')
+    done = _kiln(sys.executable, tmp_path,
+                 {"KILN_CACHE_DIR": str(tmp_path / "cache"), "KILN_REGISTRY_RETRIES": "0",
+                  "KILN_REGISTRIES": str(tmp_path / "none.toml"), "DOCKER_CONFIG": str(tmp_path / "docker")},
+                 "--pins", str(pins), "--images", str(TEST_IMAGES), "build", "--image", "e2e-p65", "--pin", PIN,
+                 "--sm", str(SM), "--mirror", f"docker.io=http://{mirror.host}", "--push",
+                 "--repository", "docker.io/x/y")
+    log = mirror.log()
+    assert re.search(r'"GET /v2/vllm/vllm-openai/blobs/', log)  # the pull did use the mirror
+    writes = [line for line in log.splitlines() if re.search(r'"(PUT|POST|PATCH|DELETE) /v2/', line)]
+    assert writes == []
+    if done.returncode == 0:  # a machine that reaches Docker Hub (with push rights to x/y)
+        assert "registry-1.docker.io" in done.stdout + done.stderr
+    else:
+        assert done.returncode == 2 and "registry-1.docker.io" in done.stderr, done.stderr[-2000:]
+        assert mirror.host not in done.stderr.splitlines()[-1]

@@ -1,0 +1,105 @@
+"""A build's patched selection is remembered by content, per independent group of patches: a
+warm rebuild patches nothing, an edited patch module re-runs its own group, and the result is
+always exactly what the engine computes for the whole selection."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+
+from kiln import paths
+from kiln.definitions import load_definition
+from kiln.patch import memo as memo_module
+from kiln.patch.engine import Session, run_selection
+from kiln.patch.memo import SelectionMemo, independent_groups, patched_selection
+from kiln.pins import load_pins
+from kiln.source.tree import SourceTree
+
+
+@pytest.fixture(scope="module")
+def shipped(catalogue):
+    pins = load_pins(paths.PINS)
+    definition = load_definition(paths.IMAGES, "qwen3.6-27b-tq", catalogue, pins)
+    return list(definition.patches), definition.target(pins["v0.20.1"], 120)
+
+
+@pytest.fixture(scope="module")
+def whole(catalogue, tree_0201, shipped):
+    ids, target = shipped
+    return run_selection(catalogue, Session(tree_0201), target, ids)
+
+
+def _same(selection, result) -> None:
+    assert selection.changed_text() == result.changed_text()
+    assert [(o.patch_id, o.verdict, o.detail, o.files) for o in selection.outcomes.values()] == \
+           [(o.patch_id, o.verdict, o.detail, o.files) for o in result.outcomes.values()]
+
+
+def test_groups_share_no_file(catalogue, shipped):
+    ids, _ = shipped
+    groups = independent_groups(catalogue, catalogue.closure(ids))
+    assert sorted(pid for group in groups for pid in group) == sorted(catalogue.closure(ids))
+    assert ["P22", "P38", "P44", "P65"] in groups  # every patch of turboquant_attn.py together
+    files = [{t for pid in group for t in catalogue.get(pid).targets} for group in groups]
+    assert all(not (a & b) for i, a in enumerate(files) for b in files[i + 1:])
+
+
+@pytest.mark.parametrize("jobs", [1, 2])  # in this process, or groups in two forked processes
+def test_warm_patches_nothing_and_equals_the_engine(tmp_path, catalogue, tree_0201, shipped, whole, jobs):
+    ids, target = shipped
+    memo = SelectionMemo(tmp_path)
+    first = patched_selection(catalogue, tree_0201, target, ids, memo, jobs=jobs)
+    again = patched_selection(catalogue, tree_0201, target, ids, memo)
+    assert sorted(first.patched) == sorted(catalogue.closure(ids)) and again.patched == ()
+    _same(first, whole)
+    _same(again, whole)
+
+
+def test_an_edited_patch_module_reruns_its_group_only(tmp_path, catalogue, tree_0201, shipped, whole):
+    ids, target = shipped
+    memo = SelectionMemo(tmp_path)
+    patched_selection(catalogue, tree_0201, target, ids, memo)
+    edited = copy.copy(catalogue)
+    edited.digests = {**catalogue.digests, "P65": "0" * 64}
+    result = patched_selection(edited, tree_0201, target, ids, memo)
+    assert result.patched == ("P22", "P38", "P44", "P65")
+    _same(result, whole)
+
+
+def test_every_input_is_in_the_key(tmp_path, catalogue, tree_0201, shipped, monkeypatch):
+    ids, target = shipped
+    memo = SelectionMemo(tmp_path)
+    base = memo.key(tree_0201, catalogue, target, ids)
+    edited = copy.copy(catalogue)
+    edited.digests = {**catalogue.digests, "P65": "0" * 64}
+    keys = {
+        "patch module edited": memo.key(tree_0201, edited, target, ids),
+        "other source": memo.key(SourceTree(tree_0201.root, tree_0201.vllm_version, "sha256:" + "1" * 64, "x"),
+                                 catalogue, target, ids),
+        "other SM": memo.key(tree_0201, catalogue, dataclasses.replace(target, sm=86), ids),
+        "one patch fewer": memo.key(tree_0201, catalogue, target, ids[:-1]),
+    }
+    monkeypatch.setattr(memo_module, "engine_digest", lambda: "an edited engine")
+    keys["engine edited"] = memo.key(tree_0201, catalogue, target, ids)
+    assert base not in keys.values() and len(set(keys.values())) == len(keys)
+
+
+def test_a_group_that_read_another_groups_output_means_a_whole_run(tmp_path, catalogue, tree_0201, shipped, whole):
+    ids, target = shipped
+    memo = SelectionMemo(tmp_path)
+    patched_selection(catalogue, tree_0201, target, ids, memo)
+    key = memo.key(tree_0201, catalogue, target, ["P4"])
+    entry = memo.get(key)
+    memo.put(key, dataclasses.replace(entry, reads=entry.reads | {"config/vllm.py"}))  # P66's file
+    result = patched_selection(catalogue, tree_0201, target, ids, memo)
+    assert sorted(result.patched) == sorted(catalogue.closure(ids))  # not trusted: all patched again
+    _same(result, whole)
+
+
+def test_without_a_memo_everything_is_patched(catalogue, tree_0201, shipped, whole):
+    ids, target = shipped
+    result = patched_selection(catalogue, tree_0201, target, ids)
+    assert sorted(result.patched) == sorted(catalogue.closure(ids))
+    _same(result, whole)

@@ -1,0 +1,63 @@
+"""What a fresh machine's pip resolves, ignoring this machine's pip configuration.
+
+The machine running the tests may have local wheels and indexes (a CPU torch no user has):
+``PIP_CONFIG_FILE=/dev/null`` and ``--isolated`` leave only PyPI, as on a new user's machine.
+``--dry-run`` resolves against the real index (metadata only, nothing installed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from packaging.requirements import Requirement
+
+from kiln import paths
+
+pytestmark = pytest.mark.network
+
+
+def _resolve(tmp_path, *requirements: str) -> dict[str, dict]:
+    report = tmp_path / "report.json"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PIP_")}, "PIP_CONFIG_FILE": os.devnull}
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed", "--quiet",
+         "--disable-pip-version-check", "--report", str(report), *requirements],
+        cwd=paths.REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {item["metadata"]["name"].lower(): item for item in json.loads(report.read_text())["install"]}
+
+
+def test_the_readme_install_resolves_and_needs_no_torch(tmp_path):
+    readme = (paths.REPO / "README.md").read_text()
+    command = re.search(r"\.venv/bin/pip install (-e \S+)", readme)
+    assert command and command.group(1) == "-e .", "README's set-up command changed: update this test"
+    resolved = _resolve(tmp_path, "-e", ".")
+    assert {"kiln", "libcst", "requests", "packaging"} <= set(resolved)
+    # what `build` fetches per pin (Triton) comes later, into kiln's cache; torch never
+    assert not {"torch", "triton", "numpy"} & set(resolved)
+
+
+def test_the_test_dependencies_resolve_together_on_pypi_alone(tmp_path):
+    resolved = _resolve(tmp_path, "-e", ".[test]")
+    torch = resolved["torch"]["metadata"]
+    triton = resolved["triton"]["metadata"]["version"]
+    # the Triton torch itself requires on Linux, where PyPI has torch's CUDA build only
+    wanted = [Requirement(r) for r in torch.get("requires_dist", []) if r.startswith("triton")]
+    linux = [r for r in wanted if r.marker is None or r.marker.evaluate({"platform_system": "Linux",
+                                                                         "platform_machine": "x86_64",
+                                                                         "sys_platform": "linux"})]
+    assert all(r.specifier.contains(triton) for r in linux), (torch["version"], [str(r) for r in linux], triton)
+    pinned = {Requirement(r).name: Requirement(r) for r in _test_extra()}
+    assert pinned["torch"].specifier.contains(torch["version"].split("+")[0])
+    assert pinned["triton"].specifier.contains(triton)
+
+
+def _test_extra() -> list[str]:
+    import tomllib
+
+    return tomllib.loads((paths.REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]

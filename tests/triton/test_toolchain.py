@@ -1,0 +1,102 @@
+"""Unpacking a Triton wheel into the kiln cache: content alone decides what the compile reads.
+
+A small wheel made here (same layout as Triton's: the package, a dist-info with RECORD, a
+``.data/scripts`` entry) so every rule is checked without the network; the real 3.6.0 wheel
+is checked in ``test_triton_aot.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from kiln.errors import KilnError
+from kiln.report import Recorder
+from kiln.triton import toolchain as tc
+
+RECORD = b"triton/__init__.py,sha256=x,1\ntriton/language/standard.py,sha256=y,2\n"
+
+
+def _wheel(path: Path, extra: dict[str, bytes] | None = None) -> Path:
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data, mode in (
+            ("triton/__init__.py", b"__version__ = '9.9.9'\n", 0o644),
+            ("triton/language/standard.py", b"def f(): pass\n", 0o644),
+            ("triton/backends/nvidia/bin/ptxas", b"\x7fELF", 0o755),
+            ("triton-9.9.9.data/scripts/proton", b"#!/some/venv/bin/python\n", 0o755),
+            ("triton-9.9.9.dist-info/RECORD", RECORD, 0o644),
+        ):
+            info = zipfile.ZipInfo(name, date_time=(2026, 1, 2, 3, 4, 5))
+            info.external_attr = (0o100000 | mode) << 16
+            archive.writestr(info, data)
+        for name, data in (extra or {}).items():
+            archive.writestr(name, data)
+    return path
+
+
+def test_unpack_fixes_mtimes_keeps_exec_bits_and_skips_scripts(tmp_path):
+    into = tmp_path / "site"
+    into.mkdir()
+    record = tc._unpack(_wheel(tmp_path / "t.whl"), into)
+    assert record == hashlib.sha256(RECORD).hexdigest()  # the wheel's RECORD: no install path in it
+    files = [p for p in into.rglob("*") if p.is_file()]
+    assert {int(p.stat().st_mtime) for p in files} == {tc.SOURCE_MTIME}
+    assert (into / "triton/backends/nvidia/bin/ptxas").stat().st_mode & 0o777 == 0o755
+    assert (into / "triton/language/standard.py").stat().st_mode & 0o777 == 0o644
+    assert not list(into.rglob("proton"))  # a script's shebang names a venv: not installed
+
+
+def test_unpack_refuses_a_member_outside_the_directory(tmp_path):
+    into = tmp_path / "site"
+    into.mkdir()
+    with pytest.raises(KilnError, match=r"t\.whl: member '\.\./evil\.py' leaves the install directory"):
+        tc._unpack(_wheel(tmp_path / "t.whl", {"../evil.py": b"x"}), into)
+    assert not (tmp_path / "evil.py").exists()
+
+
+def test_download_checks_the_index_sha256_and_reports_progress(tmp_path):
+    wheel = _wheel(tmp_path / "t.whl")
+    good = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    recorder = Recorder()
+    tc._download(wheel.as_uri(), good, tmp_path / "copy.whl", "Triton 9.9.9 (cp311)", recorder)
+    assert (tmp_path / "copy.whl").read_bytes() == wheel.read_bytes()
+    assert recorder.tasks == ["copying Triton 9.9.9 (cp311)"]
+    with pytest.raises(KilnError, match="sha256 .* differs from the index's " + "0" * 64):
+        tc._download(wheel.as_uri(), "0" * 64, tmp_path / "bad.whl", "Triton 9.9.9", Recorder())
+
+
+def test_fetched_once_then_reused_with_its_recorded_fingerprint(tmp_path, monkeypatch):
+    monkeypatch.delenv("KILN_TRITON_TOOLCHAINS", raising=False)
+    wheel = _wheel(tmp_path / "triton-9.9.9-cp311-cp311-linux_x86_64.whl")
+    calls = []
+
+    def choose(version, image):
+        calls.append(version)
+        return wheel.as_uri(), hashlib.sha256(wheel.read_bytes()).hexdigest()
+
+    monkeypatch.setattr(tc, "_choose_wheel", choose)
+    recorder = Recorder()
+    first = tc.toolchain_for("9.9.9", "img", tmp_path / "cache", recorder)
+    again = tc.toolchain_for("9.9.9", "img", tmp_path / "cache", recorder)
+    assert calls == ["9.9.9"] and first == again
+    assert first.site == tmp_path / "cache/triton/toolchains/triton-9.9.9"
+    assert first.fingerprint == hashlib.sha256(RECORD).hexdigest() and first.wheel == wheel.name
+    assert recorder.tasks == ["copying Triton 9.9.9 (cp311)"] and recorder.statuses == ["unpacking Triton 9.9.9"]
+    assert not (first.site / wheel.name).exists()  # the wheel itself is not kept
+
+
+def test_shared_directory_wins_over_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_TRITON_TOOLCHAINS", str(tmp_path / "shared"))
+    assert tc.toolchains_dir(tmp_path / "cache") == tmp_path / "shared"
+    monkeypatch.delenv("KILN_TRITON_TOOLCHAINS")
+    assert tc.toolchains_dir(tmp_path / "cache") == tmp_path / "cache/triton/toolchains"
+
+
+def test_a_version_the_index_lacks_is_named(tmp_path, monkeypatch):
+    monkeypatch.delenv("KILN_TRITON_TOOLCHAINS", raising=False)
+    with pytest.raises(KilnError, match=r"img: no triton==0\.0\.1 wheel for this Python"):
+        tc.toolchain_for("0.0.1", "img", tmp_path)
+    assert not list((tmp_path / "triton" / "toolchains").glob("triton-*"))
