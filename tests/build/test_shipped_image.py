@@ -31,7 +31,10 @@ SHIPPED = paths.IMAGES / f"{IMAGE}.toml"
 def _pins(root: Path, registry, variant: str = "triton36") -> Path:
     name = f"vllm/vllm-openai:v{VLLM_VERSION}-{variant}"
     path = root / "pins.toml"
-    path.write_text(f'[pins."{PIN}"]\nrole = "current"\nimage = "docker.io/{name}"\nvllm = "{VLLM_VERSION}"\n'
+    # the definition names both shipped pins; only PIN is built, on the vLLM-shaped local base
+    path.write_text('[pins."v0.33.0"]\nrole = "current"\nimage = "docker.io/vllm/vllm-openai:v0.33.0"\n'
+                    'vllm = "0.33.0"\ncuda = "cu130"\n\n'
+                    f'[pins."{PIN}"]\nrole = "rollback"\nimage = "docker.io/{name}"\nvllm = "{VLLM_VERSION}"\n'
                     f'cuda = "cu130"\ndigest = "{registry.digest_of(name)}"\n')
     return path
 

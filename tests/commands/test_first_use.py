@@ -25,7 +25,8 @@ def test_apply_refuses_a_taken_out_before_fetching_or_patching(tmp_path, capsys,
     taken.mkdir()
     (taken / "mine.txt").write_text("keep me\n")
     fetched = []
-    monkeypatch.setattr(verify_command, "choose_source", lambda *a, **k: fetched.append(a) or pytest.fail("fetched"))
+    monkeypatch.setattr(verify_command.checks, "choose_source",
+                        lambda *a, **k: fetched.append(a) or pytest.fail("fetched"))
     code, out, err = run(capsys, "apply", "--pin", "v0.20.1", "--out", taken)
     assert code == 2 and out == ""
     assert err.strip() == f"error: --out {taken}: already exists (use --force to replace it)"
