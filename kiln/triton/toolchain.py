@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -82,7 +83,8 @@ def stage_link(name: str, target: Path) -> Path:
     link = stage_dir() / name
     if os.path.islink(link) and os.readlink(link) == str(target):
         return link
-    tmp = stage_dir() / f".{name}.{os.getpid()}"
+    # private to this process and thread: one build compiles several SMs in threads
+    tmp = stage_dir() / f".{name}.{os.getpid()}.{threading.get_ident()}"
     if os.path.lexists(tmp):
         os.unlink(tmp)
     os.symlink(target, tmp)
