@@ -176,7 +176,10 @@ def main() -> None:
         must_read = layers["vllm"][1] + layers["app"][1]  # kiln reads top-down until vLLM is decided
 
         pins = work / "pins.toml"
-        pins.write_text(f'[pins."{PIN}"]\nrole = "current"\nimage = "docker.io/{BASE_REPO}:{PIN}"\n'
+        # the shipped definition names both shipped pins; PIN (v0.20.1) is the one built here
+        pins.write_text('[pins."v0.33.0"]\nrole = "current"\nimage = "docker.io/vllm/vllm-openai:v0.33.0"\n'
+                        'vllm = "0.33.0"\ncuda = "cu130"\n\n'
+                        f'[pins."{PIN}"]\nrole = "rollback"\nimage = "docker.io/{BASE_REPO}:{PIN}"\n'
                         f'vllm = "{VLLM_VERSION}"\ncuda = "cu130"\ndigest = ""\n')
         patchsets = work / "patchsets"  # the edited copy: a comment appended to P65
         shutil.copytree(REPO / "patchsets", patchsets, ignore=shutil.ignore_patterns("__pycache__"))
