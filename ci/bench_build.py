@@ -193,7 +193,7 @@ def main() -> None:
                     "DOCKER_CONFIG": str(work / "docker-config"), "KILN_TRITON_TOOLCHAINS": str(toolchains)}
 
         common = ["--mirror", server.mirror, "--insecure-registry", server.host]
-        kiln(["--pins", str(pins), "pin", "lock", *common], env("lock-cache"))
+        kiln(["--pins", str(pins), "pin", "lock", PIN, *common], env("lock-cache"))
 
         def build(rep: str, *extra: str) -> list[str]:
             return [*extra, "--pins", str(pins), "build", "--image", IMAGE, "--pin", PIN, "--sm", str(SM), *common,
