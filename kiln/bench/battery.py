@@ -36,28 +36,44 @@ TOOL_MARKUP = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<par
 THINK_MARKUP = ("<think>", "</think>")
 
 
+class _Expectation:
+    """What one argument must be: ``check`` says how it fails (None: it is right)."""
+
+    def matches(self, got: object) -> bool:
+        raise NotImplementedError
+
+    def wanted(self) -> str:
+        """The expected value, as a problem line names it."""
+        raise NotImplementedError
+
+    def check(self, got: object) -> str | None:
+        return None if self.matches(got) else f"is {json.dumps(got)[:60]}, expected {self.wanted()}"
+
+
 @dataclass(frozen=True)
-class Equals:
+class Equals(_Expectation):
     value: object
 
-    def check(self, got: object) -> str | None:
+    def matches(self, got: object) -> bool:
         # bool is an int in Python: `True == 1`; a boolean parameter must come back a boolean
-        if isinstance(self.value, bool) != isinstance(got, bool) or got != self.value:
-            return f"is {json.dumps(got)}, expected {json.dumps(self.value)}"
-        return None
+        return isinstance(self.value, bool) == isinstance(got, bool) and got == self.value
+
+    def wanted(self) -> str:
+        return json.dumps(self.value)
 
     def describe(self) -> str:
-        return f"= {json.dumps(self.value)}"
+        return f"= {self.wanted()}"
 
 
 @dataclass(frozen=True)
-class Contains:
+class Contains(_Expectation):
     text: str  # case-insensitive
 
-    def check(self, got: object) -> str | None:
-        if not isinstance(got, str) or self.text.lower() not in got.lower():
-            return f"is {json.dumps(got)[:60]}, expected a string containing {self.text!r}"
-        return None
+    def matches(self, got: object) -> bool:
+        return isinstance(got, str) and self.text.lower() in got.lower()
+
+    def wanted(self) -> str:
+        return f"a string containing {self.text!r}"
 
     def describe(self) -> str:
         return f"contains {self.text!r}"
