@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln.cache import file_lock
+from kiln.cache import install_dir
 from kiln.errors import KilnError
 from kiln.triton import standin_torch
 from kiln.triton import worker as worker_module
@@ -225,25 +225,23 @@ def _build_one(sm: int, preset: KernelPreset, plan: list[dict], staged: Path, to
                entries: Path, key: str, runtime_dir: str, runtime_env: dict[str, str]) -> SmCache:
     final = entries / key
     started = time.monotonic()
-    with file_lock(entries / f".{key}.lock"):
-        if (final / "entry.json").is_file():
-            record = json.loads((final / "entry.json").read_text())
-            return SmCache(sm, final / "cache", key, record["launches"], record["failures"], 0, True,
-                           round(time.monotonic() - started, 3))
-        work = Path(tempfile.mkdtemp(dir=entries, prefix=f".tmp-sm{sm}-"))
-        try:
-            cache_result = _compile_and_check(sm, preset, plan, staged, toolchain, work, runtime_dir, runtime_env)
-            launches, failures, compiled = cache_result
-            (work / "entry.json").write_text(json.dumps({"sm": sm, "key": key, "launches": launches,
-                                                         "failures": failures}, indent=1, sort_keys=True))
-            shutil.rmtree(work / "home", ignore_errors=True)
-            shutil.rmtree(work / "check", ignore_errors=True)
-            for leftover in work.glob("job-*.json"):
-                leftover.unlink()
-            os.rename(work, final)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    return SmCache(sm, final / "cache", key, launches, failures, compiled, False, round(time.monotonic() - started, 3))
+    built: dict = {}
+
+    def fill(work: Path) -> None:
+        launches, failures, compiled = _compile_and_check(sm, preset, plan, staged, toolchain, work, runtime_dir,
+                                                          runtime_env)
+        (work / "entry.json").write_text(json.dumps({"sm": sm, "key": key, "launches": launches,
+                                                     "failures": failures}, indent=1, sort_keys=True))
+        shutil.rmtree(work / "home", ignore_errors=True)
+        shutil.rmtree(work / "check", ignore_errors=True)
+        for leftover in work.glob("job-*.json"):
+            leftover.unlink()
+        built["compiled"] = compiled
+
+    install_dir(final, fill)  # filled under a lock and renamed into place, or found there
+    record = json.loads((final / "entry.json").read_text())
+    return SmCache(sm, final / "cache", key, record["launches"], record["failures"], built.get("compiled", 0),
+                   "compiled" not in built, round(time.monotonic() - started, 3))
 
 
 def _compile_and_check(sm: int, preset: KernelPreset, plan: list[dict], staged: Path, toolchain: Toolchain,
