@@ -1,5 +1,6 @@
-"""The image kiln ships (``images/qwen3.6-27b-tq.toml``, its Triton layer included), built as a
-new user builds it: from empty caches, against a vLLM-shaped base in a local registry.
+"""The images kiln ships (``images/qwen3.6-27b-tq.toml`` and ``qwen3.6-35b-a3b-fp8.toml``, their
+Triton layers included), built as a new user builds them: from empty caches, against a
+vLLM-shaped base in a local registry.
 
 Only what must be is overridden: ``--pins`` points the definition's pin at the local base
 (the fixture image with Triton 3.6.0's dist-info) and ``--mirror`` stands the registry in for
@@ -78,10 +79,11 @@ def _layers(layout: Path) -> list[str]:
     return [layer["digest"] for layer in manifest["layers"]]
 
 
-def test_shipped_definition_builds_bit_reproducibly(tmp_path, registry_plain):
+@pytest.mark.parametrize(("image", "sm"), [(IMAGE, SM), ("qwen3.6-35b-a3b-fp8", 90)])
+def test_shipped_definition_builds_bit_reproducibly(tmp_path, registry_plain, image, sm):
     """Two cold builds: other cache, toolchain location, working and temp directory, interpreter path
     (the second without torch or numpy)."""
-    assert "[model.kernels]" in SHIPPED.read_text()  # the Triton layer is part of what is compared
+    assert "[model.kernels]" in (paths.IMAGES / f"{image}.toml").read_text()  # the Triton layer is compared
     pins = _pins(tmp_path, registry_plain)
     results, layers = [], []
     for run, python in (("one", sys.executable), ("two", _other_venv(tmp_path / "venv-two"))):
@@ -89,8 +91,8 @@ def test_shipped_definition_builds_bit_reproducibly(tmp_path, registry_plain):
         (work / "tmp").mkdir(parents=True)
         env = {"KILN_CACHE_DIR": str(work / "cache"), "TMPDIR": str(work / "tmp"),
                "KILN_REGISTRIES": str(work / "registries.toml"), "DOCKER_CONFIG": str(work / "docker")}
-        done = _kiln(python, work, env, "--pins", str(pins), "build", "--image", IMAGE, "--pin", PIN,
-                     "--sm", str(SM), "--mirror", registry_plain.mirror, "--oci", str(work / "out"), "--json")
+        done = _kiln(python, work, env, "--pins", str(pins), "build", "--image", image, "--pin", PIN,
+                     "--sm", str(sm), "--mirror", registry_plain.mirror, "--oci", str(work / "out"), "--json")
         assert done.returncode == 0, done.stderr[-3000:]
         result = json.loads(done.stdout)
         # a cold build: the toolchain fetched into this cache, every kernel compiled here
@@ -99,6 +101,7 @@ def test_shipped_definition_builds_bit_reproducibly(tmp_path, registry_plain):
         results.append(result)
         layers.append(_layers(work / "out"))
     one, two = results
+    assert one["image"] == image and one["tag"] == f"cu130-sm{sm}-{PIN}"
     assert one["triton"]["kernels"] >= 3 and len(layers[0]) == len(layers[1])
     assert layers[0][-1] == layers[1][-1]  # the Triton layer
     assert layers[0][-2] == layers[1][-2] == one["layer_digest"]  # the patched-source layer
