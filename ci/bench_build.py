@@ -45,6 +45,7 @@ sys.path[:0] = [str(REPO)]
 from tests.support.registry import REPO as BASE_REPO  # noqa: E402
 from tests.support.registry import (  # noqa: E402  (the test fixtures' registry + wheel helpers)
     SITE,
+    TRITON_CP312_RECORD,
     VLLM_VERSION,
     _tar,
     fetch_vllm_wheel,
@@ -115,6 +116,7 @@ def build_base(work: Path, wheel: Path, filler_bytes: int, fillers: int) -> dict
     dist = site / f"triton-{TRITON}.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: triton\nVersion: {TRITON}\n")
+    shutil.copyfile(TRITON_CP312_RECORD, dist / "RECORD")  # the image's Python's wheel, as vLLM installs it
     add("vllm", _tar(trees / "vllm", work / "vllm.tar"))
     app = trees / "app" / "usr/local/bin"
     app.mkdir(parents=True)

@@ -123,7 +123,7 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     base_ref = parse_reference(pin.image)
     stats = TransferStats()
     source = ImageSource(base_ref, expected_version=pin.vllm, registry_config=config, cache=cache, stats=stats,
-                         reporter=reporter)
+                         reporter=reporter, need_triton=bool(definition.model.kernels))
     resolved = base_ref.digest or source.client.resolve(base_ref.repository, base_ref.ref)
     check_lock(pin, resolved, allow_unlocked, reporter)
     clock.lap("resolve")

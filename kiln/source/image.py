@@ -2,12 +2,13 @@
 
 Public API:
     ImageVllm     what was found: tree (SourceTree), image, digest, manifest_digest, site_dir,
-                  layers_read, triton_version, vllm_files
-    read_vllm(image, cache=None, reporter=SILENT, budget=None) -> ImageVllm   walk ``image`` top-down
-                  (``layerwalk``), its layers decompressed and bounded by ``layerstream``
+                  layers_read, triton_version, triton_record, vllm_files
+    read_vllm(image, cache=None, reporter=SILENT, budget=None, need_triton=False) -> ImageVllm
+                  walk ``image`` top-down (``layerwalk``), its layers decompressed and bounded by
+                  ``layerstream``; ``need_triton``: read on until Triton's dist-info is found
     ImageSource(reference, expected_version=None, registry_config=None, cache=None, stats=None,
-                reporter=SILENT, budget=None)   ``budget``: the build's limits (``kiln.oci.limits``),
-                                                 by default from ``registry_config.limits``
+                reporter=SILENT, budget=None, need_triton=False)   ``budget``: the build's limits
+                                                 (``kiln.oci.limits``), by default from ``registry_config.limits``
         the ``SourceProvider`` for images: .describe() -> str, .fetch() -> SourceTree,
         .pull() -> ImageVllm (the same plus what the bake step needs)
 
@@ -27,7 +28,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from packaging.version import Version
@@ -58,11 +59,12 @@ class ImageVllm:
     site_dir: str  # "usr/local/lib/python3.12/dist-packages"
     layers_read: tuple[str, ...]  # digests, top-most first
     triton_version: str | None
+    triton_record: str | None  # the image's triton-*.dist-info/RECORD (kiln.triton.imagekey reads it)
     vllm_files: tuple[str, ...]  # every file under vllm/ visible in the layers read (incl. __pycache__)
 
 
 def read_vllm(image: Image, cache: Path | None = None, reporter: Reporter = SILENT,
-              budget: Budget | None = None) -> ImageVllm:
+              budget: Budget | None = None, need_triton: bool = False) -> ImageVllm:
     """Extract ``vllm/**/*.py`` from the fewest top-most layers of ``image`` (verified, cached).
 
     ``budget`` bounds the work (``kiln.oci.limits``): the number of layers, the bytes they
@@ -79,7 +81,7 @@ def read_vllm(image: Image, cache: Path | None = None, reporter: Reporter = SILE
     sources = cache / "sources"
     sources.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=sources, prefix=".tmp-image-"))
-    walk = VllmLayerWalk(work)
+    walk = VllmLayerWalk(work, need_triton)
     try:
         for descriptor in reversed(layers):
             name = f"{image.name}: layer {descriptor.digest}"
@@ -109,7 +111,7 @@ def read_vllm(image: Image, cache: Path | None = None, reporter: Reporter = SILE
         origin=f"image {image.name} ({len(found.layers)} of {len(layers)} layers read)",
     )
     return ImageVllm(tree, image.name, image.digest, image.manifest().digest, found.site_dir,
-                     found.layers, found.triton_version, found.files)
+                     found.layers, found.triton_version, found.triton_record, found.files)
 
 
 class ImageSource(CachedProvider):
@@ -117,7 +119,8 @@ class ImageSource(CachedProvider):
 
     def __init__(self, reference: str | ImageReference, expected_version: Version | str | None = None,
                  registry_config: RegistryConfig | None = None, cache: Path | None = None,
-                 stats: TransferStats | None = None, reporter: Reporter = SILENT, budget: Budget | None = None):
+                 stats: TransferStats | None = None, reporter: Reporter = SILENT, budget: Budget | None = None,
+                 need_triton: bool = False):
         self.reference = parse_reference(reference) if isinstance(reference, str) else reference
         self.expected_version = Version(str(expected_version)) if expected_version else None
         self.registry_config = registry_config or RegistryConfig.load()
@@ -125,6 +128,7 @@ class ImageSource(CachedProvider):
         self.budget = budget or Budget(self.registry_config.limits)
         self.stats = stats or TransferStats()
         self.reporter = reporter
+        self.need_triton = need_triton
         self._client: RegistryClient | None = None
 
     def describe(self) -> str:
@@ -143,14 +147,16 @@ class ImageSource(CachedProvider):
     def pull(self) -> ImageVllm:
         ref = self.reference
         digest = ref.digest or self.client.resolve(ref.repository, ref.ref)
-        record_path = self.cache / "images" / f"{digest.replace(':', '-')}.json"
+        # a walk that read on for Triton may have read more layers: its own record
+        suffix = "+triton" if self.need_triton else ""
+        record_path = self.cache / "images" / f"{digest.replace(':', '-')}{suffix}.json"
         found = _load_record(record_path)
         if found is None:
             image = RemoteImage(ref.pinned(digest), self.client, BlobCache(self.cache / "blobs"),
                                 manifest_cache=self.cache / "manifests")
-            found = read_vllm(image, self.cache, self.reporter, self.budget)
+            found = read_vllm(image, self.cache, self.reporter, self.budget, self.need_triton)
             found = ImageVllm(found.tree, str(ref), digest, found.manifest_digest, found.site_dir,
-                              found.layers_read, found.triton_version, found.vllm_files)
+                              found.layers_read, found.triton_version, found.triton_record, found.vllm_files)
             _save_record(record_path, found)
         if self.expected_version and found.tree.vllm_version != self.expected_version:
             raise KilnError(
@@ -170,6 +176,8 @@ def _save_record(path: Path, found: ImageVllm) -> None:
 def _load_record(path: Path) -> ImageVllm | None:
     try:
         record = json.loads(path.read_text())
+        if set(record) != {f.name for f in fields(ImageVllm)}:
+            return None  # written by another kiln version: read the layers again
         tree = record.pop("tree")
         root = Path(tree["root"])
         if not (root / "vllm" / "__init__.py").is_file():

@@ -1,11 +1,11 @@
 """Top-down walk over an image's layers, extracting the vLLM package as the merged view shows it.
 
 Public API:
-    VllmLayerWalk(dest)
+    VllmLayerWalk(dest, need_triton=False)
         .add_layer(tar, label)   feed one layer (a ``tarfile`` opened in stream mode), top-most first
         .complete -> bool        True once no lower layer can change what kiln reads (rule below)
         .result() -> VllmFound   where vLLM lives, its version, and the files extracted
-    VllmFound(site_dir, vllm_version, triton_version, files, layers)
+    VllmFound(site_dir, vllm_version, triton_version, triton_record, files, layers)
 
 Merged view (overlay semantics, as container runtimes apply them): walking from the top, the
 first layer holding a path decides it; ``.wh.<name>`` deletes ``<name>`` in lower layers;
@@ -16,7 +16,8 @@ whiteouts apply to the layers *below* it only, so they take effect after the lay
 Where vLLM lives: ``<prefix>/lib/python3[.N]/{dist,site}-packages/vllm/`` (the real image uses
 ``/usr/local/lib/python3.12/dist-packages``). kiln reads ``vllm/**/*.py`` (extracted below
 ``dest`` at their image paths), ``vllm-*.dist-info/{METADATA,RECORD}`` and
-``triton-*.dist-info/METADATA``; every other entry is only looked at, never written.
+``triton-*.dist-info/{METADATA,RECORD}`` (which Triton the image runs: the kernel cache is keyed by
+its files); every other entry is only looked at, never written.
 
 Stop rule (a gzip layer must be read whole to know what it holds, so reading stops as early as
 the merged view allows): once ``<site>/vllm/__init__.py`` and a ``vllm-*.dist-info/METADATA``
@@ -26,6 +27,9 @@ are decided for one site dir, no lower layer can change the result when
       (present, or deleted by a whiteout) -- pip writes the whole package in one layer, or
   (c) without ``RECORD``: ``__init__.py`` and ``METADATA`` came from the same layer (the
       install layer).
+With ``need_triton`` (an image whose kernels kiln compiles), reading also goes on below a
+settled site until a Triton dist-info is decided there or the layers run out: an image may
+install torch and Triton in a layer of their own, under vLLM's.
 Limits: a lower-layer ``.py`` under ``vllm/`` that the installed RECORD does not own (a stray
 file left by some other tool) is not seen; under (c) a file only a lower layer holds is missed.
 If no site qualifies, every layer is read; if then no ``vllm/__init__.py`` is visible the image
@@ -62,7 +66,7 @@ from kiln.errors import KilnError
 
 _SITE = re.compile(r"^(?P<site>(?:[^/]+/)*lib/python3(?:\.\d+)?/(?:dist|site)-packages)/(?P<rest>.+)$")
 _VLLM_META = re.compile(r"^vllm-[^/]+\.dist-info/(METADATA|RECORD)$")
-_TRITON_META = re.compile(r"^triton-[^/]+\.dist-info/METADATA$")
+_TRITON_META = re.compile(r"^triton-[^/]+\.dist-info/(METADATA|RECORD)$")
 _WHITEOUT = ".wh."
 _OPAQUE = ".wh..wh..opq"
 MAX_SOURCE_FILE = 64 << 20  # vLLM's largest .py is well under 1 MiB; a bigger one is not source
@@ -74,6 +78,7 @@ class VllmFound:
     site_dir: str  # e.g. "usr/local/lib/python3.12/dist-packages" (no leading slash)
     vllm_version: Version
     triton_version: str | None
+    triton_record: str | None  # that Triton's dist-info RECORD (the hash of every file it installed)
     files: tuple[str, ...]  # every regular file visible under vllm/ in the layers read, relative to it
     layers: tuple[str, ...]  # labels of the layers read, top-most first
 
@@ -83,12 +88,15 @@ class _SiteState:
     init_layer: str | None = None
     metadata: dict[str, tuple[str, bytes]] = field(default_factory=dict)  # dist-info -> (layer, METADATA)
     record: bytes | None = None
-    triton: bytes | None = None
+    triton: bytes | None = None  # the first triton-*.dist-info/METADATA seen (top-most layer)
+    triton_info: str | None = None  # its dist-info directory
+    triton_records: dict[str, bytes] = field(default_factory=dict)  # dist-info -> RECORD
 
 
 class VllmLayerWalk:
-    def __init__(self, dest: Path):
+    def __init__(self, dest: Path, need_triton: bool = False):
         self.dest = dest
+        self.need_triton = need_triton
         self._decided: set[str] = set()
         self._deleted: set[str] = set()
         self._opaque: set[str] = set()
@@ -164,7 +172,11 @@ class VllmLayerWalk:
             else:
                 state.record = data
         elif _TRITON_META.match(rest) and member.isfile():
-            state.triton = _read(tar, member, label)
+            info = rest.split("/")[0]
+            if rest.endswith("/RECORD"):
+                state.triton_records[info] = _read(tar, member, label)
+            elif state.triton is None:
+                state.triton, state.triton_info = _read(tar, member, label), info
 
     def _check_parents(self, path: str, site: str, member: tarfile.TarInfo, label: str) -> None:
         """Refuse an entry that would be written through a symlink or below a file."""
@@ -267,7 +279,8 @@ class VllmLayerWalk:
 
     @property
     def complete(self) -> bool:
-        return self._settled_site() is not None
+        site = self._settled_site()
+        return site is not None and (not self.need_triton or self._sites[site].triton is not None)
 
     def _settled_site(self) -> str | None:
         for site, state in self._sites.items():
@@ -297,10 +310,12 @@ class VllmLayerWalk:
         state = self._sites[site]
         name, (_, metadata) = sorted(state.metadata.items())[0]
         version = _metadata_version(metadata, f"/{site}/{name}/METADATA")
-        triton = None
+        triton = record = None
         if state.triton is not None:
             triton = str(_metadata_version(state.triton, f"/{site}/triton dist-info METADATA"))
-        return VllmFound(site, version, triton, tuple(sorted(self._files[site])), tuple(self.layers))
+            raw = state.triton_records.get(state.triton_info or "")
+            record = raw.decode("utf-8", "replace") if raw is not None else None
+        return VllmFound(site, version, triton, record, tuple(sorted(self._files[site])), tuple(self.layers))
 
 
 def _normalise(name: str, label: str) -> str | None:

@@ -2,9 +2,10 @@
 
 Public API:
     KernelSources(changed, pristine_root)     the patched tree as the image will hold it
-    SmCache(sm, root, key, launches, failures, compiled, cached, seconds)
+    SmCache(sm, root, key, launches, failures, compiled, cached, seconds, libtriton)
     compile_kernel_caches(preset, sms, sources, toolchain, cache, runtime_env=None, jobs=None,
-                          runtime_dir=RUNTIME_CACHE_DIR, progress=None) -> dict[int, SmCache]
+                          runtime_dir=RUNTIME_CACHE_DIR, progress=None, image_libtriton=None)
+        -> dict[int, SmCache]     ``image_libtriton``: key entries for that libtriton.so (``imagekey.py``)
     kernel_cache_files(sm_cache, toolchain, preset, runtime_dir=RUNTIME_CACHE_DIR) -> dict[str, bytes]
     KERNEL_AUDIT_PATH     "opt/kiln/triton-kernels.json" (inside the image)
 
@@ -86,6 +87,7 @@ class SmCache:
     compiled: int = 0  # Triton compiles the build ran (0 when the entry came from the cache)
     cached: bool = False
     seconds: float = 0.0
+    libtriton: str = ""  # the libtriton.so sha256 its entries are keyed with (the image's Triton's)
 
 
 # -- sources ------------------------------------------------------------------------------------
@@ -211,8 +213,8 @@ def _miss_reason(miss: dict, check_root: Path, built: dict[str, dict]) -> str:
 
 
 def _entry_key(toolchain: Toolchain, sm: int, preset: KernelPreset, plan: list[dict], source_hash: str,
-               runtime_dir: str, runtime_env: dict[str, str]) -> str:
-    ingredients = {
+               runtime_dir: str, runtime_env: dict[str, str], key_libtriton: dict | None) -> str:
+    ingredients = {"key_libtriton": key_libtriton,
         "format": FORMAT, "triton": toolchain.version, "toolchain": toolchain.fingerprint, "sm": sm,
         "preset": preset.to_json(), "plan": plan, "sources": source_hash, "runtime_dir": runtime_dir,
         "env": sorted(runtime_env.items()), "worker": hashlib.sha256(_WORKER.read_bytes()).hexdigest(),
@@ -222,14 +224,15 @@ def _entry_key(toolchain: Toolchain, sm: int, preset: KernelPreset, plan: list[d
 
 
 def _build_one(sm: int, preset: KernelPreset, plan: list[dict], staged: Path, toolchain: Toolchain,
-               entries: Path, key: str, runtime_dir: str, runtime_env: dict[str, str]) -> SmCache:
+               entries: Path, key: str, runtime_dir: str, runtime_env: dict[str, str],
+               key_libtriton: dict | None) -> SmCache:
     final = entries / key
     started = time.monotonic()
     built: dict = {}
 
     def fill(work: Path) -> None:
         launches, failures, compiled = _compile_and_check(sm, preset, plan, staged, toolchain, work, runtime_dir,
-                                                          runtime_env)
+                                                          runtime_env, key_libtriton)
         (work / "entry.json").write_text(json.dumps({"sm": sm, "key": key, "launches": launches,
                                                      "failures": failures}, indent=1, sort_keys=True))
         shutil.rmtree(work / "home", ignore_errors=True)
@@ -241,16 +244,18 @@ def _build_one(sm: int, preset: KernelPreset, plan: list[dict], staged: Path, to
     install_dir(final, fill)  # filled under a lock and renamed into place, or found there
     record = json.loads((final / "entry.json").read_text())
     return SmCache(sm, final / "cache", key, record["launches"], record["failures"], built.get("compiled", 0),
-                   "compiled" not in built, round(time.monotonic() - started, 3))
+                   "compiled" not in built, round(time.monotonic() - started, 3),
+                   (key_libtriton or {}).get("image") or toolchain.libtriton_sha256)
 
 
 def _compile_and_check(sm: int, preset: KernelPreset, plan: list[dict], staged: Path, toolchain: Toolchain,
-                       work: Path, runtime_dir: str, runtime_env: dict[str, str]):
+                       work: Path, runtime_dir: str, runtime_env: dict[str, str], key_libtriton: dict | None):
     home = work / "home"
     home.mkdir()
     build_dir = work / "cache"
     job = {"sm": sm, "toolchain_site": str(toolchain.staged_site()), "roots": [str(staged)],
-           "standin_torch": str(_STANDIN_TORCH), "preset": preset.to_json(), "launches": plan}
+           "standin_torch": str(_STANDIN_TORCH), "preset": preset.to_json(), "launches": plan,
+           "key_libtriton": key_libtriton}
     report = _run_worker(toolchain, {**job, "mode": "compile"}, _worker_env(build_dir, home, runtime_env, True),
                          work, sm)
     if report.get("triton") != toolchain.version:
@@ -336,12 +341,15 @@ def key_environment(env: dict[str, str]) -> dict[str, str]:
 def compile_kernel_caches(preset: KernelPreset, sms: list[int], sources: KernelSources, toolchain: Toolchain,
                           cache: Path, runtime_env: dict[str, str] | None = None, jobs: int | None = None,
                           runtime_dir: str = RUNTIME_CACHE_DIR,
-                          progress: Callable[[SmCache], None] | None = None) -> dict[int, SmCache]:
+                          progress: Callable[[SmCache], None] | None = None,
+                          image_libtriton: str | None = None) -> dict[int, SmCache]:
     """Compile, check and keep the kernel cache of every SM (one worker process per SM)."""
     if not runtime_dir.startswith("/"):
         raise KilnError(f"Triton cache path {runtime_dir!r}: must be absolute")
     env = key_environment(runtime_env or {})
     plan = launch_plan(preset)
+    own = toolchain.libtriton_sha256
+    key_libtriton = {"own": own, "image": image_libtriton} if image_libtriton and image_libtriton != own else None
     staged, source_hash = _stage_sources(preset, sources)
     entries = cache / "triton" / "kernels"
     entries.mkdir(parents=True, exist_ok=True)
@@ -350,7 +358,8 @@ def compile_kernel_caches(preset: KernelPreset, sms: list[int], sources: KernelS
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = {
             sm: pool.submit(_build_one, sm, preset, plan, staged, toolchain, entries,
-                            _entry_key(toolchain, sm, preset, plan, source_hash, runtime_dir, env), runtime_dir, env)
+                            _entry_key(toolchain, sm, preset, plan, source_hash, runtime_dir, env, key_libtriton),
+                            runtime_dir, env, key_libtriton)
             for sm in sms
         }
         for sm, future in futures.items():
@@ -374,7 +383,8 @@ def kernel_cache_files(sm_cache: SmCache, toolchain: Toolchain, preset: KernelPr
     audit = {
         "schema": 1,
         "sm": sm_cache.sm,
-        "triton": {"version": toolchain.version, "record_sha256": toolchain.fingerprint, "wheel": toolchain.wheel},
+        "triton": {"version": toolchain.version, "record_sha256": toolchain.fingerprint, "wheel": toolchain.wheel,
+                   "keyed_for_libtriton_sha256": sm_cache.libtriton},
         "cache_dir": runtime_dir,
         "key": sm_cache.key,
         "preset": preset.to_json(),

@@ -9,7 +9,8 @@ Public API:
 Called by ``kiln.build.prepare`` for images whose ``[model]`` declares ``kernels``:
 checks that every declared launcher exists in the patched source, picks the toolchain for
 the Triton the base carries, compiles and self-checks the SM's cache (reused from the kiln
-cache when nothing changed), and returns the layer's contents (the cache under
+cache when nothing changed) keyed as the image's own Triton keys them (``imagekey.py``: kiln may
+run another Python than the image), and returns the layer's contents (the cache under
 ``RUNTIME_CACHE_DIR`` plus ``/opt/kiln/triton-kernels.json``) and the environment the image
 needs (``TRITON_CACHE_DIR``). Kernels that cannot be built for a known reason (bf16 fp8 store
 on sm < 89) are reported as a warning and listed in the audit file and the build summary.
@@ -18,7 +19,6 @@ on sm < 89) are reported as a warning and listed in the audit file and the build
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from kiln.oci.layer import LayerContents
 from kiln.report import SILENT, Reporter
 from kiln.source.image import ImageVllm
 from kiln.triton.aot import KernelSources, compile_kernel_caches, kernel_cache_files
+from kiln.triton.imagekey import runtime_key
 from kiln.triton.kernels import RUNTIME_CACHE_DIR, KernelPreset, check_kernels
 from kiln.triton.toolchain import toolchain_for
 
@@ -44,15 +45,14 @@ def triton_cache_layer(preset: KernelPreset, sm: int, found: ImageVllm, changed:
     sources = KernelSources(changed, found.tree.root)
     check_kernels(preset, sources.read, label)
     toolchain = toolchain_for(found.triton_version, found.image, cache, reporter)
-    with reporter.status(f"compiling Triton kernels for sm_{sm} (Triton {toolchain.version})"):
-        result = compile_kernel_caches(preset, [sm], sources, toolchain, cache, runtime_env=runtime_env)[sm]
     python = _image_python(found.site_dir)
-    here = f"{sys.version_info.major}.{sys.version_info.minor}"
-    if python and python != here:
-        reporter.warn(f"sm_{sm}: kernels compiled with Triton {toolchain.version}'s wheel for Python {here} (kiln's "
-                      f"interpreter), but the image runs Python {python}: Triton keys its cache by libtriton.so, "
-                      f"which differs between the two wheels, so the image will compile them again at first "
-                      f"launch; run kiln under Python {python} (docs/TRITON.md)")
+    keyed = runtime_key(found.triton_record, toolchain.record, python, toolchain.wheel_python)
+    if keyed.problem:
+        reporter.warn(f"sm_{sm}: {keyed.problem}; the image will not find these kernels and compiles them "
+                      f"at first launch (docs/TRITON.md)")
+    with reporter.status(f"compiling Triton kernels for sm_{sm} (Triton {toolchain.version})"):
+        result = compile_kernel_caches(preset, [sm], sources, toolchain, cache, runtime_env=runtime_env,
+                                       image_libtriton=keyed.libtriton_sha256)[sm]
     for failure in result.failures:
         reporter.warn(f"sm_{sm}: kernel {failure['kernel']} "
                       f"({', '.join(f'{k}={v}' for k, v in failure['params'].items())}) is not in the cache: "
@@ -61,6 +61,7 @@ def triton_cache_layer(preset: KernelPreset, sm: int, found: ImageVllm, changed:
     files = kernel_cache_files(result, toolchain, preset)
     kernels = sorted({k["name"] for launch in result.launches for k in launch["kernels"]})
     summary = {"sm": sm, "triton": toolchain.version, "triton_wheel": toolchain.wheel, "image_python": python,
+               "keyed_for_image": keyed.problem is None, "libtriton_sha256": result.libtriton,
                "cache_dir": RUNTIME_CACHE_DIR, "key": result.key,
                "kernels": len({k["hash"] for launch in result.launches for k in launch["kernels"]}),
                "kernel_names": kernels, "compiled": result.compiled, "from_cache": result.cached,

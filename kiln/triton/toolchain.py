@@ -1,7 +1,8 @@
 """The Triton that compiles an image's kernels: the version its base image carries, from PyPI.
 
 Public API:
-    Toolchain(version, site, fingerprint, wheel)
+    Toolchain(version, site, fingerprint, wheel)   ``.record`` its wheel's RECORD text,
+                              ``.libtriton_sha256``, ``.wheel_python`` ("3.11", from the wheel's tags)
     toolchain_for(version, image, cache, reporter=SILENT) -> Toolchain
     toolchains_dir(cache) -> Path     where toolchains live (``$KILN_TRITON_TOOLCHAINS`` to share one)
     STAGE                     the fixed directory the worker sees sources and Triton under
@@ -44,6 +45,7 @@ from urllib.parse import unquote, urlsplit
 from kiln.cache import install_dir
 from kiln.errors import KilnError
 from kiln.report import SILENT, Reporter
+from kiln.triton.imagekey import LIBTRITON, record_hashes
 
 STAGE = Path("/tmp/kiln-triton")
 SOURCE_MTIME = 1_000_000_000  # 2001-09-09, as kiln's layers (any fixed value would do)
@@ -60,6 +62,20 @@ class Toolchain:
     @property
     def python(self) -> str:
         return sys.executable
+
+    @property
+    def record(self) -> str:
+        return (self.site / f"triton-{self.version}.dist-info" / "RECORD").read_text()
+
+    @property
+    def libtriton_sha256(self) -> str:
+        return record_hashes(self.record)[LIBTRITON]
+
+    @property
+    def wheel_python(self) -> str:
+        """``3.11`` from ``triton-3.6.0-cp311-cp311-...whl``."""
+        tag = self.wheel.split("-")[2]
+        return f"{tag[2]}.{tag[3:]}" if tag.startswith("cp") else tag
 
     def staged_site(self) -> Path:
         """``site`` seen through a symlink named by content (see the module docstring)."""

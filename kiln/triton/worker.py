@@ -22,14 +22,17 @@ What it does, in order:
 5. calls vLLM's launcher functions with CPU tensors of the runtime shapes (``BUILDERS``), so the
    argument specialisation (dtypes, divisibility by 16, constexprs) is computed by Triton's
    binder exactly as in a real launch;
-6. counts compiles and cache hits with ``triton.knobs.compilation.listener``.
+6. counts compiles and cache hits with ``triton.knobs.compilation.listener``;
+7. when the job names the image's libtriton.so (``key_libtriton``: the image runs another
+   Python's wheel of the same Triton, see ``imagekey.py``), keys every entry as that Triton
+   does: ``triton_key()`` holds the sha256 of libtriton.so once, and it is replaced there.
 
 A failing launch (e.g. fp8e4b15 from bf16 on sm_86) is reported, not raised: the caller
 decides what a failure means.
 
 Job (JSON): {"mode": "compile"|"check", "sm": int, "toolchain_site": str|null, "standin_torch": str|null,
              "roots": [overlay, pristine], "preset": {...}, "launches": [{"kernel", "module",
-             "function", "builder", "params"}]}
+             "function", "builder", "params"}], "key_libtriton": {"own": hex, "image": hex}|null}
 The cache directory and Triton's environment come from the process environment.
 Report (written to the job's "report" path): {"triton": version, "launches": [{"kernel", "params", "compiled": [...], "hits": [...],
          "error": str|null}], "modules": {module: file}}
@@ -274,10 +277,30 @@ BUILDERS = {"store": build_store, "decode": build_decode}
 # -- main ---------------------------------------------------------------------------------------
 
 
+def _key_for_image(key_libtriton: dict | None) -> None:
+    """Make ``triton_key()`` what the image's Triton computes: its libtriton.so hash for ours."""
+    if not key_libtriton:
+        return
+    from triton.runtime import autotuner, cache
+
+    own, image = key_libtriton["own"], key_libtriton["image"]
+    key = cache.triton_key()
+    if key.count(own) != 1:  # a Triton that hashes libtriton.so differently: nothing to replace safely
+        raise RuntimeError(f"triton_key() does not hold libtriton.so's sha256 {own} exactly once")
+    image_key = key.replace(own, image)
+
+    def triton_key():
+        return image_key
+
+    cache.triton_key = triton_key  # get_cache_key reads the module global
+    autotuner.triton_key = triton_key  # imported by name there
+
+
 def run(job: dict) -> dict:
     _setup_path(job)
     sm = job["sm"]
     triton = _install_driver(sm)
+    _key_for_image(job.get("key_libtriton"))
     launches = job["launches"]
     _install_vllm(job["roots"], [launch["module"] for launch in launches] + [TQ_CONFIG])
     import importlib

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from kiln import commands
+from kiln.triton.imagekey import LIBTRITON, record_hashes
 from tests.support import TEST_IMAGES
-from tests.support.registry import VLLM_VERSION
+from tests.support.registry import TRITON_CP312_RECORD, VLLM_VERSION
 
 pytestmark = pytest.mark.registry
 
@@ -77,13 +78,17 @@ def test_build_adds_a_checked_kernel_cache_layer(tmp_path, capsys, registry_plai
     assert audit["sm"] == 120 and audit["triton"]["version"] == "3.6.0" and audit["not_built"] == []
     assert first["triton"]["sm"] == 120 and first["triton"]["kernels"] == len(cubins)
     assert {"_tq_fused_store_fp8", "_tq_decode_stage1", "_fwd_kernel_stage2"} <= set(first["triton"]["kernel_names"])
-    # the fixture base runs Python 3.12 (its site dir says so); a cache compiled under another
-    # Python's Triton wheel is not found by the image's Triton: the build must say so
+    # the fixture base runs Python 3.12 (its site dir says so) with the real cp312 wheel's
+    # RECORD; kiln compiles with the wheel for its own Python and keys every entry as the
+    # image's Triton does: with the cp312 libtriton.so's sha256, whatever Python kiln runs
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    image_libtriton = record_hashes(TRITON_CP312_RECORD.read_text())[LIBTRITON]
     assert first["triton"]["image_python"] == "3.12"
     assert first["triton"]["triton_wheel"].startswith(f"triton-3.6.0-cp{here.replace('.', '')}-")
-    mismatch = f"sm_120: kernels compiled with Triton 3.6.0's wheel for Python {here}"
-    assert (mismatch in err) == (here != "3.12"), err
+    assert first["triton"]["keyed_for_image"] is True
+    assert first["triton"]["libtriton_sha256"] == image_libtriton
+    assert audit["triton"]["keyed_for_libtriton_sha256"] == image_libtriton
+    assert "will not find these kernels" not in err, err
 
     # same inputs, same digests: a second build (kernel entries now from the kiln cache)
     code, second, err = _build(capsys, pins, registry_plain, 120, "--oci", str(tmp_path / "two"))

@@ -123,3 +123,30 @@ def test_corrupted_cache_entry_is_removed(registry_plain, base_layout):
 def test_read_from_an_oci_layout(base_layout):
     found = read_vllm(OciLayoutImage(base_layout.path, "base"))
     assert found.tree.python_files() == sorted(wheel_tree(base_layout))
+
+
+def test_a_build_with_kernels_reads_on_for_triton_under_its_own_record(registry_plain, base_layout):
+    ref = f"{HUB_REF}-notriton"  # its top layer whites out the Triton the vLLM layer holds
+    plain = source(registry_plain, ref).pull()
+    needing = source(registry_plain, ref, need_triton=True).pull()
+    assert plain.triton_version is None and needing.triton_version is None
+    assert set(base_layout.layers.values()) - set(plain.layers_read)  # vLLM settled it early
+    assert len(needing.layers_read) > len(plain.layers_read)  # looked for Triton in every layer
+    records = {p.name for p in (cache_root() / "images").glob(f"{plain.digest.replace(':', '-')}*.json")}
+    assert len(records) == 2 and any(name.endswith("+triton.json") for name in records)
+    found = source(registry_plain, f"{HUB_REF}-triton36", need_triton=True).pull()
+    assert found.triton_version == "3.6.0" and "triton/_C/libtriton.so,sha256=" in found.triton_record
+
+
+def test_a_record_from_another_kiln_version_is_read_again(registry_plain):
+    import json
+
+    first = source(registry_plain).pull()
+    record = cache_root() / "images" / f"{first.digest.replace(':', '-')}.json"
+    data = json.loads(record.read_text())
+    del data["triton_record"]  # as the kiln before Triton's RECORD was read wrote it
+    record.write_text(json.dumps(data))
+    pinned = source(registry_plain, f"{HUB_REF}@{first.digest}")
+    assert pinned.pull().triton_record is None  # (the plain base's Triton has only METADATA)
+    # the layers were walked again (from the blob cache) and the record written anew
+    assert "triton_record" in json.loads(record.read_text())

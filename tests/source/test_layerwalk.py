@@ -232,3 +232,48 @@ def test_file_over_a_directory_of_the_same_layer_is_refused(tmp_path):
     walk = VllmLayerWalk(tmp_path / "two")
     with pytest.raises(KilnError, match=r"layer L: entry .*vllm/d\.py' replaces a directory"):
         walk.add_layer(layer({f"{SITE}/vllm/d.py/b.py": b"g", f"{SITE}/vllm/d.py": b"f"}), "L")
+
+
+TRITON_META = b"Metadata-Version: 2.1\nName: triton\nVersion: 3.6.0\n"
+TRITON_RECORD = b"triton/_C/libtriton.so,sha256=KNqqcKkE5Pit11TlGFM-imm5SrixZDHOd9RfHyUoK4c,415617000\n"
+
+
+def _triton(version: str = "3.6.0", record: bytes | None = TRITON_RECORD) -> dict:
+    entries = {f"{SITE}/triton-{version}.dist-info/METADATA": TRITON_META.replace(b"3.6.0", version.encode())}
+    if record is not None:
+        entries[f"{SITE}/triton-{version}.dist-info/RECORD"] = record
+    return entries
+
+
+def test_triton_metadata_and_record_come_from_the_same_dist_info(tmp_path):
+    walk = VllmLayerWalk(tmp_path)
+    walk.add_layer(layer({**install({"__init__.py": b""}), **_triton(),
+                          f"{SITE}/triton-3.5.0.dist-info/RECORD": b"stale\n"}), "install")
+    found = walk.result()
+    assert found.triton_version == "3.6.0" and found.triton_record == TRITON_RECORD.decode()
+
+
+def test_triton_below_vllm_is_read_only_when_needed(tmp_path):
+    top = layer(install({"__init__.py": b""}))
+    plain = VllmLayerWalk(tmp_path / "plain")
+    plain.add_layer(top, "vllm")
+    assert plain.complete  # verify needs no Triton: vLLM's layer settles it
+    assert plain.result().triton_version is None
+
+    needing = VllmLayerWalk(tmp_path / "needing", need_triton=True)
+    needing.add_layer(layer(install({"__init__.py": b""})), "vllm")
+    assert not needing.complete  # torch and Triton may sit in a layer of their own, below
+    needing.add_layer(layer(_triton()), "torch")
+    assert needing.complete
+    found = needing.result()
+    assert found.triton_version == "3.6.0" and found.triton_record == TRITON_RECORD.decode()
+    assert found.layers == ("vllm", "torch")
+
+
+def test_a_whited_out_triton_is_not_found_below(tmp_path):
+    walk = VllmLayerWalk(tmp_path, need_triton=True)
+    walk.add_layer(layer({**install({"__init__.py": b""}), f"{SITE}/.wh.triton-3.5.0.dist-info": b""}), "vllm")
+    walk.add_layer(layer(_triton("3.5.0")), "torch")
+    assert not walk.complete  # every layer is read: the only Triton is deleted above
+    found = walk.result()
+    assert found.triton_version is None and found.triton_record is None

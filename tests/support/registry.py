@@ -23,7 +23,8 @@ Images, under the real Docker Hub name so a mirror ``docker.io=<host>`` stands i
     vllm/vllm-openai:v0.20.1-index    OCI index: attestation (unknown/unknown), linux/arm64
                                       (no vLLM), linux/amd64 (= ``base``)
     vllm/vllm-openai:v0.20.1-triton36 ``base`` + a layer replacing triton 3.5.0's dist-info with
-                                      3.6.0's (the Triton the test toolchain runs)
+                                      3.6.0's (the Triton the test toolchain runs), whose RECORD
+                                      is the real cp312 wheel's (``TRITON_CP312_RECORD``)
     vllm/vllm-openai:v0.20.1-notriton ``base`` + a layer whiting out triton's dist-info
     vllm/vllm-openai:nightly-<sha>    nightly-shaped: ``base`` + a layer replacing vLLM's dist-info by
                                       one carrying the dev version ``NIGHTLY_VERSION`` (no wheel on
@@ -64,6 +65,10 @@ NIGHTLY_VERSION = "0.20.2rc1.dev424+g3f5a1e173"
 NIGHTLY_TAG = "nightly-3f5a1e1733200760169ff31ebe60a271072b199e"
 NIGHTLY_MARK = "# kiln fixture: a nightly build's own file"
 SITE = "usr/local/lib/python3.12/dist-packages"
+# The RECORD of Triton 3.6.0's wheel for CPython 3.12 (what vLLM's images install), copied out of
+# triton-3.6.0-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl from PyPI, sha256
+# 74caf5e34b66d9f3a429af689c1c7128daba1d8208df60e81106b115c00d6fca.
+TRITON_CP312_RECORD = Path(__file__).with_name("triton-3.6.0-cp312.RECORD")
 REPO = "vllm/vllm-openai"
 USER, PASSWORD = "testuser", "testpass"
 TOOLS = ("docker-registry", "skopeo", "umoci", "openssl", "htpasswd", "busybox", "tar")
@@ -448,6 +453,7 @@ def build_base_layout(work: Path, wheel: Path) -> BaseLayout:
             (site / f"triton-{triton}.dist-info").mkdir()
             (site / f"triton-{triton}.dist-info/METADATA").write_text(
                 f"Metadata-Version: 2.1\nName: triton\nVersion: {triton}\n")
+            shutil.copyfile(TRITON_CP312_RECORD, site / f"triton-{triton}.dist-info/RECORD")
         run("umoci", "raw", "add-layer", "--image", f"{layout}:base", "--tag", tag,
             "--history.created_by", f"fixture {tag}", _tar(work / "trees" / tag, work / f"{tag}.tar"))
     # a nightly-shaped image: the dist-info of a dev build (its RECORD and METADATA name the dev

@@ -1,0 +1,83 @@
+"""The Triton cache key of the image's own Triton, for kernels compiled with kiln's toolchain.
+
+Public API:
+    RuntimeKey(libtriton_sha256, toolchain_libtriton_sha256, problem)
+        ``.substitutes`` whether the worker keys entries with another libtriton.so than its own
+    runtime_key(image_record, toolchain_record, image_python, toolchain_python) -> RuntimeKey
+    record_hashes(text) -> dict[str, str]      a dist-info RECORD: path -> sha256 (hex)
+    LIBTRITON                                  "triton/_C/libtriton.so"
+
+Why: Triton finds a compiled kernel under a key that starts with ``triton_key()``: its version
+and the sha256 of its own Python files (``runtime/cache.py``, ``compiler/``, ``backends/``,
+``language/``) and of ``_C/libtriton.so``. The wheels of one Triton release for different
+Pythons hold the same Python files, the same ptxas and libdevice, but each its own
+libtriton.so and other extension modules (built against that Python's ABI; checked for 3.6.0's
+cp311 and cp312 wheels from their RECORDs). kiln compiles in its own interpreter, with the
+wheel for that Python; the image runs its Python (3.12 in vLLM's images). So the worker is
+given the image's libtriton.so hash, read from the RECORD of the Triton installed in the image,
+and keys every entry with it: the compiler is the same source, the key is the one the image's
+Triton computes.
+
+That holds only when every other file of the image's Triton is the wheel's: the image's RECORD
+is compared with the toolchain's, file by file (extension modules apart). A Triton built from
+source, a vendor build of the same version or a patched install differs: its kernels would be
+keyed differently and never found, so ``problem`` says why and the caller warns. An image
+without Triton's RECORD cannot be checked at all (same outcome).
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import io
+from dataclasses import dataclass
+
+LIBTRITON = "triton/_C/libtriton.so"
+_SHOWN = 3  # differing files named in a problem
+
+
+@dataclass(frozen=True)
+class RuntimeKey:
+    libtriton_sha256: str | None  # what the image's Triton hashes into its key; None: unknown
+    toolchain_libtriton_sha256: str  # what the toolchain's Triton hashes
+    problem: str | None = None  # why the image's Triton will not find the entries (None: it will)
+
+    @property
+    def substitutes(self) -> bool:
+        return self.libtriton_sha256 is not None and self.libtriton_sha256 != self.toolchain_libtriton_sha256
+
+
+def record_hashes(text: str) -> dict[str, str]:
+    """``path -> sha256 hex`` for every RECORD row with a sha256 (``.pyc`` rows carry none)."""
+    hashes = {}
+    for row in csv.reader(io.StringIO(text)):
+        if len(row) < 2 or not row[1].startswith("sha256="):
+            continue
+        digest = row[1][len("sha256="):]
+        raw = base64.urlsafe_b64decode(digest + "=" * (-len(digest) % 4))
+        hashes[row[0]] = raw.hex()
+    return hashes
+
+
+def runtime_key(image_record: str | None, toolchain_record: str, image_python: str | None,
+                toolchain_python: str) -> RuntimeKey:
+    """How to key kernels for the image's Triton, described by its RECORD (None: not found)."""
+    ours = record_hashes(toolchain_record)
+    own = ours.get(LIBTRITON)
+    if own is None:
+        raise ValueError(f"the toolchain's RECORD lists no {LIBTRITON}")
+    if image_record is None:
+        if image_python in (None, toolchain_python):
+            return RuntimeKey(own, own)  # nothing to compare: assumed to be the same wheel
+        return RuntimeKey(None, own, f"the image's Triton has no RECORD, so the key its libtriton.so gives under "
+                                     f"Python {image_python} is unknown (kiln runs Python {toolchain_python})")
+    theirs = record_hashes(image_record)
+    if LIBTRITON not in theirs:
+        return RuntimeKey(None, own, f"the image's Triton RECORD lists no {LIBTRITON}")
+    paths = {p for p in set(ours) | set(theirs) if p.startswith("triton/") and not p.endswith(".so")}
+    differing = sorted(p for p in paths if ours.get(p) != theirs.get(p))
+    if differing:
+        shown = ", ".join(differing[:_SHOWN]) + (f" and {len(differing) - _SHOWN} more" if len(differing) > _SHOWN else "")
+        return RuntimeKey(None, own, f"the image's Triton is not the PyPI wheel kiln compiles with: "
+                                     f"{len(differing)} file(s) differ ({shown})")
+    return RuntimeKey(theirs[LIBTRITON], own)
