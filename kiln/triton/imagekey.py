@@ -32,6 +32,8 @@ import csv
 import io
 from dataclasses import dataclass
 
+from kiln.errors import KilnError
+
 LIBTRITON = "triton/_C/libtriton.so"
 _SHOWN = 3  # differing files named in a problem
 
@@ -65,7 +67,7 @@ def runtime_key(image_record: str | None, toolchain_record: str, image_python: s
     ours = record_hashes(toolchain_record)
     own = ours.get(LIBTRITON)
     if own is None:
-        raise ValueError(f"the toolchain's RECORD lists no {LIBTRITON}")
+        raise KilnError(f"the Triton toolchain's RECORD lists no {LIBTRITON}: kiln cannot tell its cache key")
     if image_record is None:
         if image_python in (None, toolchain_python):
             return RuntimeKey(own, own)  # nothing to compare: assumed to be the same wheel

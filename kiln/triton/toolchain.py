@@ -69,7 +69,11 @@ class Toolchain:
 
     @property
     def libtriton_sha256(self) -> str:
-        return record_hashes(self.record)[LIBTRITON]
+        digest = record_hashes(self.record).get(LIBTRITON)
+        if digest is None:
+            raise KilnError(f"{self.site}: the Triton {self.version} wheel's RECORD lists no {LIBTRITON}; "
+                            "kiln cannot tell its cache key")
+        return digest
 
     @property
     def wheel_python(self) -> str:

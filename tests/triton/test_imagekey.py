@@ -147,3 +147,36 @@ def test_entries_keyed_for_the_image_hold_the_same_cubins(toolchain, tree_0201, 
     same = compile_kernel_caches(preset, [120], sources, toolchain, tmp_path / "a",
                                  image_libtriton=toolchain.libtriton_sha256)[120]
     assert same.cached and same.key == own.key  # the image's own wheel: nothing substituted
+
+
+def _found(tree, record: str | None):
+    from kiln.source.image import ImageVllm
+
+    return ImageVllm(tree, "docker.io/vllm/vllm-openai:test", "sha256:" + "0" * 64, "sha256:" + "1" * 64,
+                     "usr/local/lib/python3.12/dist-packages", (), "3.6.0", record, ())
+
+
+@pytest.mark.parametrize("case", ["cp312", "vendor", "no-record"])
+def test_the_build_step_keys_for_the_image_or_says_why_not(case, toolchain, tree_0201, tmp_path, monkeypatch):
+    from kiln.report import Recorder
+    from kiln.triton.cachelayer import triton_cache_layer
+
+    monkeypatch.setenv("KILN_TRITON_TOOLCHAINS", str(toolchain.site.parent))
+    record = {"cp312": CP312, "no-record": None,
+              "vendor": CP312.replace("triton/language/core.py,sha256=", "triton/language/core.py,sha256=AAAA", 1)}[case]
+    preset = parse_kernel_preset(SMALL, "float16", "turboquant_k8v4", 1, lambda f, w: pytest.fail(f"{f}: {w}"))
+    recorder = Recorder()
+    layer = triton_cache_layer(preset, 120, _found(tree_0201, record), {}, {}, tmp_path, "images/t.toml: model.kernels",
+                               "t", recorder)
+    summary = layer.summary
+    if case == "cp312" and toolchain.wheel_python != "3.12":
+        assert summary["keyed_for_image"] and summary["libtriton_sha256"] == record_hashes(CP312)[LIBTRITON]
+        assert not recorder.warnings
+    elif case == "vendor":
+        assert not summary["keyed_for_image"] and summary["libtriton_sha256"] == toolchain.libtriton_sha256
+        [warning] = recorder.warnings
+        assert "sm_120: the image's Triton is not the PyPI wheel" in warning and "triton/language/core.py" in warning
+    elif case == "no-record" and toolchain.wheel_python != "3.12":
+        assert not summary["keyed_for_image"]
+        [warning] = recorder.warnings
+        assert "has no RECORD" in warning and "compiles them at first launch" in warning
