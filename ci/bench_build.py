@@ -289,7 +289,8 @@ Machine load (1/5/15-min load averages; 2 cores, shared with other engineers' jo
 {layer_rows}
 
 The vLLM layer is the real vLLM {VLLM_VERSION} wheel, every file, as pip lays it out under
-`/{SITE}/`, plus Triton {TRITON}'s dist-info (the version the build compiles with); the fillers
+`/{SITE}/`, plus Triton {TRITON}'s dist-info (the version the build compiles with; its RECORD is the cp312
+wheel's, so the kernels are keyed for the image's Python); the fillers
 are incompressible data standing in for CUDA and torch.
 
 | run | wall time | resolve | pull | patch | triton | bake | publish | total (kiln's clock) | peak RSS |

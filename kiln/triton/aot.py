@@ -214,8 +214,9 @@ def _miss_reason(miss: dict, check_root: Path, built: dict[str, dict]) -> str:
 
 def _entry_key(toolchain: Toolchain, sm: int, preset: KernelPreset, plan: list[dict], source_hash: str,
                runtime_dir: str, runtime_env: dict[str, str], key_libtriton: dict | None) -> str:
-    ingredients = {"key_libtriton": key_libtriton,
+    ingredients = {
         "format": FORMAT, "triton": toolchain.version, "toolchain": toolchain.fingerprint, "sm": sm,
+        "key_libtriton": key_libtriton,
         "preset": preset.to_json(), "plan": plan, "sources": source_hash, "runtime_dir": runtime_dir,
         "env": sorted(runtime_env.items()), "worker": hashlib.sha256(_WORKER.read_bytes()).hexdigest(),
         "tensors": hashlib.sha256(_STANDIN_TORCH.read_bytes()).hexdigest(),
