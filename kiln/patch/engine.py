@@ -352,9 +352,8 @@ def _check_reparses(state: State) -> None:
     for rel, module in state.changed.items():
         code = state.session.code(module)
         try:
-            reparsed = cst.parse_module(code)
+            # (no codegen of the result to compare: libcst's parse reproduces its input exactly)
+            cst.parse_module(code)
         except cst.ParserSyntaxError as err:
             culprits = ", ".join(state.touched_by.get(rel, []))
             raise KilnError(f"patched {rel} (by {culprits}) does not re-parse: {err.message}") from None
-        if reparsed.code != code:
-            raise KilnError(f"patched {rel} does not round-trip through the parser")
