@@ -11,7 +11,8 @@ the pin's lock; read the pristine ``vllm/`` from only the top layers that hold i
 (``ImageSource``); run the image's patch selection on it, or reuse what ``kiln.patch.memo``
 remembers of it (a patch whose verdict blocks a build stops it here, naming the patch); decide
 the patched-source layer, the audit file and, when the definition declares kernels, the
-Triton cache layer; decide the labels. Baking the layers into
+Triton cache layer (compiled beside the patching when no selected patch touches the files the
+kernels are compiled from); decide the labels. Baking the layers into
 an image (``kiln.build.image``) and the Dockerfile context (``kiln.publish.context``) both start
 from this one value, so they cannot drift apart.
 """
@@ -19,6 +20,7 @@ from this one value, so they cannot drift apart.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +43,7 @@ from kiln.pausepoint import pause_point
 from kiln.pins import Pin
 from kiln.report import SILENT, Reporter
 from kiln.source.image import ImageSource, ImageVllm
+from kiln.triton.aot import reads_source
 from kiln.triton.cachelayer import image_env, triton_cache_layer
 
 
@@ -138,39 +141,51 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     base_model = to_oci(ImageModel.from_base(base.manifest(), base.config_bytes()))
     clock.lap("pull")
 
-    # 3. patch (a selection patched before on exactly this source, code and target is reused)
+    # 3. patch (a selection patched before on exactly this source, code and target is reused),
+    # with the Triton kernels compiling beside it when no selected patch touches their sources
     tree = found.tree
-    result = patched_selection(inputs.catalogue, tree, inputs.target(), list(definition.patches),
-                               SelectionMemo(cache))
-    for outcome in result.outcomes.values():
-        if outcome.verdict.blocks_build:
-            raise KilnError(
-                f"patch {outcome.patch_id} is {outcome.verdict} on {pin.name} ({base_ref}): {outcome.detail}"
-            )
-    changed = result.changed_text()
-    before = {rel: tree.read(rel) for rel in changed if tree.exists(rel)}
-    applied = [pid for pid, o in result.outcomes.items() if o.verdict is Verdict.APPLIES]
-    clock.lap("patch")
-    pause_point("patch")
+    kernels = definition.model.kernels
+    runtime_env = {**image_env(base_config), **definition.serve_env}
 
-    # 4. what kiln's layers hold, and the image's labels
-    pin_json = {"name": pin.name, "image": pin.image, "vllm": str(pin.vllm), "cuda": pin.cuda,
-                "digest": pin.digest or None}
-    audit = audit_record(image=definition.name, pin=pin_json, sm=sm, base_reference=str(base_ref),
-                         base_digest=resolved, site_dir=found.site_dir, outcomes=result.outcomes,
-                         before=before, changed=changed)
-    layers = [patched_contents(
-        changed, found.site_dir, found.vllm_files, audit,
-        created_by=f"kiln bake {definition.name} {pin.name} sm{sm}: {','.join(applied) or 'no patch'}")]
-    env: dict[str, str] = {}
-    triton: dict = {}
-    if definition.model.kernels:  # the ahead-of-time Triton kernel cache, one layer per SM
-        runtime_env = {**image_env(base_config), **definition.serve_env}
-        kernel_layer = triton_cache_layer(definition.model.kernels, sm, found, changed, runtime_env, cache,
-                                          f"{definition.path}: model.kernels", definition.name, reporter)
-        layers.append(kernel_layer.contents)
-        env, triton = kernel_layer.env, kernel_layer.summary
-        clock.lap("triton")
+    def kernel_layer(changed: dict[str, str]):
+        return triton_cache_layer(kernels, sm, found, changed, runtime_env, cache,
+                                  f"{definition.path}: model.kernels", definition.name, reporter)
+
+    selected = inputs.catalogue.closure(list(definition.patches))
+    beside = bool(kernels) and not any(reads_source(kernels, rel) for pid in selected
+                                       for rel in inputs.catalogue.get(pid).targets)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        early = pool.submit(kernel_layer, {}) if beside else None  # reads only files no patch changes
+        result = patched_selection(inputs.catalogue, tree, inputs.target(), list(definition.patches),
+                                   SelectionMemo(cache))
+        for outcome in result.outcomes.values():
+            if outcome.verdict.blocks_build:
+                raise KilnError(
+                    f"patch {outcome.patch_id} is {outcome.verdict} on {pin.name} ({base_ref}): {outcome.detail}"
+                )
+        changed = result.changed_text()
+        before = {rel: tree.read(rel) for rel in changed if tree.exists(rel)}
+        applied = [pid for pid, o in result.outcomes.items() if o.verdict is Verdict.APPLIES]
+        clock.lap("patch")
+        pause_point("patch")
+
+        # 4. what kiln's layers hold, and the image's labels
+        pin_json = {"name": pin.name, "image": pin.image, "vllm": str(pin.vllm), "cuda": pin.cuda,
+                    "digest": pin.digest or None}
+        audit = audit_record(image=definition.name, pin=pin_json, sm=sm, base_reference=str(base_ref),
+                             base_digest=resolved, site_dir=found.site_dir, outcomes=result.outcomes,
+                             before=before, changed=changed)
+        layers = [patched_contents(
+            changed, found.site_dir, found.vllm_files, audit,
+            created_by=f"kiln bake {definition.name} {pin.name} sm{sm}: {','.join(applied) or 'no patch'}")]
+        env: dict[str, str] = {}
+        triton: dict = {}
+        if kernels:  # the ahead-of-time Triton kernel cache, one layer per SM
+            # (when it compiled beside the patching, this lap is only the wait for it)
+            done = early.result() if early else kernel_layer(changed)
+            layers.append(done.contents)
+            env, triton = done.env, {**done.summary, "beside_patching": beside}
+            clock.lap("triton")
     labels = {
         L.BASE_NAME: str(base_ref),
         L.BASE_DIGEST: resolved,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -123,6 +124,7 @@ class RichReporter(Reporter):
         self._output = output
         self._progress: Progress | None = None
         self._open = 0
+        self._lock = threading.Lock()  # a build compiles its kernels beside the patching
         self.warnings: list[str] = []
 
     @property
@@ -130,6 +132,10 @@ class RichReporter(Reporter):
         return not self._output.json_mode and self._output.stderr.is_terminal
 
     def _start(self) -> Progress:
+        with self._lock:
+            return self._start_locked()
+
+    def _start_locked(self) -> Progress:
         if self._progress is None:
             self._progress = Progress(
                 SpinnerColumn(),
@@ -146,6 +152,10 @@ class RichReporter(Reporter):
         return self._progress
 
     def _stop(self, task_id) -> None:
+        with self._lock:
+            self._stop_locked(task_id)
+
+    def _stop_locked(self, task_id) -> None:
         assert self._progress is not None
         self._progress.remove_task(task_id)
         self._open -= 1
@@ -172,11 +182,12 @@ class RichReporter(Reporter):
             self._stop(task_id)
 
     def warn(self, message: str) -> None:
-        self.warnings.append(message)
-        if self._progress is not None:
-            self._progress.console.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
-        else:
-            self._output.warn(message)
+        with self._lock:
+            self.warnings.append(message)
+            if self._progress is not None:
+                self._progress.console.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
+            else:
+                self._output.warn(message)
 
     def note(self, message: str) -> None:
         if self.enabled:

@@ -7,6 +7,7 @@ Public API:
                           runtime_dir=RUNTIME_CACHE_DIR, progress=None, image_libtriton=None)
         -> dict[int, SmCache]     ``image_libtriton``: key entries for that libtriton.so (``imagekey.py``)
     kernel_cache_files(sm_cache, toolchain, preset, runtime_dir=RUNTIME_CACHE_DIR) -> dict[str, bytes]
+    reads_source(preset, rel) -> bool     whether the compile reads vLLM's ``rel`` (kernel dirs + config)
     KERNEL_AUDIT_PATH     "opt/kiln/triton-kernels.json" (inside the image)
 
 Per SM, in its own process (several SMs in parallel, up to the core count): the worker
@@ -93,9 +94,18 @@ class SmCache:
 # -- sources ------------------------------------------------------------------------------------
 
 
+def _kernel_dirs(preset: KernelPreset) -> list[str]:
+    return sorted({KERNELS[name].file.rpartition("/")[0] for name in preset.launchers})
+
+
+def reads_source(preset: KernelPreset, rel: str) -> bool:
+    """Whether the compile of ``preset`` reads vLLM's ``rel`` (a patch to it changes the kernels)."""
+    return rel == _CONFIG_FILE or any(rel.startswith(directory + "/") for directory in _kernel_dirs(preset))
+
+
 def _stage_sources(preset: KernelPreset, sources: KernelSources) -> tuple[Path, str]:
     """The files the worker imports, under ``STAGE/src-<content>/vllm/`` (same text, same lines)."""
-    dirs = sorted({KERNELS[name].file.rpartition("/")[0] for name in preset.launchers})
+    dirs = _kernel_dirs(preset)
     rels = {_CONFIG_FILE}
     for directory in dirs:
         base = sources.pristine_root / "vllm" / directory

@@ -119,3 +119,57 @@ def test_base_without_triton_fails_naming_the_image(tmp_path, capsys, registry_p
 
     tags = requests.get(f"{registry_plain.url}/v2/test/e2e-notriton/tags/list", timeout=10)
     assert tags.status_code == 404 or not tags.json().get("tags")
+
+
+SHIFT_PATCH = '''
+import libcst.matchers as m
+
+from kiln.patch.model import Codemod, Patch
+from kiln.patch.shapes import func, insert_after, marked, statements, with_marker
+
+
+class ShiftDecodeKernels(Codemod):
+    target = "v1/attention/ops/triton_turboquant_decode.py"
+    anchor = (func("_use_fp8_e4b15"),)
+    patched = (m.SimpleStatementLine(leading_lines=marked("P999")),)
+
+    def rewrite(self, node):
+        (line,) = statements("KILN_TEST_SHIFT = 1\\n")
+        return insert_after(node, with_marker(line, "P999", "moves the decode kernels down"))
+
+
+class P999(Patch):
+    id, family, title, why = "P999", "kernelshift", "t", "a patch on a file the kernels compile from"
+    edits = (ShiftDecodeKernels,)
+'''
+
+
+def test_kernels_compile_beside_the_patching_only_when_no_patch_touches_their_sources(tmp_path, capsys,
+                                                                                      registry_plain):
+    import shutil
+
+    from kiln import paths
+
+    pins = _pins(tmp_path, registry_plain, "triton36")
+    code, plain, err = _build(capsys, pins, registry_plain, 120, "--oci", str(tmp_path / "plain"))
+    assert code == 0, err
+    assert plain["triton"]["beside_patching"] is True  # P65 is not in a file the kernels read
+
+    patchsets = tmp_path / "patchsets"
+    shutil.copytree(paths.PATCHSETS, patchsets, ignore=shutil.ignore_patterns("__pycache__"))
+    (patchsets / "kernelshift").mkdir()
+    (patchsets / "kernelshift" / "p999_shift.py").write_text(SHIFT_PATCH)
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / f"{IMAGE}.toml").write_text((IMAGES / f"{IMAGE}.toml").read_text().replace(
+        'patches = ["P65"]', 'patches = ["P65", "P999"]'))
+    capsys.readouterr()
+    code = commands.main(["--pins", str(pins), "--images", str(images), "--patchsets", str(patchsets),
+                          "build", "--image", IMAGE, "--pin", "v0.20.1", "--sm", "120", "--mirror",
+                          registry_plain.mirror, "--json", "--oci", str(tmp_path / "shifted")])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    shifted = json.loads(out.out)
+    assert shifted["triton"]["beside_patching"] is False  # compiled after, from the patched file
+    assert shifted["triton"]["key"] != plain["triton"]["key"]
+    assert shifted["triton"]["compiled"] > 0  # the shifted decode kernels are new kernels

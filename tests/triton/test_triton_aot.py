@@ -242,3 +242,12 @@ def test_kernel_missing_from_the_patched_source_is_named(tree_0201):
 def test_bad_kernel_preset_names_the_field(change, message):
     with pytest.raises(KilnError, match=message.replace("(", r"\(").replace(")", r"\)")):
         preset(**change)
+
+
+def test_reads_source_names_the_kernel_directories_and_the_config():
+    small = preset()
+    for launcher in small.launchers:
+        assert aot.reads_source(small, KERNELS[launcher].file)
+    assert aot.reads_source(small, "model_executor/layers/quantization/turboquant/config.py")
+    assert not aot.reads_source(small, "v1/attention/backends/turboquant_attn.py")  # P22/P38/...: compiled beside
+    assert not aot.reads_source(small, "v1/attention/opsx/other.py")  # a prefix is not a directory
