@@ -154,10 +154,15 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     selected = inputs.catalogue.closure(list(definition.patches))
     beside = bool(kernels) and not any(reads_source(kernels, rel) for pid in selected
                                        for rel in inputs.catalogue.get(pid).targets)
+    early = []  # the kernels' future, once the patching has forked its processes
+
+    def start_kernels() -> None:
+        if beside:  # reads only files no patch changes
+            early.append(pool.submit(kernel_layer, {}))
+
     with ThreadPoolExecutor(max_workers=1) as pool:
-        early = pool.submit(kernel_layer, {}) if beside else None  # reads only files no patch changes
         result = patched_selection(inputs.catalogue, tree, inputs.target(), list(definition.patches),
-                                   SelectionMemo(cache))
+                                   SelectionMemo(cache), forked=start_kernels)
         for outcome in result.outcomes.values():
             if outcome.verdict.blocks_build:
                 raise KilnError(
@@ -182,7 +187,7 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
         triton: dict = {}
         if kernels:  # the ahead-of-time Triton kernel cache, one layer per SM
             # (when it compiled beside the patching, this lap is only the wait for it)
-            done = early.result() if early else kernel_layer(changed)
+            done = early[0].result() if early else kernel_layer(changed)
             layers.append(done.contents)
             env, triton = done.env, {**done.summary, "beside_patching": beside}
             clock.lap("triton")

@@ -22,6 +22,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -171,20 +172,25 @@ def independent_groups(catalogue: Catalogue, order: list[str]) -> list[list[str]
 
 
 def patched_selection(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, ids: list[str],
-                      memo: SelectionMemo | None = None, jobs: int | None = None) -> PatchedSelection:
+                      memo: SelectionMemo | None = None, jobs: int | None = None,
+                      forked: Callable[[], None] | None = None) -> PatchedSelection:
     """``run_selection`` on ``tree``, reusing what ``memo`` remembers for exactly these inputs.
 
     Groups the memo lacks run in up to ``jobs`` processes (default: the core count), the
-    largest first: they share nothing, and parsing and rewriting are CPU-bound.
+    largest first: they share nothing, and parsing and rewriting are CPU-bound. ``forked`` is
+    called once no more processes will be forked (work the caller runs in a thread beside the
+    patching starts then: forking a process that runs other threads can deadlock the child).
     """
+    forked = forked or (lambda: None)
     order = catalogue.closure(ids)
     if memo is None:
+        forked()
         return _whole(catalogue, tree, target, ids, order)
     groups = independent_groups(catalogue, order)
     keys = [memo.key(tree, catalogue, target, group) for group in groups]
     found = [memo.get(key) for key in keys]
     missing = [i for i, entry in enumerate(found) if entry is None]
-    for i, entry in zip(missing, _run_groups(catalogue, tree, target, [groups[i] for i in missing], jobs),
+    for i, entry in zip(missing, _run_groups(catalogue, tree, target, [groups[i] for i in missing], jobs, forked),
                         strict=True):
         memo.put(keys[i], entry)
         found[i] = entry
@@ -207,11 +213,12 @@ def _run_group(group: list[str]) -> _Group:
 
 
 def _run_groups(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, groups: list[list[str]],
-                jobs: int | None) -> list[_Group]:
+                jobs: int | None, forked: Callable[[], None]) -> list[_Group]:
     global _FORKED
     _FORKED = (catalogue, tree, target)
     workers = min(len(groups), jobs or os.cpu_count() or 1)
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        forked()
         return [_run_group(group) for group in groups]
 
     def size(group: list[str]) -> int:  # parsing dominates: the biggest files first
@@ -221,6 +228,8 @@ def _run_groups(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, gro
     by_size = sorted(range(len(groups)), key=lambda i: -size(groups[i]))
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
         futures = {i: pool.submit(_run_group, groups[i]) for i in by_size}
+        # (with "fork", the pool starts all its workers at the first submit, before its own thread)
+        forked()
         return [futures[i].result() for i in range(len(groups))]
 
 

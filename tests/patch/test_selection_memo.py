@@ -106,3 +106,21 @@ def test_without_a_memo_everything_is_patched(catalogue, tree_0201, shipped, who
     result = patched_selection(catalogue, tree_0201, target, ids)
     assert sorted(result.patched) == sorted(catalogue.closure(ids))
     _same(result, whole)
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_forked_is_called_once_when_no_more_processes_will_fork(tmp_path, catalogue, tree_0201, shipped, jobs):
+    """A build compiles its kernels in a thread from this hook: it must come after the last fork."""
+    import multiprocessing
+
+    ids, target = shipped
+    memo = SelectionMemo(tmp_path / "cache")
+    for run in ("cold", "warm"):
+        seen: list[int] = []
+        patched_selection(catalogue, tree_0201, target, ids, memo, jobs=jobs,
+                          forked=lambda seen=seen: seen.append(len(multiprocessing.active_children())))
+        assert len(seen) == 1, run
+        if run == "cold" and jobs == 2:
+            assert seen == [2]  # both workers (all the pool will ever fork) exist before the hook ran
+        else:
+            assert seen == [0]  # nothing forks: patched in this process, or all from the memo
