@@ -180,3 +180,18 @@ def test_the_build_step_keys_for_the_image_or_says_why_not(case, toolchain, tree
         assert not summary["keyed_for_image"]
         [warning] = recorder.warnings
         assert "has no RECORD" in warning and "compiles them at first launch" in warning
+
+
+def test_a_toolchain_record_without_libtriton_is_a_one_line_error(tmp_path):
+    from kiln.errors import KilnError
+    from kiln.triton.toolchain import Toolchain
+
+    info = tmp_path / "triton-9.9.9.dist-info"
+    info.mkdir()
+    (info / "RECORD").write_text("triton/__init__.py,sha256=AAAA,1\n")
+    toolchain = Toolchain("9.9.9", tmp_path, "f" * 64, "triton-9.9.9-cp311-cp311-linux_x86_64.whl")
+    with pytest.raises(KilnError, match=r"RECORD lists no triton/_C/libtriton.so") as caught:
+        _ = toolchain.libtriton_sha256
+    assert "\n" not in str(caught.value) and str(tmp_path) in str(caught.value)
+    with pytest.raises(KilnError, match="cannot tell its cache key"):
+        runtime_key(CP312, toolchain.record, "3.12", "3.11")
