@@ -34,7 +34,18 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from kiln.bench.wire import DEFAULT_BOUNDS, Bounds, Malformed, Oversize, Watchdog, events, read_body
+from kiln.bench.wire import (
+    DEFAULT_BOUNDS,
+    Bounds,
+    Malformed,
+    Oversize,
+    Watchdog,
+    events,
+    kind,
+    quote,
+    read_body,
+    typed,
+)
 from kiln.errors import KilnError
 from kiln.secrets import register
 
@@ -143,8 +154,13 @@ def _connection(url: str, timeout: float):
     return cls(host, port, timeout=max(timeout, 0.001)), path or "/"
 
 
-def _send(connection, method: str, path: str, body: dict | None, api_key: str | None):
-    """Send one request; returns the response. Raises OSError/HTTPException."""
+def _send(connection, watchdog: Watchdog, method: str, path: str, body: dict | None, api_key: str | None):
+    """Connect (the watchdog watching the socket), send one request; returns the response.
+
+    Raises OSError/HTTPException.
+    """
+    connection.connect()
+    watchdog.watch(connection.sock)
     headers = {"Accept": "application/json"}
     data = None
     if body is not None:
@@ -154,6 +170,13 @@ def _send(connection, method: str, path: str, body: dict | None, api_key: str | 
         headers["Authorization"] = f"Bearer {api_key}"
     connection.request(method, path, body=data, headers=headers)
     return connection.getresponse()
+
+
+def _hang_up(connection, response) -> None:
+    """Close both: a ``Connection: close`` answer holds the socket after the connection lets go."""
+    if response is not None:
+        response.close()
+    connection.close()
 
 
 def _unreachable(url: str, err: BaseException, timeout: float) -> KilnError:
@@ -171,10 +194,11 @@ def _unreachable(url: str, err: BaseException, timeout: float) -> KilnError:
 def _get_json(url: str, path: str, api_key: str | None, timeout: float, bounds: Bounds) -> tuple[int, object]:
     """GET ``_base(url) + path`` within ``timeout`` in all; errors name ``url``, as the user wrote it."""
     connection, target = _connection(_base(url) + path, timeout)
-    watchdog = Watchdog(connection, time.perf_counter() + timeout)
+    watchdog = Watchdog(time.perf_counter() + timeout)
+    response = None
     try:
         with watchdog:
-            response = _send(connection, "GET", target, None, api_key)
+            response = _send(connection, watchdog, "GET", target, None, api_key)
             raw = read_body(response, bounds.max_body, f"GET {path}")
     except Oversize as err:
         raise KilnError(f"{url}: not an OpenAI-compatible endpoint ({err})") from None
@@ -183,7 +207,7 @@ def _get_json(url: str, path: str, api_key: str | None, timeout: float, bounds: 
             raise KilnError(f"{url}: GET {path} did not complete within {timeout:g} s") from None
         raise _unreachable(url, err, timeout) from None
     finally:
-        connection.close()
+        _hang_up(connection, response)
     try:
         return response.status, json.loads(raw)
     except (ValueError, RecursionError):
@@ -192,7 +216,7 @@ def _get_json(url: str, path: str, api_key: str | None, timeout: float, bounds: 
 
 def _listed(models: tuple[str, ...], shown: int = 10) -> str:
     more = f" and {len(models) - shown} more" if len(models) > shown else ""
-    return ", ".join(_quote(m, 80) for m in models[:shown]) + more
+    return ", ".join(quote(m, 80) for m in models[:shown]) + more
 
 
 def connect(url: str, model: str | None = None, api_key: str | None = None, timeout: float = 10.0,
@@ -216,7 +240,7 @@ def connect(url: str, model: str | None = None, api_key: str | None = None, time
     try:
         status, data = _get_json(url, "/version", api_key, timeout, bounds)  # vLLM's; others lack it
         if status == 200 and isinstance(data, dict) and isinstance(data.get("version"), str):
-            version = _quote(data["version"], 80)
+            version = quote(data["version"], 80)
     except KilnError:
         pass
     return Endpoint(url, _base(url), model or models[0], models, version, api_key)
@@ -225,40 +249,17 @@ def connect(url: str, model: str | None = None, api_key: str | None = None, time
 # -- streaming ------------------------------------------------------------------------------------
 
 
-def _quote(text: str, limit: int = 200) -> str:
-    """Remote text as one printable line of at most ``limit`` characters."""
-    text = " ".join("".join(c if c.isprintable() else " " for c in text[: limit * 4]).split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
 def _error_message(raw: bytes) -> str:
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError):
-        return _quote(raw.decode(errors="replace"))
+        return quote(raw.decode(errors="replace"))
     if isinstance(data, dict):
         error = data.get("error", data)
         if isinstance(error, dict):
-            return _quote(str(error.get("message") or error.get("detail") or error))
-        return _quote(str(error))
-    return _quote(str(data))
-
-
-_TYPE_NAMES = {str: "a string", int: "an integer", list: "a list", dict: "an object"}
-
-
-def _kind(value: object) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    return "a number" if isinstance(value, int | float) else _TYPE_NAMES.get(type(value), type(value).__name__)
-
-
-def _typed(obj: dict, key: str, kind: type, where: str):
-    """``obj[key]`` when absent, null or of ``kind``; ``Malformed`` naming it otherwise."""
-    value = obj.get(key)
-    if value is None or (isinstance(value, kind) and not (kind is int and isinstance(value, bool))):
-        return value
-    raise Malformed(f"{where}.{key} is {_kind(value)}, not {_TYPE_NAMES[kind]}")
+            return quote(str(error.get("message") or error.get("detail") or error))
+        return quote(str(error))
+    return quote(str(data))
 
 
 def _ceiling(body: dict) -> int:
@@ -283,51 +284,52 @@ class _Parts:
         result.tool_calls = [call for call, _, _ in self.calls.values()]
 
 
-def _absorb(result: StreamResult, parts: _Parts, chunk: dict, offset: float, where: str, ceiling: int) -> None:
+def _absorb(result: StreamResult, parts: _Parts, chunk: dict, offset: float, ceiling: int) -> None:
     """Fold one chunk into ``result``; a chunk that carries output marks a token time.
 
     ``Malformed`` when the chunk breaks the protocol: the sample fails, naming the field.
     """
-    usage = _typed(chunk, "usage", dict, where)
+    where = ""  # the path of a field in the chunk, for messages
+    usage = typed(chunk, "usage", dict, where)
     if usage is not None:
         for key in ("completion_tokens", "prompt_tokens"):
-            count = _typed(usage, key, int, f"{where}.usage")
+            count = typed(usage, key, int, "usage")
             if count is not None and count < 0:
-                raise Malformed(f"{where}.usage.{key} is {count}: a token count cannot be negative")
+                raise Malformed(f"usage.{key} is {count}: a token count cannot be negative")
         completion = usage.get("completion_tokens")
         if completion is not None and completion > ceiling:
-            raise Malformed(f"{where}.usage.completion_tokens is {completion}, more than the {ceiling} "
-                            "the request allowed")
+            shown = completion if completion < 10**15 else f"{completion:.3g}"
+            raise Malformed(f"usage.completion_tokens is {shown}, more than the {ceiling} the request allowed")
         result.completion_tokens = completion if completion is not None else result.completion_tokens
         result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
     generated = False
-    for number, choice in enumerate(_typed(chunk, "choices", list, where) or []):
-        here = f"{where}.choices[{number}]"
+    for number, choice in enumerate(typed(chunk, "choices", list, where) or []):
+        here = f"choices[{number}]"
         if not isinstance(choice, dict):
-            raise Malformed(f"{here} is {_kind(choice)}, not an object")
-        if _typed(choice, "index", int, here) not in (0, None):
+            raise Malformed(f"{here} is {kind(choice)}, not an object")
+        if typed(choice, "index", int, here) not in (0, None):
             continue
-        delta = _typed(choice, "delta", dict, here) or {}
-        if finish := _typed(choice, "finish_reason", str, here):
+        delta = typed(choice, "delta", dict, here) or {}
+        if finish := typed(choice, "finish_reason", str, here):
             result.finish_reason = finish
-        if content := _typed(delta, "content", str, f"{here}.delta"):
+        if content := typed(delta, "content", str, f"{here}.delta"):
             parts.content.append(content)
             generated = True
         # vLLM calls it reasoning_content (older) or reasoning (newer)
-        thought = _typed(delta, "reasoning_content", str, f"{here}.delta") or _typed(delta, "reasoning", str, f"{here}.delta")
+        thought = typed(delta, "reasoning_content", str, f"{here}.delta") or typed(delta, "reasoning", str, f"{here}.delta")
         if thought:
             parts.reasoning.append(thought)
             generated = True
-        for place, fragment in enumerate(_typed(delta, "tool_calls", list, f"{here}.delta") or []):
+        for place, fragment in enumerate(typed(delta, "tool_calls", list, f"{here}.delta") or []):
             spot = f"{here}.delta.tool_calls[{place}]"
             if not isinstance(fragment, dict):
-                raise Malformed(f"{spot} is {_kind(fragment)}, not an object")
-            index = _typed(fragment, "index", int, spot) or 0
+                raise Malformed(f"{spot} is {kind(fragment)}, not an object")
+            index = typed(fragment, "index", int, spot) or 0
             call, names, arguments = parts.calls.setdefault(index, (ToolCall(index), [], []))
-            call.id = call.id or _typed(fragment, "id", str, spot) or ""
-            function = _typed(fragment, "function", dict, spot) or {}
-            names.append(_typed(function, "name", str, f"{spot}.function") or "")
-            arguments.append(_typed(function, "arguments", str, f"{spot}.function") or "")
+            call.id = call.id or typed(fragment, "id", str, spot) or ""
+            function = typed(fragment, "function", dict, spot) or {}
+            names.append(typed(function, "name", str, f"{spot}.function") or "")
+            arguments.append(typed(function, "arguments", str, f"{spot}.function") or "")
             generated = True
     if generated:
         result.chunk_offsets.append(offset)
@@ -347,16 +349,17 @@ def stream_chat(endpoint: Endpoint, body: dict, timeout: float = 600.0, bounds: 
     end = min(end, deadline) if deadline is not None else end
     parts, chunks = _Parts(), 0
     connection, target = _connection(f"{endpoint.base}/v1/chat/completions", end - result.sent_at)
-    watchdog = Watchdog(connection, end)
+    watchdog = Watchdog(end)
+    response = None
     try:
         with watchdog:
-            response = _send(connection, "POST", target, body, endpoint.api_key)
+            response = _send(connection, watchdog, "POST", target, body, endpoint.api_key)
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {_error_message(response.read(ERROR_BODY_BYTES))}"
                 return result
-            kind = response.getheader("Content-Type", "")
-            if "text/event-stream" not in kind:
-                result.error = f"the answer is not an event stream (Content-Type {_quote(kind, 80) or 'missing'})"
+            content_type = response.getheader("Content-Type", "")
+            if "text/event-stream" not in content_type:
+                result.error = f"the answer is not an event stream (Content-Type {quote(content_type, 80) or 'missing'})"
                 return result
             for data in events(response, bounds):
                 now = time.perf_counter() - result.sent_at
@@ -373,11 +376,14 @@ def stream_chat(endpoint: Endpoint, body: dict, timeout: float = 600.0, bounds: 
                     return result
                 chunks += 1
                 if not isinstance(chunk, dict):
-                    raise Malformed(f"chunk {chunks} is {_kind(chunk)}, not an object")
+                    raise Malformed(f"chunk {chunks} is {kind(chunk)}, not an object")
                 if "error" in chunk:
                     result.error = f"server error in the stream: {_error_message(data.encode())}"
                     return result
-                _absorb(result, parts, chunk, now, f"chunk {chunks}", _ceiling(body))
+                try:
+                    _absorb(result, parts, chunk, now, _ceiling(body))
+                except Malformed as err:
+                    raise Malformed(f"chunk {chunks}: {err}") from None
             else:
                 # a chunked body cut short reads as an early end here, as does a server that stops
                 result.error = f"the stream broke off after {chunks} chunk(s), before [DONE]"
@@ -389,7 +395,7 @@ def stream_chat(endpoint: Endpoint, body: dict, timeout: float = 600.0, bounds: 
     finally:
         if result.wall is None:
             result.wall = time.perf_counter() - result.sent_at
-        connection.close()
+        _hang_up(connection, response)
         parts.finish(result)
     if watchdog.fired and not result.ok:
         result.error = (f"the run reached its --run-timeout after {chunks} chunk(s)" if cut_by_run else

@@ -9,11 +9,13 @@ event) at ``max_line``, a whole stream at ``max_stream`` -- a server cannot make
 Public API:
     Bounds(max_line, max_body, max_stream)   the caps, in bytes (defaults: 1 MiB, 16 MiB, 64 MiB)
     DEFAULT_BOUNDS                           ``Bounds()``
-    Watchdog(connection, deadline)           a context manager; ``.fired``: it cut the connection
+    Watchdog(deadline)                       a context manager; ``.watch(sock)``; ``.fired``: it cut
     read_body(response, limit, what) -> bytes       at most ``limit`` bytes, else ``Oversize``
     events(response, bounds) -> iterator of str     each event's ``data``; ``Malformed``/``Oversize``
     Malformed, Oversize                      one-line reasons (``str(err)``) a sample fails with
-    size_text(n) -> str                      "1 MiB", "640 KiB", "12 bytes"
+    quote(text, limit=200) -> str            remote text as one printable line
+    typed(obj, key, expected, where)         ``obj[key]`` if absent or of that type, else ``Malformed``
+    kind(value) -> str                       "a string", "a number", ... (JSON's names)
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+
+from kiln.oci.limits import size_text
 
 MiB = 1024 * 1024
 
@@ -32,13 +36,6 @@ class Malformed(Exception):
 
 class Oversize(Exception):
     """The server sent more than a bound allows; the message names the bound's option."""
-
-
-def size_text(n: int) -> str:
-    for unit, size in (("GiB", 1024 * MiB), ("MiB", MiB), ("KiB", 1024)):
-        if n >= size and n % size == 0:
-            return f"{n // size} {unit}"
-    return f"{n} bytes"
 
 
 @dataclass(frozen=True)
@@ -55,24 +52,42 @@ DEFAULT_BOUNDS = Bounds()
 
 
 class Watchdog:
-    """Shuts ``connection``'s socket down at ``deadline`` (``time.perf_counter()``)."""
+    """Shuts the socket it watches down at ``deadline`` (``time.perf_counter()``).
 
-    def __init__(self, connection, deadline: float):
+    It holds the socket itself: ``http.client`` drops the connection's reference to it once a
+    ``Connection: close`` answer has begun, while the answer is still being read from it.
+    """
+
+    def __init__(self, deadline: float):
         self.fired = False
-        self._connection = connection
+        self._sock = None
+        self._lock = threading.Lock()
         self._timer = threading.Timer(max(0.0, deadline - time.perf_counter()), self._fire)
         self._timer.daemon = True
 
+    def watch(self, sock) -> None:
+        """Watch ``sock`` (just connected); cut at once when the deadline has already passed."""
+        with self._lock:
+            self._sock = sock
+            fired = self.fired
+        if fired:
+            self._shutdown(sock)
+
     def _fire(self) -> None:
-        self.fired = True
-        sock = getattr(self._connection, "sock", None)
+        with self._lock:
+            self.fired = True
+            sock = self._sock
         if sock is not None:
-            try:
-                # the plain socket's shutdown, also under TLS: it wakes a read blocked in another
-                # thread without touching the TLS state that read is using
-                socket.socket.shutdown(sock, socket.SHUT_RDWR)
-            except OSError:
-                pass
+            self._shutdown(sock)
+
+    @staticmethod
+    def _shutdown(sock) -> None:
+        try:
+            # the plain socket's shutdown, also under TLS: it wakes a read blocked in another
+            # thread without touching the TLS state that read is using
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def __enter__(self) -> Watchdog:
         self._timer.start()
@@ -80,6 +95,35 @@ class Watchdog:
 
     def __exit__(self, *exc) -> None:
         self._timer.cancel()
+
+
+def quote(text: str, limit: int = 200) -> str:
+    """Remote text as one printable line of at most ``limit`` characters."""
+    text = " ".join("".join(c if c.isprintable() else " " for c in text[: limit * 4]).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+TYPE_NAMES = {str: "a string", int: "an integer", list: "a list", dict: "an object"}
+
+
+def kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return "a number" if isinstance(value, int | float) else TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def _at(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def typed(obj: dict, key: str, expected: type, where: str):
+    """``obj[key]`` when absent, null or of ``expected``; ``Malformed`` naming it otherwise."""
+    value = obj.get(key)
+    if value is None or (isinstance(value, expected) and not (expected is int and isinstance(value, bool))):
+        return value
+    raise Malformed(f"{_at(where, key)} is {kind(value)}, not {TYPE_NAMES[expected]}")
 
 
 def read_body(response, limit: int, what: str) -> bytes:
