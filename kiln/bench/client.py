@@ -151,7 +151,8 @@ def _connection(url: str, timeout: float):
     """An unopened connection to ``url``'s host (each socket operation bounded by ``timeout``)."""
     scheme, host, port, path = _split(url)
     cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
-    return cls(host, port, timeout=max(timeout, 0.001)), path or "/"
+    # a socket timeout must fit the OS's clock; the watchdog bounds the request anyway
+    return cls(host, port, timeout=min(max(timeout, 0.001), 1e7)), path or "/"
 
 
 def _send(connection, watchdog: Watchdog, method: str, path: str, body: dict | None, api_key: str | None):

@@ -62,7 +62,8 @@ class Watchdog:
         self.fired = False
         self._sock = None
         self._lock = threading.Lock()
-        self._timer = threading.Timer(max(0.0, deadline - time.perf_counter()), self._fire)
+        delay = min(max(0.0, deadline - time.perf_counter()), threading.TIMEOUT_MAX)
+        self._timer = threading.Timer(delay, self._fire)
         self._timer.daemon = True
 
     def watch(self, sock) -> None:

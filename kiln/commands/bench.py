@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +27,7 @@ from kiln.bench.evidence import evidence, image_info, machine_info
 from kiln.bench.prompts import PROMPT_SET_VERSION, select_prompts
 from kiln.bench.run import METRICS, OVERALL, BenchSettings, run_battery, run_speed
 from kiln.bench.stats import BETTER, WORSE
-from kiln.bench.wire import DEFAULT_BOUNDS
+from kiln.bench.wire import DEFAULT_BOUNDS, quote
 from kiln.commands.output import Output
 from kiln.errors import KilnError
 from kiln.oci.limits import parse_seconds, parse_size, size_text
@@ -78,7 +79,7 @@ def _settings(args) -> BenchSettings:
         raise KilnError(f"--confidence {args.confidence}: a fraction between 0.5 and 1, e.g. 0.95")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise KilnError(f"--max-tokens {args.max_tokens}: at least 1")
-    if not args.timeout > 0:
+    if not 0 < args.timeout < math.inf:
         raise KilnError(f"--timeout {args.timeout:g}: seconds one request may take, more than 0")
     found = {dest: value for dest in BOUNDS if (value := _bound(args, dest)) is not None}
     run_timeout = found.pop("run_timeout", BenchSettings.run_timeout)
@@ -200,7 +201,7 @@ def run_bench(args, out: Output) -> int:
     if not out.json_mode:
         for label, e in endpoints.items():
             image = f", image {images[label].reference}" if images[label] else ""
-            out.stderr.print(escape(scrub(f"{label}: {e.url} serves {e.model} (vLLM "
+            out.stderr.print(escape(scrub(f"{label}: {e.url} serves {quote(e.model, 120)} (vLLM "
                                           f"{e.server_version or 'version unknown'}{image}); prompt set "
                                           f"{PROMPT_SET_VERSION}")), soft_wrap=True)
     reporter = out.reporter()
