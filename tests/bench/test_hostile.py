@@ -24,7 +24,7 @@ from tests.bench.hostile_openai import TIME_BUDGET, HostileOpenAI
 pytestmark = pytest.mark.reliability
 
 ROOT = Path(__file__).resolve().parents[2]
-MEMORY = 512 << 20  # bytes of address space: kiln needs ~250 MiB; a whole 3 GB line does not fit
+MEMORY = 512 << 20  # bytes of address space: a run here fits in 250 MiB; a whole 3 GB line does not
 TIMEOUT = 3  # --timeout of each request
 SLACK = 2.0  # seconds past a bound a loaded 2-core machine may take to notice it
 BOUNDS = ["--timeout", str(TIMEOUT), "--max-stream-bytes", "2M"]
