@@ -1,8 +1,13 @@
 """The one error type kiln shows to users: a single line naming the culprit."""
 
+from kiln.secrets import scrub
+
 
 class KilnError(Exception):
-    """A user-facing failure. ``str(err)`` is one line naming the file, field or patch at fault."""
+    """A user-facing failure. ``str(err)`` is one line naming the file, field or patch at fault.
+
+    Its text is scrubbed of every known secret (``kiln.secrets``): it may quote a server's answer.
+    """
 
     def __init__(self, message: str):
-        super().__init__(" ".join(message.split("\n")))
+        super().__init__(scrub(" ".join(message.split("\n"))))

@@ -4,6 +4,7 @@ The method is docs/BENCH.md; the command is ``kiln/commands/bench.py``. Library 
 prints, and reports progress and warnings through a ``kiln.report.Reporter``.
 
     client.py     streaming chat-completions client (``connect``, ``stream_chat``)
+    wire.py       reading an answer within bounds (deadline, line, body and stream caps)
     prompts.py    the versioned prompt set (texts in ``texts.py``)
     battery.py    the versioned tool-call battery and its judge
     stats.py      mean / median / CV, Student's t, Welch's test, verdicts

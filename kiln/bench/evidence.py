@@ -127,6 +127,7 @@ def evidence(endpoints: dict[str, Endpoint], images: dict[str, ImageInfo | None]
         data["speed"] = {
             "figures": speed_figures(speed),
             "failed_requests": len(speed.failures()),
+            "unsent_requests": speed.unsent,
             "samples": [s.to_json() for s in speed.samples],
             "batches": [b.to_json() for b in speed.batches],
         }

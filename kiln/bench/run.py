@@ -13,15 +13,18 @@ aggregate throughput (the batch's completion tokens / the batch's wall time). Be
 rounds, every endpoint answers ``warmup`` passes over the prompt set at concurrency 1, whose
 samples are kept in the evidence but never in a figure.
 
-A failed request (HTTP error, dropped connection) becomes a failed sample: the run goes on, the
-failure is reported, and the figures use the samples that completed.
+A failed request (HTTP error, dropped connection, a malformed chunk, no answer within
+``timeout``) becomes a failed sample: the run goes on, the failure is reported, and the figures
+use the samples that completed. The whole run has a deadline (``run_timeout``): no request is
+sent after it and none runs past it; the requests left are counted as ``unsent``.
 
 Public API:
     BenchSettings                     runs, warmup, concurrency levels, prompts, request options
     Sample, Batch                     one request / one concurrent batch
     SpeedRun                          samples and batches, with ``figures(...)`` per prompt and overall
-    run_speed(endpoints, settings, reporter) -> SpeedRun
-    BatteryRun, run_battery(endpoints, cases, runs, settings, reporter) -> BatteryRun
+    run_speed(endpoints, settings, reporter, deadline=None) -> SpeedRun
+    BatteryRun, run_battery(endpoints, cases, runs, settings, reporter, deadline=None) -> BatteryRun
+    OutOfTime                         raised inside a run when its deadline passes (caught there)
     METRICS                           name -> (unit, higher_is_better)
 """
 
@@ -38,6 +41,7 @@ from kiln.bench.battery import ToolCase, judge
 from kiln.bench.client import Endpoint, StreamResult, stream_chat
 from kiln.bench.prompts import PROMPTS, Prompt
 from kiln.bench.stats import Comparison, Summary, verdict
+from kiln.bench.wire import DEFAULT_BOUNDS, Bounds
 from kiln.report import SILENT, Reporter
 
 # metric -> (unit, higher is better)
@@ -60,8 +64,10 @@ class BenchSettings:
     temperature: float = 0.0
     extra_body: dict = field(default_factory=dict)  # merged into every request (e.g. ignore_eos)
     unique_prefix: bool = False  # a fresh first line per request, so no prefix-cache hit
-    timeout: float = 600.0
+    timeout: float = 600.0  # one request, all of it
     confidence: float = 0.95
+    run_timeout: float = 6 * 3600.0  # the whole run: the speed part and the battery together
+    bounds: Bounds = DEFAULT_BOUNDS
 
     def body(self, prompt: Prompt) -> dict:
         prefix = f"[request {uuid.uuid4().hex}]\n" if self.unique_prefix else ""
@@ -72,7 +78,16 @@ class BenchSettings:
         return {"runs": self.runs, "warmup": self.warmup, "concurrency": list(self.concurrency),
                 "prompts": [p.id for p in self.prompts], "max_tokens": self.max_tokens,
                 "temperature": self.temperature, "extra_body": self.extra_body,
-                "unique_prefix": self.unique_prefix, "timeout": self.timeout, "confidence": self.confidence}
+                "unique_prefix": self.unique_prefix, "timeout": self.timeout, "confidence": self.confidence,
+                "run_timeout": self.run_timeout, **self.bounds.to_json()}
+
+    def deadline(self) -> float:
+        """The ``time.perf_counter()`` the run must end by, from now."""
+        return time.perf_counter() + self.run_timeout
+
+
+class OutOfTime(Exception):
+    """The run reached its deadline: nothing more is sent."""
 
 
 @dataclass
@@ -122,6 +137,7 @@ class SpeedRun:
     settings: BenchSettings
     samples: list[Sample] = field(default_factory=list)
     batches: list[Batch] = field(default_factory=list)
+    unsent: int = 0  # requests the run's deadline left unsent
 
     def measured(self, label: str, concurrency: int) -> list[Sample]:
         return [s for s in self.samples
@@ -179,23 +195,38 @@ class SpeedRun:
                        METRICS[metric][1], self.settings.confidence)
 
 
-def _batch(pool: ThreadPoolExecutor, endpoint: Endpoint, bodies: list[dict], timeout: float):
+def _batch(pool: ThreadPoolExecutor, endpoint: Endpoint, bodies: list[dict], settings: BenchSettings,
+           deadline: float):
     start = time.perf_counter()
-    futures = [pool.submit(stream_chat, endpoint, body, timeout) for body in bodies]
+    if start >= deadline:
+        raise OutOfTime
+    futures = [pool.submit(stream_chat, endpoint, body, settings.timeout, settings.bounds, deadline)
+               for body in bodies]
     results = [future.result() for future in futures]
     return results, time.perf_counter() - start
 
 
-def run_speed(endpoints: dict[str, Endpoint], settings: BenchSettings, reporter: Reporter = SILENT) -> SpeedRun:
-    """Warm up, then measure every endpoint (label -> Endpoint) at every concurrency level."""
+def _out_of_time(reporter: Reporter, settings: BenchSettings, what: str, unsent: int) -> None:
+    reporter.warn(f"the {what} reached its --run-timeout of {settings.run_timeout:g} s: {unsent} request(s) "
+                  "not sent; the figures use the requests that completed")
+
+
+def run_speed(endpoints: dict[str, Endpoint], settings: BenchSettings, reporter: Reporter = SILENT,
+              deadline: float | None = None) -> SpeedRun:
+    """Warm up, then measure every endpoint (label -> Endpoint) at every concurrency level.
+
+    ``deadline`` (``time.perf_counter()``; default: ``run_timeout`` from now) ends the run.
+    """
     labels = tuple(endpoints)
     run = SpeedRun(labels, settings)
     levels = settings.concurrency
+    deadline = settings.deadline() if deadline is None else deadline
+    planned = len(settings.prompts) * len(labels) * (settings.warmup + settings.runs * sum(levels))
     with ThreadPoolExecutor(max_workers=max(levels)) as pool:
 
         def measure(label: str, phase: str, concurrency: int, number: int, prompt: Prompt) -> None:
             results, wall = _batch(pool, endpoints[label], [settings.body(prompt) for _ in range(concurrency)],
-                                   settings.timeout)
+                                   settings, deadline)
             index = len(run.batches)
             run.batches.append(Batch(label, phase, concurrency, number, prompt.id, wall,
                                      sum(r.completion_tokens or 0 for r in results if r.ok),
@@ -206,25 +237,33 @@ def run_speed(endpoints: dict[str, Endpoint], settings: BenchSettings, reporter:
                     reporter.warn(f"{endpoints[label].url} ({label}), {prompt.id}, {phase} round {number + 1}, "
                                   f"concurrency {concurrency}: {result.error}")
 
-        if settings.warmup:
-            with reporter.task("warm-up", total=settings.warmup * len(settings.prompts) * len(labels),
-                               unit="items") as task:
-                for number in range(settings.warmup):
-                    for prompt in settings.prompts:
-                        for label in labels:
-                            measure(label, "warmup", 1, number, prompt)
-                            task.advance(1)
-        total = settings.runs * len(settings.prompts) * len(labels) * sum(levels)
-        with reporter.task("measuring", total=total, unit="items") as task:
-            for concurrency in levels:
-                task.update(description=f"measuring at concurrency {concurrency}")
-                for number in range(settings.runs):
-                    order = labels if number % 2 == 0 else labels[::-1]
-                    for prompt in settings.prompts:
-                        for label in order:
-                            measure(label, "measure", concurrency, number, prompt)
-                            task.advance(concurrency)
+        try:
+            _speed_rounds(run, settings, labels, levels, measure, reporter)
+        except OutOfTime:
+            run.unsent = planned - len(run.samples)
+            _out_of_time(reporter, settings, "speed run", run.unsent)
     return run
+
+
+def _speed_rounds(run: SpeedRun, settings: BenchSettings, labels, levels, measure, reporter: Reporter) -> None:
+    if settings.warmup:
+        with reporter.task("warm-up", total=settings.warmup * len(settings.prompts) * len(labels),
+                           unit="items") as task:
+            for number in range(settings.warmup):
+                for prompt in settings.prompts:
+                    for label in labels:
+                        measure(label, "warmup", 1, number, prompt)
+                        task.advance(1)
+    total = settings.runs * len(settings.prompts) * len(labels) * sum(levels)
+    with reporter.task("measuring", total=total, unit="items") as task:
+        for concurrency in levels:
+            task.update(description=f"measuring at concurrency {concurrency}")
+            for number in range(settings.runs):
+                order = labels if number % 2 == 0 else labels[::-1]
+                for prompt in settings.prompts:
+                    for label in order:
+                        measure(label, "measure", concurrency, number, prompt)
+                        task.advance(concurrency)
 
 
 # -- the tool-call battery ------------------------------------------------------------------------
@@ -237,6 +276,7 @@ class BatteryRun:
     runs: int
     results: list[tuple[str, str, int, StreamResult, object]] = field(default_factory=list)
     # (label, case id, attempt, the streamed answer, its Judgement)
+    unsent: int = 0  # attempts the run's deadline left unsent
 
     def judgements(self, label: str, case: str | None = None) -> list:
         return [j for lab, cid, _, _, j in self.results if lab == label and (case is None or cid == case)]
@@ -256,21 +296,28 @@ class BatteryRun:
                       for label in self.labels},
             "attempts": [{"endpoint": label, "case": cid, "attempt": attempt, **judgement.to_json(),
                           "answer": result.to_json()} for label, cid, attempt, result, judgement in self.results],
+            "unsent": self.unsent,
         }
 
 
 def run_battery(endpoints: dict[str, Endpoint], cases: Sequence[ToolCase], runs: int,
-                settings: BenchSettings, reporter: Reporter = SILENT) -> BatteryRun:
+                settings: BenchSettings, reporter: Reporter = SILENT, deadline: float | None = None) -> BatteryRun:
     """Every case ``runs`` times on every endpoint, endpoints interleaved, one request at a time."""
     labels = tuple(endpoints)
     battery = BatteryRun(labels, tuple(cases), runs)
-    with reporter.task("tool-call battery", total=runs * len(cases) * len(labels), unit="items") as task:
+    deadline = settings.deadline() if deadline is None else deadline
+    total = runs * len(cases) * len(labels)
+    with reporter.task("tool-call battery", total=total, unit="items") as task:
         for attempt in range(runs):
             order = labels if attempt % 2 == 0 else labels[::-1]
             for case in cases:
                 for label in order:
+                    if time.perf_counter() >= deadline:
+                        battery.unsent = total - len(battery.results)
+                        _out_of_time(reporter, settings, "battery", battery.unsent)
+                        return battery
                     body = {**case.request_body(), **settings.extra_body}
-                    result = stream_chat(endpoints[label], body, settings.timeout)
+                    result = stream_chat(endpoints[label], body, settings.timeout, settings.bounds, deadline)
                     battery.results.append((label, case.id, attempt, result, judge(case, result)))
                     if not result.ok:
                         reporter.warn(f"{endpoints[label].url} ({label}), tool-call case {case.id}: {result.error}")

@@ -3,16 +3,19 @@
 The method (what each figure means, warm-up, interleaving, the Welch verdict) is in
 docs/BENCH.md; the measuring is ``kiln.bench``. This module parses the options, shows tables
 and progress, writes the evidence and the plot, and maps the outcome to an exit code:
-0 measured, nothing failed and every tool call of URL was clean; 1 a request failed or a tool
-call of URL was dirty; 2 bad input (an endpoint that does not answer or is not
-OpenAI-compatible, a bad option).
+0 measured, nothing failed and every tool call of URL was clean; 1 a request failed, the run
+reached its --run-timeout, or a tool call of URL was dirty; 2 bad input (an endpoint that does
+not answer or is not OpenAI-compatible, a bad option). Whatever it shows or writes is scrubbed
+of the API key (``kiln.secrets``): a server may echo it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from rich.markup import escape
@@ -24,10 +27,31 @@ from kiln.bench.evidence import evidence, image_info, machine_info
 from kiln.bench.prompts import PROMPT_SET_VERSION, select_prompts
 from kiln.bench.run import METRICS, OVERALL, BenchSettings, run_battery, run_speed
 from kiln.bench.stats import BETTER, WORSE
+from kiln.bench.wire import DEFAULT_BOUNDS, quote
 from kiln.commands.output import Output
 from kiln.errors import KilnError
+from kiln.oci.limits import parse_seconds, parse_size, size_text
+from kiln.secrets import scrub, scrub_data
+from kiln.staging import write_atomic
 
 VERDICT_COLOUR = {BETTER: "green", WORSE: "red"}
+# the bounds on what a server may cost a run: dest -> (option, environment variable, parser)
+BOUNDS = {
+    "max_line": ("--max-line-bytes", "KILN_BENCH_MAX_LINE_BYTES", parse_size),
+    "max_body": ("--max-body-bytes", "KILN_BENCH_MAX_BODY_BYTES", parse_size),
+    "max_stream": ("--max-stream-bytes", "KILN_BENCH_MAX_STREAM_BYTES", parse_size),
+    "run_timeout": ("--run-timeout", "KILN_BENCH_RUN_TIMEOUT", parse_seconds),
+}
+
+
+def _bound(args, dest: str):
+    """The option's value, else the environment's, else None; a bad one is a one-line error."""
+    option, env, parse = BOUNDS[dest]
+    given = getattr(args, dest)
+    text = given if given is not None else os.environ.get(env)
+    if text is None:
+        return None
+    return parse(text, option if given is not None else f"${env}={text!r}")
 
 
 def _int_list(option: str, text: str) -> tuple[int, ...]:
@@ -55,6 +79,11 @@ def _settings(args) -> BenchSettings:
         raise KilnError(f"--confidence {args.confidence}: a fraction between 0.5 and 1, e.g. 0.95")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise KilnError(f"--max-tokens {args.max_tokens}: at least 1")
+    if not 0 < args.timeout < math.inf:
+        raise KilnError(f"--timeout {args.timeout:g}: seconds one request may take, more than 0")
+    found = {dest: value for dest in BOUNDS if (value := _bound(args, dest)) is not None}
+    run_timeout = found.pop("run_timeout", BenchSettings.run_timeout)
+    bounds = replace(DEFAULT_BOUNDS, **found)
     extra = {}
     if args.extra_body:
         try:
@@ -66,7 +95,7 @@ def _settings(args) -> BenchSettings:
     return BenchSettings(runs=args.runs, warmup=args.warmup, concurrency=_int_list("--concurrency", args.concurrency),
                          prompts=select_prompts(_ids(args.prompts)), max_tokens=args.max_tokens,
                          temperature=args.temperature, extra_body=extra, unique_prefix=args.unique_prefix,
-                         timeout=args.timeout, confidence=args.confidence)
+                         timeout=args.timeout, confidence=args.confidence, run_timeout=run_timeout, bounds=bounds)
 
 
 def _fmt(value: float | None, metric: str) -> str:
@@ -142,7 +171,8 @@ def _battery_table(out: Output, battery, names: dict[str, str]) -> None:
             dirty = next((j for j in battery.judgements(label, case.id) if not j.clean), None)
             if dirty and not problem:
                 problem = f"{label}: {dirty.problems[0]}"
-        table.add_row(case.id, escape(case.aim), *counts, escape(problem))
+        # scrubbed before rich folds the cell: a secret split over two lines would pass the stream's scrubbing
+        table.add_row(case.id, escape(case.aim), *counts, escape(scrub(problem)))
     totals = [f"{c}/{t}" for c, t in (battery.clean(label) for label in battery.labels)]
     table.add_section()
     table.add_row("all", "", *totals, "")
@@ -159,10 +189,11 @@ def run_bench(args, out: Output) -> int:
 
         require_matplotlib()  # fail before an hour of measuring, not after
     api_key = args.api_key or os.environ.get("KILN_BENCH_API_KEY")
-    endpoints = {"A": connect(args.url, args.model, api_key, args.connect_timeout)}
+    bounds = settings.bounds
+    endpoints = {"A": connect(args.url, args.model, api_key, args.connect_timeout, bounds)}
     images = {"A": image_info(args.image) if args.image else None}
     if args.against:
-        endpoints["B"] = connect(args.against, args.against_model, api_key, args.connect_timeout)
+        endpoints["B"] = connect(args.against, args.against_model, api_key, args.connect_timeout, bounds)
         images["B"] = image_info(args.against_image) if args.against_image else None
     elif args.against_image or args.against_model:
         raise KilnError("--against-image / --against-model need --against URL2")
@@ -170,16 +201,19 @@ def run_bench(args, out: Output) -> int:
     if not out.json_mode:
         for label, e in endpoints.items():
             image = f", image {images[label].reference}" if images[label] else ""
-            out.stderr.print(escape(f"{label}: {e.url} serves {e.model} (vLLM {e.server_version or 'version unknown'}"
-                                    f"{image}); prompt set {PROMPT_SET_VERSION}"))
+            out.stderr.print(escape(scrub(f"{label}: {e.url} serves {quote(e.model, 120)} (vLLM "
+                                          f"{e.server_version or 'version unknown'}{image}); prompt set "
+                                          f"{PROMPT_SET_VERSION}")), soft_wrap=True)
     reporter = out.reporter()
-    speed = run_speed(endpoints, settings, reporter) if args.only != "battery" else None
-    battery = run_battery(endpoints, cases, args.battery_runs, settings, reporter) \
+    deadline = settings.deadline()  # one for the whole run: the speed part and the battery
+    speed = run_speed(endpoints, settings, reporter, deadline) if args.only != "battery" else None
+    battery = run_battery(endpoints, cases, args.battery_runs, settings, reporter, deadline) \
         if args.only != "speed" and args.battery_runs else None
-    data = evidence(endpoints, images, settings, speed, battery, machine_info())
+    # what the servers sent is in the evidence: scrubbed of the key before it is written anywhere
+    data = scrub_data(evidence(endpoints, images, settings, speed, battery, machine_info()))
     if args.evidence:
         args.evidence.parent.mkdir(parents=True, exist_ok=True)
-        args.evidence.write_text(json.dumps(data, indent=2) + "\n")
+        write_atomic(args.evidence, (json.dumps(data, indent=2) + "\n").encode())
     if args.plot is not None and speed is not None:
         from kiln.bench.plot import write_plot
 
@@ -193,11 +227,12 @@ def run_bench(args, out: Output) -> int:
             _battery_table(out, battery, names)
     failed = len(speed.failures()) if speed else 0
     dirty = battery.clean("A")[1] - battery.clean("A")[0] if battery else 0
+    unsent = (speed.unsent if speed else 0) + (battery.unsent if battery else 0)
     if failed:
         out.warn(f"{failed} request(s) failed; the figures use the requests that completed")
     if dirty:
         out.warn(f"{dirty} tool call(s) of {args.url} were not clean")
-    return 1 if failed or dirty else 0
+    return 1 if failed or dirty or unsent else 0
 
 
 def register(subparsers) -> None:
@@ -220,7 +255,17 @@ def register(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: %(default)s)")
     p.add_argument("--extra-body", metavar="JSON", help='merged into every request, e.g. \'{"ignore_eos": true}\'')
     p.add_argument("--unique-prefix", action="store_true", help="a fresh first line per request: no prefix-cache hits")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds one request may take, all of it: connecting, waiting and the whole stream "
+                        "(default: %(default)s)")
+    defaults = {"max_line": size_text(DEFAULT_BOUNDS.max_line), "max_body": size_text(DEFAULT_BOUNDS.max_body),
+                "max_stream": size_text(DEFAULT_BOUNDS.max_stream),
+                "run_timeout": f"{BenchSettings.run_timeout / 3600:g} h"}
+    what = {"max_line": "one event-stream line or event", "max_body": "a JSON answer (the model list, an error)",
+            "max_stream": "everything one streamed answer sends", "run_timeout": "the whole run (e.g. 2h, 90m)"}
+    for dest, (option, env, parse) in BOUNDS.items():
+        p.add_argument(option, dest=dest, metavar="TIME" if parse is parse_seconds else "SIZE",
+                       help=f"bound on {what[dest]} (default {defaults[dest]}; ${env})")
     p.add_argument("--connect-timeout", type=float, default=10.0, help=argparse.SUPPRESS)
     p.add_argument("--confidence", type=float, default=0.95, help="of the verdicts (default: %(default)s)")
     p.add_argument("--battery-runs", type=int, default=3, help="attempts per tool-call case; 0 skips the battery")

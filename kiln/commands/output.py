@@ -11,6 +11,8 @@ Public API:
     VERDICT_STYLE              the colour of each verdict in tables
 
 Only ``kiln/commands/`` uses this module: library code reports through ``kiln.report``.
+Everything it shows is scrubbed of the secrets kiln knows (``kiln.secrets``): messages and
+JSON before they are rendered, and whatever else reaches stdout/stderr as it is written.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from rich.text import Text
 
 from kiln.patch.model import Verdict
 from kiln.report import Reporter, Task
+from kiln.secrets import scrub, scrub_data
 
 VERDICT_STYLE = {
     Verdict.APPLIES: "green",
@@ -58,21 +61,46 @@ def styled(verdict: Verdict | str, text: str | None = None) -> str:
     return f"[{VERDICT_STYLE[verdict]}]{text or verdict}[/]"
 
 
+class _Scrubbed:
+    """``sys.stdout`` / ``sys.stderr`` (looked up at each write, as rich does), scrubbed of secrets."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def _stream(self):
+        stream = getattr(sys, self._name)
+        # while a progress display runs, rich puts a proxy there that prints through this console
+        return getattr(stream, "rich_proxied_file", stream)
+
+    @property
+    def rich_proxied_file(self):  # rich unwraps its proxies with this name: never past the scrubbing
+        return self
+
+    def write(self, text: str) -> int:
+        return self._stream.write(scrub(text))
+
+    def __getattr__(self, attr: str):
+        return getattr(self._stream, attr)
+
+
 class Output:
     def __init__(self, json_mode: bool = False) -> None:
         self.json_mode = json_mode
-        self.stdout = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else _PAGE)
-        self.stderr = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else _PAGE)
+        self.stdout = Console(file=_Scrubbed("stdout"), highlight=False, soft_wrap=True,
+                              width=None if sys.stdout.isatty() else _PAGE)
+        self.stderr = Console(file=_Scrubbed("stderr"), highlight=False,
+                              width=None if sys.stderr.isatty() else _PAGE)
 
     def json(self, data) -> None:
-        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        sys.stdout.write(json.dumps(scrub_data(data), indent=2) + "\n")
         sys.stdout.flush()
 
     def warn(self, message: str) -> None:
-        self.stderr.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
+        self.stderr.print(f"[yellow]warning:[/] {escape(scrub(message))}", soft_wrap=True)
 
     def error(self, message: str) -> None:
-        self.stderr.print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
+        self.stderr.print(f"[red]error:[/] {escape(scrub(message))}", soft_wrap=True)
 
     def reporter(self) -> RichReporter:
         return RichReporter(self)
@@ -182,6 +210,7 @@ class RichReporter(Reporter):
             self._stop(task_id)
 
     def warn(self, message: str) -> None:
+        message = scrub(message)
         with self._lock:
             self.warnings.append(message)
             if self._progress is not None:
@@ -191,4 +220,4 @@ class RichReporter(Reporter):
 
     def note(self, message: str) -> None:
         if self.enabled:
-            self._output.stderr.print(escape(message), soft_wrap=True)
+            self._output.stderr.print(escape(scrub(message)), soft_wrap=True)

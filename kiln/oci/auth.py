@@ -17,7 +17,8 @@ cached per normalised scope set; a 401 ``insufficient_scope`` whose challenge as
 (e.g. a cross-repo mount needing ``pull`` on the source) widens the set, so one token covers
 every repository an operation touches.
 
-Credentials, tokens and Authorization headers never appear in messages or logs; credentials
+Credentials, tokens and Authorization headers never appear in messages or logs (tokens are
+registered with ``kiln.secrets`` as they come, so an echo of one is scrubbed too); credentials
 go to a token service only over HTTPS when the registry itself is verified HTTPS.
 """
 
@@ -32,6 +33,7 @@ import requests
 
 from kiln.errors import KilnError
 from kiln.oci.credentials import Credentials, find_credentials
+from kiln.secrets import register
 
 _UNSET = object()
 _PARAM = re.compile(r'\s*([A-Za-z][A-Za-z0-9_-]*)\s*=\s*("(?:[^"\\]|\\.)*"|[^\s,]*)\s*,?')
@@ -197,8 +199,9 @@ class RegistryAuth:
             lifetime = float(body.get("expires_in") or 60)
         except (ValueError, AttributeError, TypeError):
             raise KilnError(f"{self.host}: token service {realm} did not answer token JSON") from None
-        if not token:
+        if not token or not isinstance(token, str):
             raise KilnError(f"{self.host}: token service {realm} answered without a token")
+        register(token)  # a registry that echoes the Authorization header is scrubbed of it
         # Renew a little early so a long transfer does not start with a token about to lapse.
         self._tokens[scopes] = (token, time.monotonic() + max(lifetime - 10, 1))
         return token

@@ -14,7 +14,8 @@ Lookup order for a registry host (``docker.io`` means Docker Hub):
 Docker Hub is stored under ``https://index.docker.io/v1/``; other hosts may appear with a
 scheme or a ``/v1/`` suffix, which are ignored when matching.
 
-Secrets never reach messages: errors name the file and the host only.
+Secrets never reach messages: errors name the file and the host only, and every password
+found is registered with ``kiln.secrets``, so a server that echoes it is scrubbed too.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.errors import KilnError
+from kiln.secrets import register_credentials
 
 _HUB_KEYS = ("https://index.docker.io/v1/", "index.docker.io", "docker.io", "registry-1.docker.io")
 
@@ -37,6 +39,9 @@ class Credentials:
     username: str
     password: str = field(repr=False)
     source: str = ""  # where they came from, for messages ("KILN_REGISTRY_USER", "~/.docker/config.json")
+
+    def __post_init__(self) -> None:
+        register_credentials(self.username, self.password)  # scrubbed from whatever kiln shows
 
     def __str__(self) -> str:
         return f"user {self.username!r} (from {self.source})" if self.source else f"user {self.username!r}"

@@ -13,6 +13,10 @@ rules chosen by method, path pattern and occurrence:
     Fault("GET", r"/blobs/", "expire_token")                      # 401 + a fresh Bearer challenge
     Fault("GET", r"/blobs/", "stall", after=100_000, pause=30)    # 100 kB, then nothing for 30 s, then the rest
 
+    Fault("GET", r"/manifests/", "status", status=403, only_with="Authorization", echo="Authorization")
+                                                                  # 403 whose error message quotes the request's
+                                                                  # Authorization (and a Basic one decoded)
+
 ``nth`` is the first matching occurrence hit (1-based), ``times`` how many in a row (None: all
 from ``nth`` on). ``proxy.strip_range = True`` makes the proxy drop ``Range`` request headers
 (a registry that always answers 200 with the whole blob). ``proxy.seen`` records every request (method, path, headers, what was done,
@@ -21,7 +25,10 @@ when), so tests assert what the client actually sent, not what it says it did.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import http.client
+import json
 import re
 import socket
 import struct
@@ -46,6 +53,8 @@ class Fault:
     headers: dict[str, str] = field(default_factory=dict)
     after: int = 0  # body bytes sent (reset, truncate, stall), flipped byte (corrupt), bytes read (reset_upload)
     pause: float = 0.0  # seconds a stall lasts
+    only_with: str | None = None  # match only requests carrying this header
+    echo: str | None = None  # a status fault's error message quotes this request header
     matched: int = 0  # occurrences seen so far
     fired: int = 0  # times the fault was applied
 
@@ -54,8 +63,10 @@ class Fault:
             raise ValueError(self.action)
         self._pattern = re.compile(self.path)
 
-    def take(self, method: str, path: str) -> bool:
+    def take(self, method: str, path: str, headers=None) -> bool:
         if self.method not in ("*", method) or not self._pattern.search(path):
+            return False
+        if self.only_with and (headers is None or self.only_with not in headers):
             return False
         self.matched += 1
         last = None if self.times is None else self.nth + self.times - 1
@@ -136,7 +147,7 @@ class FaultProxy:
         method = handler.command
         path, _, query = handler.path.partition("?")
         with self._lock:
-            fault = next((f for f in self.faults if f.take(method, path)), None)
+            fault = next((f for f in self.faults if f.take(method, path, handler.headers)), None)
             seen = Seen(method, path, query, dict(handler.headers.items()), fault.action if fault else None,
                         None, time.monotonic())
             self.seen.append(seen)
@@ -174,7 +185,17 @@ class FaultProxy:
             code = "UNAUTHORIZED"
         else:
             code = "UNAVAILABLE" if status >= 500 else "TOOMANYREQUESTS" if status == 429 else "DENIED"
-        payload = (b'{"errors":[{"code":"%s","message":"injected by the fault proxy"}]}' % code.encode())
+        message = "injected by the fault proxy"
+        if fault.echo:  # as a registry that quotes the request it refuses
+            value = handler.headers.get(fault.echo, "")
+            message += f"; you sent {fault.echo}: {value}"
+            scheme, _, credential = value.partition(" ")
+            if scheme.lower() == "basic":
+                try:
+                    message += f" ({base64.b64decode(credential, validate=True).decode()})"
+                except (binascii.Error, UnicodeDecodeError):
+                    pass
+        payload = json.dumps({"errors": [{"code": code, "message": message}]}).encode()
         handler.send_response(status)
         for key, value in headers.items():
             handler.send_header(key, value)
