@@ -10,10 +10,12 @@ Public API:
     check_sm(value, where) -> int    the one SM validation (options and definitions)
     KNOWN_SMS
 
-An image definition is data. Loading it validates everything that can be decided without
-source: the patches exist, none conflict, every ``requires`` is selected, no patch is gated
-off for one of the image's SMs or its model preset, the destination repository and the tag
-template are well-formed and every tag it renders is a valid OCI tag.
+An image definition is data, its keys and types declared once in ``kiln/schemas/image.schema.json``
+(docs/DEFINITIONS.md); an unknown key or table is refused with the closest valid one. Loading it
+then validates everything else that can be decided without source: the patches exist, none
+conflict, every ``requires`` is selected, no patch is gated off for one of the image's SMs or its
+model preset, the destination repository and the tag template are well-formed and every tag it
+renders is a valid OCI tag.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import dataclasses
 import re
 import string
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.errors import KilnError
@@ -30,6 +32,7 @@ from kiln.oci.reference import check_tag, parse_reference
 from kiln.patch.catalog import Catalogue
 from kiln.patch.model import BuildTarget
 from kiln.pins import Pin
+from kiln.schema import check
 from kiln.triton.kernels import KernelPreset, parse_kernel_preset
 
 TAG_FIELDS = {"cuda", "sm", "pin"}
@@ -48,7 +51,6 @@ class ModelPreset:
     kv_cache_dtype: str
     spec_method: str | None = None
     num_speculative_tokens: int = 0
-    extra: dict = field(default_factory=dict)  # anything else declared (head dims, ...)
     kernels: KernelPreset | None = None  # [model.kernels]: the Triton kernels to compile ahead of time
 
 
@@ -115,20 +117,14 @@ def load_definition(images_dir: Path, name: str, catalogue: Catalogue, pins: dic
     except tomllib.TOMLDecodeError as err:
         raise KilnError(f"{path}: not valid TOML: {err}") from None
 
+    check(raw, "image", path)  # keys, tables and types (kiln/schemas/image.schema.json)
+
     def fail(field_name: str, why: str):
         raise KilnError(f"{path}: {field_name}: {why}")
 
-    def string_field(table: dict, key: str, where: str, required: bool = True) -> str:
-        value = table.get(key, "" if not required else None)
-        if not isinstance(value, str) or (required and not value):
-            fail(where + key, "missing or not a non-empty string")
-        return value
-
-    if raw.get("name") != name or not _NAME.match(name):
-        fail("name", f"{raw.get('name')!r} must equal the file name {name!r} (lowercase, digits, . _ -)")
+    if raw["name"] != name or not _NAME.match(name):
+        fail("name", f"{raw['name']!r} must equal the file name {name!r} (lowercase, digits, . _ -)")
     repository = raw.get("repository", "")
-    if not isinstance(repository, str):
-        fail("repository", "must be a string like ghcr.io/you/vllm-qwen")
     if repository:
         try:
             destination = parse_reference(repository)
@@ -136,14 +132,12 @@ def load_definition(images_dir: Path, name: str, catalogue: Catalogue, pins: dic
             fail("repository", str(err))
         if destination.digest or destination.tag != "latest" or repository.endswith(":latest"):
             fail("repository", f"{repository!r} must be a repository without a tag or digest")
-    tag_template = string_field(raw, "tag", "")
+    tag_template = raw["tag"]
     fields = {f for _, f, _, _ in string.Formatter().parse(tag_template) if f is not None}
     if not fields <= TAG_FIELDS or "sm" not in fields or "pin" not in fields:
         fail("tag", f"{tag_template!r} may use {{cuda}}, {{sm}}, {{pin}} and must use {{sm}} and {{pin}}")
 
-    patches = raw.get("patches")
-    if not isinstance(patches, list) or not patches or not all(isinstance(p, str) for p in patches):
-        fail("patches", "must be a non-empty list of patch ids")
+    patches = raw["patches"]
     if len(set(patches)) != len(patches):
         fail("patches", "lists a patch twice")
     for pid in patches:
@@ -159,53 +153,32 @@ def load_definition(images_dir: Path, name: str, catalogue: Catalogue, pins: dic
             if other in selected:
                 fail("patches", f"{pid} conflicts with {other}: select one")
 
-    sms = raw.get("sms")
-    if not isinstance(sms, list) or not sms or not all(isinstance(s, int) and not isinstance(s, bool) for s in sms):
-        fail("sms", "must be a non-empty list of integers like 86, 120")
+    sms = raw["sms"]
     for sm in sms:
         check_sm(sm, f"{path}: sms")
 
     image_pins = raw.get("pins", [])
-    if not isinstance(image_pins, list) or not all(isinstance(p, str) for p in image_pins):
-        fail("pins", "must be a list of pin names")
     for pin_name in image_pins:
         if pin_name not in pins:
             fail("pins", f"unknown pin {pin_name!r} (not in pins.toml)")
 
-    model_raw = raw.get("model")
-    if not isinstance(model_raw, dict):
-        fail("model", "missing [model] table")
-    archs = model_raw.get("architectures")
-    if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
-        fail("model.architectures", "must be a non-empty list of strings")
+    model_raw = raw["model"]
     num_spec = model_raw.get("num_speculative_tokens", 0)
-    if not isinstance(num_spec, int) or num_spec < 0:
-        fail("model.num_speculative_tokens", "must be a non-negative integer")
-    known_model = {"id", "architectures", "dtype", "kv_cache_dtype", "spec_method", "num_speculative_tokens",
-                   "kernels"}
-    dtype = string_field(model_raw, "dtype", "model.")
-    kv_cache_dtype = string_field(model_raw, "kv_cache_dtype", "model.")
+    dtype, kv_cache_dtype = model_raw["dtype"], model_raw["kv_cache_dtype"]
     kernels = None
     if "kernels" in model_raw:
         kernels = parse_kernel_preset(model_raw["kernels"], dtype, kv_cache_dtype, num_spec, fail)
     model = ModelPreset(
-        id=string_field(model_raw, "id", "model."),
-        architectures=tuple(archs),
+        id=model_raw["id"],
+        architectures=tuple(model_raw["architectures"]),
         dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,
         spec_method=model_raw.get("spec_method"),
         num_speculative_tokens=num_spec,
-        extra={k: v for k, v in model_raw.items() if k not in known_model},
         kernels=kernels,
     )
-
     serve = raw.get("serve", {})
-    args = serve.get("args", [])
-    env = serve.get("env", {})
-    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        fail("serve.args", "must be a list of strings")
-    if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
-        fail("serve.env", "must be a table of string values")
+    args, env = serve.get("args", []), serve.get("env", {})
 
     image = ImageDefinition(
         name=name,

@@ -2,7 +2,8 @@
 
 Public API:
     Pin                      name, role, image, vllm, cuda, digest (``.locked``)
-    load_pins(path) -> dict[str, Pin]     validated; every error names the file and field
+    load_pins(path) -> dict[str, Pin]     validated against kiln/schemas/pins.schema.json, then
+                                          the rest; every error names the file and field
     get_pin(pins, name, path) -> Pin
     current_pin(pins), rollback_pin(pins) -> Pin | None
     check_pin_name(name, where) -> str    a pin name is part of image tags: the OCI tag grammar
@@ -23,11 +24,10 @@ from packaging.version import InvalidVersion, Version
 
 from kiln.errors import KilnError
 from kiln.oci.reference import check_tag, parse_reference
+from kiln.schema import check
 
 ROLES = ("current", "rollback")
-_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _CUDA = re.compile(r"^cu\d{3}$")
-_FIELDS = {"role", "image", "vllm", "cuda", "digest"}
 
 
 @dataclass(frozen=True)
@@ -71,26 +71,11 @@ def load_pins(path: Path) -> dict[str, Pin]:
         raise KilnError(f"{path}: file not found") from None
     except tomllib.TOMLDecodeError as err:
         raise KilnError(f"{path}: not valid TOML: {err}") from None
-    pins_table = raw.get("pins")
-    if not isinstance(pins_table, dict) or not pins_table:
-        raise KilnError(f"{path}: missing table [pins.<name>] (no pin defined)")
-    unknown_top = set(raw) - {"pins"}
-    if unknown_top:
-        raise KilnError(f"{path}: unknown top-level key {sorted(unknown_top)[0]!r}")
+    check(raw, "pins", path)  # keys, tables and types (kiln/schemas/pins.schema.json)
     pins: dict[str, Pin] = {}
-    for name, entry in pins_table.items():
+    for name, entry in raw["pins"].items():
         where = f"{path}: pins.{name}"
         check_pin_name(name, f"{path}: pins")
-        if not isinstance(entry, dict):
-            raise KilnError(f"{where}: must be a table")
-        extra = set(entry) - _FIELDS
-        if extra:
-            raise KilnError(f"{where}.{sorted(extra)[0]}: unknown field")
-        for field in ("role", "image", "vllm", "cuda"):
-            if not isinstance(entry.get(field), str) or not entry[field]:
-                raise KilnError(f"{where}.{field}: missing or not a non-empty string")
-        if entry["role"] not in ROLES:
-            raise KilnError(f"{where}.role: {entry['role']!r} is not one of {', '.join(ROLES)}")
         try:
             version = Version(entry["vllm"])
         except InvalidVersion:
@@ -101,8 +86,6 @@ def load_pins(path: Path) -> dict[str, Pin]:
         except KilnError as err:
             raise KilnError(f"{where}.image: {err}") from None
         digest = entry.get("digest", "")
-        if not isinstance(digest, str) or (digest and not _DIGEST.match(digest)):
-            raise KilnError(f"{where}.digest: {digest!r} is not 'sha256:<64 hex>' or empty")
         pins[name] = Pin(name, entry["role"], entry["image"], version, entry["cuda"], digest)
     # One pins file is one image line: the pin builds run on, and the one to roll back to.
     if len(pins) > len(ROLES):

@@ -4,8 +4,10 @@ Public API:
     SourceChoice(label, version, provider)     which source a command reads
     choose_source(files, pin=None, vllm=None, reporter=SILENT, registry_config=None) -> SourceChoice
     provider_for_pin(pin, registry_config=None, reporter=SILENT) -> SourceProvider
-    SourceVerdicts       .outcomes, .expected, .differences, .origin, .counts()
-    verify_source(catalogue, choice, record_path, sm=None, accept=False, memo=None) -> SourceVerdicts
+    SourceVerdicts       .outcomes, .expected, .differences, .origin, .record, .counts()
+    record_for(label, record_path, train_path=None) -> Path    the record a source is compared with
+    verify_source(catalogue, choice, record_path, sm=None, accept=False, memo=None, train_path=None)
+        -> SourceVerdicts
     DefinitionVerdicts   .rows (pin, Outcome), .failures
     verify_definition(definition, pins, catalogue, reporter=SILENT, registry_config=None) -> DefinitionVerdicts
     patch_selection(catalogue, choice, ids, sm=None) -> (tree, RunResult)   for ``diff`` and ``apply``
@@ -84,6 +86,7 @@ class SourceVerdicts:
     outcomes: dict[str, Outcome]
     expected: dict[str, str]
     differences: list[Difference]
+    record: Path  # the record compared with (and written by --accept)
 
     def counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -92,17 +95,29 @@ class SourceVerdicts:
         return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
+def record_for(label: str, record_path: Path, train_path: Path | None = None) -> Path:
+    """The record that holds ``label``: the verdict record (pins, candidates) first, then the
+    release train (``vllm-X`` of a release it was run on); neither: the verdict record, where
+    ``--accept`` records a candidate. A broken record fails here, before any fetch."""
+    if label in load_record(record_path) or train_path is None:
+        return record_path
+    return train_path if label in load_record(train_path) else record_path
+
+
 def verify_source(catalogue: Catalogue, choice: SourceChoice, record_path: Path, sm: int | None = None,
-                  accept_record: bool = False, memo: VerdictMemo | None = None) -> SourceVerdicts:
-    """Every patch of the catalogue on the source (isolated), compared with the record."""
-    record = load_record(record_path)  # a broken record fails before the fetch
+                  accept_record: bool = False, memo: VerdictMemo | None = None,
+                  train_path: Path | None = None) -> SourceVerdicts:
+    """Every patch of the catalogue on the source (isolated), compared with its record: the
+    verdict record, or the release train's for a release recorded only there (``record_for``)."""
+    record_path = record_for(choice.label, record_path, train_path)
+    record = load_record(record_path)
     tree = choice.provider.fetch()
     outcomes = run_isolated(catalogue, Session(tree), BuildTarget(choice.version, sm), list(catalogue.patches), memo)
     expected = record.get(choice.label, {})
     if accept_record:
         accept(record_path, choice.label, outcomes)
         expected = {pid: str(o.verdict) for pid, o in outcomes.items()}
-    return SourceVerdicts(choice, tree.origin, outcomes, expected, compare(expected, outcomes))
+    return SourceVerdicts(choice, tree.origin, outcomes, expected, compare(expected, outcomes), record_path)
 
 
 @dataclass

@@ -37,7 +37,7 @@ def test_the_readme_install_resolves_and_needs_no_torch(tmp_path):
     command = re.search(r"\.venv/bin/pip install (-e \S+)", readme)
     assert command and command.group(1) == "-e .", "README's set-up command changed: update this test"
     resolved = _resolve(tmp_path, "-e", ".")
-    assert {"kiln", "libcst", "requests", "packaging"} <= set(resolved)
+    assert {"kiln", "libcst", "requests", "packaging", "jsonschema"} <= set(resolved)
     # what `build` fetches per pin (Triton) comes later, into kiln's cache; torch never
     assert not {"torch", "triton", "numpy"} & set(resolved)
 

@@ -1,6 +1,7 @@
 """Where the kiln that built an image came from: its git commit and its public repository URL.
 
 Public API:
+    kiln_version() -> str        the installed package's version (its metadata), "unknown" if not installed
     kiln_revision(repo=paths.REPO) -> (commit | None, dirty: bool)
     kiln_source_url(repo=paths.REPO) -> str | None     for ``org.opencontainers.image.source``
 
@@ -13,6 +14,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from kiln import paths
+
+
+def kiln_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kiln")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
 
 
 def kiln_revision(repo: Path = paths.REPO) -> tuple[str | None, bool]:

@@ -13,6 +13,7 @@ usage error); 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from kiln.commands import bench, build, patches, pin, plan, verify
 from kiln.commands.options import KilnParser, add_repo_options
@@ -22,8 +23,26 @@ from kiln.errors import KilnError
 COMMANDS = (patches, verify, build, pin, plan, bench)
 
 
+class _Version(argparse.Action):
+    """``--version``: kiln's version and, when it runs from a git checkout, the commit (asked
+    only when the option is given: git is not run on every command)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print kiln's version and git commit, then exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from kiln.build.provenance import kiln_revision, kiln_version
+
+        commit, dirty = kiln_revision()
+        where = f"commit {commit}{', dirty' if dirty else ''}" if commit else "not a git checkout: commit unknown"
+        sys.stdout.write(f"kiln {kiln_version()} ({where})\n")
+        parser.exit(0)
+
+
 def build_parser(prog: str = "build.py") -> argparse.ArgumentParser:
     parser = KilnParser(prog=prog, description="kiln: build-time patched vLLM images")
+    parser.add_argument("--version", action=_Version)
     add_repo_options(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:

@@ -58,8 +58,8 @@ def add_source_options(parser: argparse.ArgumentParser, train: bool = False) -> 
     """``--pin NAME | --vllm VERSION``; with ``train``, ``--vllm FIRST..LAST`` too."""
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--pin", help="a pin from pins.toml, e.g. v0.20.1")
-    more = ("; or a range FIRST..LAST: every release on the index, compared with patchsets/release-train.toml"
-            if train else "")
+    more = ("; a release the train covers is compared with its table in patchsets/release-train.toml; "
+            "or a range FIRST..LAST: every release on the index, compared with that file" if train else "")
     group.add_argument("--vllm", help=f"an unpinned vLLM release as a candidate, e.g. 0.33.0{more}")
 
 

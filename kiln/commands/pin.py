@@ -25,7 +25,8 @@ def register(sub) -> None:
     p = sub.add_parser("pin", help="list pins, lock them to their base image's digest, bump to a new vLLM")
     pin_sub = p.add_subparsers(dest="pin_command", required=True, metavar="PIN_COMMAND")
 
-    lock = pin_sub.add_parser("lock", help="resolve each pin's image to its digest and write it to the pins file")
+    lock = pin_sub.add_parser("lock", help="resolve each pin's image to its digest and write it to the pins file "
+                               "(each pin it can; exit 1 if one could not be resolved)")
     lock.add_argument("names", nargs="*", metavar="NAME", help="pins to lock (default: all)")
     add_registry_options(lock)
     add_json_option(lock)
@@ -53,14 +54,22 @@ def register(sub) -> None:
 def run_pin_lock(args, out) -> int:
     files = repo_files(args)
     results = lock_pins(files.pins, args.names, registry_config(args))
+    failed = [r for r in results if r.status == "failed"]
     if args.json:
         out.json({"pins_file": str(files.pins), "pins": [r.to_json() for r in results]})
-        return 0
+        return 1 if failed else 0
     for r in results:
-        style = {"unchanged": "dim", "locked": "green", "re-locked": "yellow"}[r.status]
+        style = {"unchanged": "dim", "locked": "green", "re-locked": "yellow", "failed": "red"}[r.status]
+        if r.status == "failed":
+            out.stdout.print(f"[{style}]{r.status:>9}[/] {escape(r.name)}  {escape(r.image)}: {escape(r.error)}")
+            continue
         was = f" (was {r.previous})" if r.status == "re-locked" else ""
         out.stdout.print(f"[{style}]{r.status:>9}[/] {escape(r.name)}  {escape(r.image)}@{r.digest}{was}")
-    return 0
+    if failed:
+        kept = "left as they were" if len(failed) > 1 else "left as it was"
+        out.stderr.print(f"[red]pin lock: {len(failed)} of {len(results)} pins not locked[/] "
+                         f"({escape(', '.join(r.name for r in failed))}: {kept} in {escape(str(files.pins))})")
+    return 1 if failed else 0
 
 
 def run_pin_list(args, out) -> int:

@@ -83,8 +83,9 @@ def run_verify(args, out) -> int:
         return _verify_train(args, out, catalogue, files)
     choice = checks.choose_source(files, args.pin, args.vllm, out.reporter(), registry_config(args))
     memo = None if args.no_memo else VerdictMemo()
-    result = checks.verify_source(catalogue, choice, files.record, args.sm, args.accept, memo)
-    _show_source(args, out, catalogue, result, files.record)
+    train = files.patchsets / TRAIN_RECORD if args.vllm else None  # a release the train covers
+    result = checks.verify_source(catalogue, choice, files.record, args.sm, args.accept, memo, train)
+    _show_source(args, out, catalogue, result)
     return 1 if result.differences else 0
 
 
@@ -133,11 +134,12 @@ SHORT = {"APPLIES": "A", "ALREADY_PATCHED": "P", "UPSTREAM": "U", "DRIFTED": "D"
          "GATED": "G", "CONFLICT": "C"}
 
 
-def _show_source(args, out, catalogue, result: checks.SourceVerdicts, record) -> None:
-    choice = result.choice
+def _show_source(args, out, catalogue, result: checks.SourceVerdicts) -> None:
+    choice, record = result.choice, result.record
     if args.json:
         out.json({
             "source": choice.label, "vllm_version": str(choice.version), "origin": result.origin,
+            "record": str(record),
             "patches": [{**o.to_json(), "family": catalogue.get(pid).family, "expected": result.expected.get(pid, "")}
                         for pid, o in result.outcomes.items()],
             "counts": result.counts(),
@@ -155,7 +157,8 @@ def _show_source(args, out, catalogue, result: checks.SourceVerdicts, record) ->
     out.stdout.print(table)
     summary = ", ".join(f"{n} {v}" for v, n in result.counts().items())
     if not result.differences:
-        out.stdout.print(f"{len(result.outcomes)} patches on {escape(choice.label)}: {summary}; equal to the record")
+        which = "the release train" if record.name == TRAIN_RECORD else "the record"
+        out.stdout.print(f"{len(result.outcomes)} patches on {escape(choice.label)}: {summary}; equal to {which}")
         return
     out.stdout.print(f"{len(result.outcomes)} patches on {escape(choice.label)}: {summary}")
     out.stderr.print(

@@ -18,7 +18,7 @@ TLS is verified unless a host is explicitly insecure: listed in ``--insecure-reg
 plain HTTP; written as ``https://host`` it is contacted over HTTPS without certificate
 verification (a self-signed registry). No probing: the scheme is what the user wrote.
 
-Config file (TOML)::
+Config file (TOML; its schema: ``kiln/schemas/registries.schema.json``)::
 
     insecure = ["127.0.0.1:5000", "https://selfsigned.local:443"]
     [mirrors]
@@ -36,6 +36,7 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 from kiln.oci.limits import Limits
+from kiln.schema import check
 
 DOCKER_HUB_API = "registry-1.docker.io"
 _HOSTPORT = re.compile(r"[A-Za-z0-9.-]+(?::[0-9]{1,5})?|\[[0-9A-Fa-f:]+\](?::[0-9]{1,5})?")
@@ -99,21 +100,15 @@ class RegistryConfig:
             data = tomllib.loads(path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as err:
             raise KilnError(f"{path}: not valid TOML ({err})") from None
+        check(data, "registries", path)  # keys and types (kiln/schemas/registries.schema.json)
         mirrors = data.get("mirrors", {})
-        if not isinstance(mirrors, dict):
-            raise KilnError(f"{path}: 'mirrors' must be a table of registry = \"host:port\"")
         for registry, target in mirrors.items():
-            if not isinstance(target, str):
-                raise KilnError(f"{path}: mirrors.{registry} must be a string")
             _, host, insecure = parse_mirror(f"{registry}={target}", where=str(path))
             self.mirrors[registry] = host
             if insecure:
                 self.insecure.add(host)
-        insecure_hosts = data.get("insecure", [])
-        if not isinstance(insecure_hosts, list):
-            raise KilnError(f"{path}: 'insecure' must be a list of host:port strings")
-        for host in insecure_hosts:
-            self._add_insecure(str(host), f"{path}: insecure")
+        for host in data.get("insecure", []):
+            self._add_insecure(host, f"{path}: insecure")
 
 
 def parse_mirror(text: str, where: str = "--mirror") -> tuple[str, str, bool]:

@@ -1,18 +1,21 @@
 """Lock pins to their base image's digest (``build.py pin lock``).
 
 Public API:
-    LockResult(name, image, digest, previous)   .status -> "unchanged" | "locked" | "re-locked"
+    LockResult(name, image, digest, previous, error)
+        .status -> "unchanged" | "locked" | "re-locked" | "failed"
     resolve_pin(pin, config) -> str             the digest the pin's ``image`` names now
-    lock_pins(path, names, config) -> list[LockResult]   resolve, then rewrite ``pins.toml``
+    lock_pins(path, names, config) -> list[LockResult]   resolve each, then rewrite ``pins.toml``
     write_digests(path, digests)                the tomlkit writer (comments and order kept)
 
 A lock resolves the reference exactly as ``build`` does (one manifest HEAD through the same
 registry client, mirrors and insecure hosts), so a freshly locked pin builds without
 ``--allow-unlocked``. For a manifest list / OCI index the digest is the index's, as the build
-checks it. Every pin named is resolved before anything is written; the file is then rewritten
-with tomlkit (comments, order and formatting kept) to a temporary file beside it, checked by
-``load_pins`` and renamed over the original. Any error leaves the file untouched; a lock that
-changes nothing does not rewrite it.
+checks it. Every pin named is resolved before anything is written, each on its own: a pin whose
+image cannot be resolved (a missing tag, an unreachable registry) is a ``failed`` result, and
+the others are still locked. The file is then rewritten once, with tomlkit (comments, order and
+formatting kept), to a temporary file beside it, checked by ``load_pins`` and renamed over the
+original. A bad pins file or an unknown pin name is an error before any request, and leaves the
+file untouched; a lock that changes nothing does not rewrite it.
 """
 
 from __future__ import annotations
@@ -36,15 +39,18 @@ class LockResult:
     image: str
     digest: str
     previous: str  # "" when the pin was unlocked
+    error: str = ""  # why the pin could not be resolved; then digest is "" and nothing is written for it
 
     @property
     def status(self) -> str:
+        if self.error:
+            return "failed"
         if self.previous == self.digest:
             return "unchanged"
         return "re-locked" if self.previous else "locked"
 
     def to_json(self) -> dict:
-        return {**asdict(self), "status": self.status}
+        return {**asdict(self), "error": self.error or None, "status": self.status}
 
 
 def resolve_pin(pin: Pin, config: RegistryConfig, clients: dict | None = None) -> str:
@@ -63,12 +69,17 @@ def resolve_pin(pin: Pin, config: RegistryConfig, clients: dict | None = None) -
 
 
 def lock_pins(path: Path, names: list[str], config: RegistryConfig) -> list[LockResult]:
-    """Resolve the named pins (all when ``names`` is empty) and write their digests."""
+    """Resolve the named pins (all when ``names`` is empty) and write the digests of those resolved."""
     pins = load_pins(path)
     chosen = [get_pin(pins, name, path) for name in dict.fromkeys(names)] if names else list(pins.values())
     clients: dict = {}
-    results = [LockResult(pin.name, pin.image, resolve_pin(pin, config, clients), pin.digest) for pin in chosen]
-    changed = {r.name: r.digest for r in results if r.status != "unchanged"}
+    results = []
+    for pin in chosen:
+        try:
+            results.append(LockResult(pin.name, pin.image, resolve_pin(pin, config, clients), pin.digest))
+        except KilnError as err:
+            results.append(LockResult(pin.name, pin.image, "", pin.digest, str(err)))
+    changed = {r.name: r.digest for r in results if r.status in ("locked", "re-locked")}
     if changed:
         write_digests(path, changed)
     return results

@@ -35,22 +35,37 @@ kv_cache_dtype = "turboquant_k8v4"
 args = ["--max-model-len", "8192"]
 """
 
+KERNELS = """\
+[model.kernels]
+launchers = ["turboquant_store"]
+head_dim = 128
+num_heads = 8
+num_kv_heads = 2
+block_sizes = [16]
+max_model_len = 8192
+max_num_seqs = 4
+
+"""
+
 PIN_1 = '[pins."v1"]\nrole="current"\nimage="a/b:c"\nvllm="0.20.1"\ncuda="cu130"\n'
 
 # (file kind, the file's text, what the error line names besides the file's path)
 CASES: dict[str, tuple[str, str, str]] = {
     # pins.toml
     "pins: not toml": ("pins", "[pins.x\n", "not valid TOML"),
-    "pins: no pins": ("pins", "title = 'x'\n", "missing table [pins.<name>]"),
-    "pins: unknown top-level key": ("pins", "colour = 1\n" + PIN_1, "unknown top-level key 'colour'"),
-    "pins: pin not a table": ("pins", "[pins]\nv1 = 3\n", "pins.v1: must be a table"),
+    "pins: no pins": ("pins", "# nothing\n", "pins: missing [pins] table"),
+    "pins: empty pins table": ("pins", "[pins]\n", "pins: must not be empty"),
+    "pins: unknown top-level key": ("pins", "colour = 1\n" + PIN_1, "colour: unknown key; valid: [pins]"),
+    "pins: misspelt pins table": ("pins", PIN_1.replace("[pins.", "[pin."), "[pin]: unknown table; did you mean [pins]?"),
+    "pins: pin not a table": ("pins", "[pins]\nv1 = 3\n", "pins.v1: expected a table, not the integer 3"),
     "pins: missing image": ("pins", PIN_1.replace('image="a/b:c"\n', ""), "pins.v1.image"),
     "pins: bad role": ("pins", PIN_1.replace('"current"', '"stable"'), "pins.v1.role"),
     "pins: bad version": ("pins", PIN_1.replace('"0.20.1"', '"latest"'), "pins.v1.vllm"),
     "pins: bad cuda": ("pins", PIN_1.replace('"cu130"', '"13"'), "pins.v1.cuda"),
     "pins: bad digest": ("pins", PIN_1 + 'digest="sha256:xyz"\n', "pins.v1.digest"),
     "pins: digest not a string": ("pins", PIN_1 + "digest=5\n", "pins.v1.digest"),
-    "pins: unknown field": ("pins", PIN_1 + 'colour="red"\n', "pins.v1.colour"),
+    "pins: unknown field": ("pins", PIN_1 + 'colour="red"\n', "pins.v1.colour: unknown key; valid: pins.v1.role"),
+    "pins: misspelt field": ("pins", PIN_1 + 'digets=""\n', "pins.v1.digets: unknown key; did you mean pins.v1.digest?"),
     "pins: two current": ("pins", PIN_1 + PIN_1.replace("v1", "v2"), "more than one pin has role 'current'"),
     # images/test.toml
     "image: not toml": ("image", IMAGE + "[model\n", "not valid TOML"),
@@ -64,7 +79,25 @@ CASES: dict[str, tuple[str, str, str]] = {
     "image: conflicting patches": ("image", IMAGE.replace('["P65"]', '["P65", "P67b"]'), "conflicts with P67b"),
     "image: gated off for an SM": ("image", IMAGE.replace('["P65"]', '["P901"]'), "P901 is gated off for sm_86"),
     "image: requires not selected": ("image", IMAGE.replace('["P65"]', '["P903"]'), "P903 requires P65"),
-    "image: sms not integers": ("image", IMAGE.replace("[86, 89]", '["86"]'), "sms:"),
+    "image: sms not integers": ("image", IMAGE.replace("[86, 89]", '["86"]'), "sms[0]: expected an integer, not the string '86'"),
+    "image: sms a string": ("image", IMAGE.replace("[86, 89]", '"90"'), "sms: expected a list of integers, not the string '90'"),
+    "image: sms floats": ("image", IMAGE.replace("[86, 89]", '[86.0]'), "sms[0]: expected an integer, not the float 86.0"),
+    "image: unknown top-level key": ("image", IMAGE.replace("tag = ", 'colour = "red"\ntag = '), "colour: unknown key; valid: "),
+    "image: misspelt top-level key": ("image", IMAGE.replace("patches = ", "patchs = "), "patchs: unknown key; did you mean patches?"),
+    "image: unknown table": ("image", IMAGE + "[evil]\nx = 1\n", "[evil]: unknown table; valid: [model], [serve]"),
+    "image: [serv] for [serve]": ("image", IMAGE.replace("[serve]", "[serv]"), "[serv]: unknown table; did you mean [serve]?"),
+    "image: misspelt model table": ("image", IMAGE.replace("[model]", "[modle]"), "[modle]: unknown table; did you mean [model]?"),
+    "image: unknown key in [model]": ("image", IMAGE.replace("kv_cache_dtype =", "kv_cache_dtyp ="),
+                                      "model.kv_cache_dtyp: unknown key; did you mean model.kv_cache_dtype?"),
+    "image: unknown key in [model.kernels]": ("image", IMAGE.replace("[serve]", KERNELS.replace("head_dim", "head_dims") + "[serve]"),
+                                              "model.kernels.head_dims: unknown key; did you mean model.kernels.head_dim?"),
+    "image: unknown key in [serve]": ("image", IMAGE.replace("args = ", "arg = "), "serve.arg: unknown key; did you mean serve.args?"),
+    "image: serve.env value not a string": ("image", IMAGE + "[serve.env]\nOMP_NUM_THREADS = 1\n",
+                                            "serve.env.OMP_NUM_THREADS: expected a string, not the integer 1"),
+    "image: serve.env bad name": ("image", IMAGE + '[serve.env]\n"OMP-THREADS" = "1"\n',
+                                  "serve.env: 'OMP-THREADS' is not an environment variable name"),
+    "image: kernels not a table": ("image", IMAGE.replace("[serve]", "kernels = 3\n[serve]"),
+                                   "model.kernels: expected a table, not the integer 3"),
     "image: unknown SM": ("image", IMAGE.replace("[86, 89]", "[42]"), "sm_42"),
     "image: unknown pin": ("image", IMAGE.replace('pins = ["v0.20.1"]', 'pins = ["v9"]'), "pins: unknown pin 'v9'"),
     "image: no model table": ("image", IMAGE.split("[model]")[0], "model: missing [model] table"),
@@ -136,3 +169,27 @@ def test_malformed_input_is_one_line_naming_file_and_field(capsys, workspace, ca
     assert out == ""
     after = sorted(p for p in workspace.rglob("*") if "__pycache__" not in p.parts)
     assert after == before  # no output, no staging, no cache directory
+
+
+# The registries config ($KILN_REGISTRIES): refused before any registry is contacted.
+REGISTRIES: dict[str, tuple[str, str]] = {
+    "misspelt mirrors table": ('[mirror]\n"docker.io" = "127.0.0.1:5000"\n', "[mirror]: unknown table; did you mean [mirrors]?"),
+    "misspelt insecure key": ('insecur = ["127.0.0.1:5000"]\n', "insecur: unknown key; did you mean insecure?"),
+    "insecure not a list": ('insecure = "127.0.0.1:5000"\n', "insecure: expected a list of strings, not the string"),
+    "mirror not a string": ('[mirrors]\n"docker.io" = 5000\n', 'mirrors."docker.io": expected a string, not the integer 5000'),
+    "insecure host not a string": ("insecure = [5000]\n", "insecure[0]: expected a string, not the integer 5000"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REGISTRIES))
+def test_malformed_registries_config_is_one_line_naming_file_and_key(capsys, workspace, monkeypatch, case):
+    text, expected = REGISTRIES[case]
+    config = workspace / "registries.toml"
+    config.write_text(text)
+    monkeypatch.setenv("KILN_REGISTRIES", str(config))
+    before = (workspace / "pins.toml").read_bytes()
+    code, out, err = run(capsys, "--pins", workspace / "pins.toml", "pin", "lock", "--json")
+    assert code == 2
+    line = one_line_error(err)
+    assert f"{config}: {expected}" in line, line
+    assert out == "" and (workspace / "pins.toml").read_bytes() == before

@@ -77,3 +77,50 @@ def test_verify_command_on_a_range(capsys):
     p4 = out["patches"]["P4"]
     assert [p4[label]["verdict"] for label in out["releases"]] == ["APPLIES", "APPLIES", "UPSTREAM"]
     assert "turboquant/config.py:187" in p4["vllm-0.21.0"]["detail"]
+
+
+def test_verify_one_release_of_the_train_compares_with_its_train_record(capsys):
+    """``verify --vllm 0.21.0``: a release recorded only in the train is compared with its table
+    there (it used to be 'unrecorded' against verdicts.toml, exit 1), and equals it."""
+    import json
+
+    from kiln.commands import main
+
+    code = main(["verify", "--vllm", "0.21.0", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["source"] == "vllm-0.21.0" and out["record"] == str(RECORD)
+    assert out["differences"] == [] and code == 0
+    recorded = load_record(RECORD)["vllm-0.21.0"]
+    assert {p["patch"]: p["expected"] for p in out["patches"]} == recorded
+    assert {p["patch"]: p["verdict"] for p in out["patches"]} == recorded
+
+
+def test_verify_one_release_names_a_train_difference_and_accepts_into_the_train(capsys, tmp_path):
+    """A train table that differs fails naming release-train.toml; ``--accept`` rewrites that
+    table (not the verdict record) and the next run is equal."""
+    import shutil
+
+    from kiln.commands import main
+
+    patchsets = tmp_path / "patchsets"
+    shutil.copytree(paths.PATCHSETS, patchsets, ignore=shutil.ignore_patterns("__pycache__"))
+    train = patchsets / TRAIN_RECORD
+    section = train.read_text().index('["vllm-0.21.0"]')
+    text = train.read_text()
+    start = text.index('P4 = "UPSTREAM"', section)
+    train.write_text(text[:start] + 'P4 = "APPLIES"' + text[start + len('P4 = "UPSTREAM"'):])
+    record = tmp_path / "verdicts.toml"
+    shutil.copy(paths.RECORD, record)
+    argv = ["--patchsets", patchsets, "--record", record, "verify", "--vllm", "0.21.0"]
+
+    code = main([str(a) for a in argv])
+    _, err = capsys.readouterr()
+    assert code == 1
+    assert f"1 verdict(s) differ from {train}" in " ".join(err.split()) and "P4 APPLIES -> UPSTREAM" in err, err
+
+    assert main([str(a) for a in [*argv, "--accept"]]) == 0
+    capsys.readouterr()
+    assert train.read_text() == RECORD.read_text()  # the table is the reviewed one again, in place
+    assert record.read_bytes() == paths.RECORD.read_bytes()  # the verdict record untouched
+    assert main([str(a) for a in argv]) == 0
+    assert capsys.readouterr().out.strip().endswith("equal to the release train")

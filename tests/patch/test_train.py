@@ -253,3 +253,20 @@ def test_train_record_round_trip_and_comparison(matrix, tmp_path):
 
 def test_release_label_matches_verify_vllm():
     assert release_label(V("0.33.0")) == "vllm-0.33.0"
+
+
+def test_a_release_recorded_only_in_the_train_is_compared_with_the_train(tmp_path):
+    from kiln.verify import record_for
+
+    record, train = tmp_path / "verdicts.toml", tmp_path / "release-train.toml"
+    record.write_text('["v0.20.1"]\nP1 = "APPLIES"\n["vllm-0.34.0"]\nP1 = "APPLIES"\n')
+    train.write_text('["vllm-0.21.0"]\nP1 = "UPSTREAM"\n["vllm-0.34.0"]\nP1 = "UPSTREAM"\n')
+    assert record_for("vllm-0.21.0", record, train) == train  # in the train only
+    assert record_for("vllm-0.34.0", record, train) == record  # a candidate in the verdict record wins
+    assert record_for("v0.20.1", record, train) == record  # a pin
+    assert record_for("vllm-0.22.0", record, train) == record  # nowhere: --accept records a candidate
+    assert record_for("vllm-0.21.0", record, None) == record  # --pin: the train is not consulted
+    assert record_for("vllm-0.21.0", record, tmp_path / "absent.toml") == record
+    train.write_text('["vllm-0.21.0"]\nP1 = "NOPE"\n')
+    with pytest.raises(KilnError, match="vllm-0.21.0.P1: 'NOPE' is not a verdict"):
+        record_for("vllm-0.21.0", record, train)  # a broken train fails before any fetch

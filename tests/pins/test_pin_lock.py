@@ -61,7 +61,7 @@ def lock(capsys, pins: Path, *extra: str, mirror: str | None) -> tuple[int, dict
     if mirror:
         argv += ["--mirror", mirror]
     code, out, err = run_cli(capsys, *argv)
-    return code, (json.loads(out) if code == 0 else None), err
+    return code, (json.loads(out) if code in (0, 1) else None), err
 
 
 def test_lock_writes_skopeo_digest_keeps_comments_and_builds(capsys, tmp_path, pins_file, registry_plain):
@@ -69,7 +69,7 @@ def test_lock_writes_skopeo_digest_keeps_comments_and_builds(capsys, tmp_path, p
     code, result, err = lock(capsys, pins_file, "v0.20.1", mirror=registry_plain.mirror)
     assert code == 0, err
     assert result["pins"] == [{"name": "v0.20.1", "image": f"docker.io/{BASE}", "digest": expected,
-                               "previous": "", "status": "locked"}]
+                               "previous": "", "error": None, "status": "locked"}]
     # only the digest value changed: comments, order, spacing and the other pin are as they were
     assert pins_file.read_text() == PINS_TEXT.replace('digest = ""', f'digest = "{expected}"', 1)
     assert tomllib.loads(pins_file.read_text())["pins"]["v0.20.1"]["digest"] == expected
@@ -162,20 +162,42 @@ def test_unknown_pin_name(capsys, pins_file, registry_plain):
     _assert_error(code, err, pins_file, "unknown pin 'v9.9.9'")
 
 
-def test_unreachable_registry(capsys, pins_file):
-    code, _, err = lock(capsys, pins_file, "v0.20.1", mirror=f"docker.io=http://127.0.0.1:{free_port()}")
-    _assert_error(code, err, pins_file, "pin v0.20.1:", "unreachable")
+def test_unreachable_registry_fails_every_pin_and_writes_nothing(capsys, pins_file):
+    code, result, err = lock(capsys, pins_file, mirror=f"docker.io=http://127.0.0.1:{free_port()}")
+    assert code == 1, err
+    assert [(p["name"], p["status"], p["digest"]) for p in result["pins"]] == [
+        ("v0.20.1", "failed", ""), ("v0.20.1-docker", "failed", "")]
+    for pin in result["pins"]:
+        assert pin["error"].startswith(f"pin {pin['name']}:") and "unreachable" in pin["error"], pin
+    assert pins_file.read_text() == PINS_TEXT
+    assert [p.name for p in pins_file.parent.iterdir() if p.name.startswith(".pins")] == []
 
 
-def test_unknown_tag_leaves_other_pins_unlocked(capsys, tmp_path, registry_plain):
-    """Locking two pins where the second's tag does not exist writes neither."""
+@pytest.mark.reliability
+def test_a_missing_base_leaves_the_other_pin_locked(capsys, tmp_path, registry_plain):
+    """Two pins, the second's tag missing from the registry: the first is locked and written, both
+    are reported, exit 1; the missing one keeps its (empty) digest."""
     pins = tmp_path / "pins.toml"
     text = PINS_TEXT.replace(f"{BASE}-docker", f"{BASE}-no-such-tag")
     pins.write_text(text)
-    code, _, err = lock(capsys, pins, mirror=registry_plain.mirror)
-    assert code == 2
-    assert "pin v0.20.1-docker:" in err and "not found" in err, err
-    assert pins.read_text() == text
+    expected = registry_plain.digest_of(BASE)
+    code, result, err = lock(capsys, pins, mirror=registry_plain.mirror)
+    assert code == 1, err
+    present, missing = result["pins"]
+    assert (present["name"], present["status"], present["digest"], present["error"]) == (
+        "v0.20.1", "locked", expected, None)
+    assert (missing["name"], missing["status"], missing["digest"]) == ("v0.20.1-docker", "failed", "")
+    assert "pin v0.20.1-docker:" in missing["error"] and "not found" in missing["error"], missing
+    # only the present pin's digest changed; the file was replaced whole (no temp file left)
+    assert pins.read_text() == text.replace('digest = ""', f'digest = "{expected}"', 1)
+    assert "digest" not in tomllib.loads(pins.read_text())["pins"]["v0.20.1-docker"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".pins")] == []
+
+    # the text report names both, the failure on stderr; locking again leaves the locked one as is
+    code, out, err = run_cli(capsys, "--pins", pins, "pin", "lock", "--mirror", registry_plain.mirror)
+    assert code == 1
+    assert "unchanged v0.20.1" in out and "failed v0.20.1-docker" in out and "not found" in out, out
+    assert "1 of 2 pins not locked" in err and "v0.20.1-docker" in err, err
 
 
 def test_bad_mirror_option(capsys, pins_file):
