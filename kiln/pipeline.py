@@ -87,14 +87,14 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
     workdir = Path(tempfile.mkdtemp(dir=work_root, prefix=".tmp-"))
     try:
         image = bake(prepared, workdir, reporter)
-        clock.lap("bake")
+        clock.lap("bake", sum(layer.size for layer in image.layers))  # kiln's layers, compressed
         pause_point("bake")
         budget.check_deadline("bake")
         written = publish(image, publishers)
-        clock.lap("publish")
+        push = next((p for p in publishers if isinstance(p, RegistryPublisher)), None)
+        clock.lap("publish", push.report.bytes_uploaded if push else 0)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    push = next((p for p in publishers if isinstance(p, RegistryPublisher)), None)
     values = next((p.values(image) for p in publishers if isinstance(p, ValuesPublisher)), {})
     report = push.report if push else None
     layer = image.layers[0]

@@ -8,7 +8,8 @@ progress bars on stderr; tests and scripts pass nothing and get ``SILENT``. Noth
 
 Public API:
     Reporter        the do-nothing base: ``task(description, total)``, ``status(message)``,
-                    ``warn(message)``, ``note(message)``; subclass to show them
+                    ``stage(name, seconds, nbytes)``, ``warn(message)``, ``note(message)``;
+                    subclass to show them
     Task            ``advance(amount)``, ``update(total=None, description=None)``
     SILENT          a shared ``Reporter()``
     Recorder        a Reporter that keeps what it was told (tests, ``--json`` warnings)
@@ -43,6 +44,11 @@ class Reporter:
         """Something slow without a measurable total (a compile, a resolve)."""
         yield
 
+    def stage(self, name: str, seconds: float, nbytes: int | None = None) -> None:
+        """A stage of a long command finished (a build's resolve, pull, patch, ...): how long it
+        took and, where the stage moves data, how many bytes (pulled, written or pushed)."""
+        return None
+
     def warn(self, message: str) -> None:
         """Something the user should know that does not stop the work (one line)."""
         return None
@@ -63,6 +69,7 @@ class Recorder(Reporter):
         self.notes: list[str] = []
         self.tasks: list[str] = []
         self.statuses: list[str] = []
+        self.stages: list[tuple[str, float, int | None]] = []
 
     @contextmanager
     def task(self, description: str, total: float | None = None, unit: str = "bytes") -> Iterator[Task]:
@@ -73,6 +80,9 @@ class Recorder(Reporter):
     def status(self, message: str) -> Iterator[None]:
         self.statuses.append(message)
         yield
+
+    def stage(self, name: str, seconds: float, nbytes: int | None = None) -> None:
+        self.stages.append((name, seconds, nbytes))
 
     def warn(self, message: str) -> None:
         self.warnings.append(message)

@@ -36,6 +36,13 @@ SOURCES = {name: str(pin.vllm) for name, pin in load_pins(paths.PINS).items()} |
 
 
 @pytest.fixture(autouse=True)
+def quiet_progress(monkeypatch):
+    """Commands run as before plain progress lines existed (stderr is not a terminal here): tests
+    that check progress ask for it with --progress (tests/commands/test_progress.py)."""
+    monkeypatch.setenv("KILN_PROGRESS", "quiet")
+
+
+@pytest.fixture(autouse=True)
 def isolated_registry_env(request, tmp_path, monkeypatch):
     """No registry test may read the developer's credentials, mirrors or cache."""
     if request.node.get_closest_marker("registry") is None and request.node.get_closest_marker("isolated") is None:

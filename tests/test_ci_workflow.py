@@ -1,9 +1,10 @@
-"""The GitHub Actions workflow in ``ci/workflows/kiln.yml``: its structure and wiring.
+"""The GitHub Actions workflow in ``.github/workflows/kiln.yml``: its structure and wiring.
 
-GitHub is not here to run it, so the test checks what can break silently: the jobs and their
-``needs``, the plan job's outputs feeding the build matrix, the matrix keys the build uses
-existing in ``plan``'s real output, and every ``build.py`` command line parsing with kiln's
-own argument parser (a renamed option fails here, not in CI).
+``tests/test_run_workflow.py`` runs it (``ci/run_workflow.py``); this checks what a run on one
+event cannot: the jobs and their ``needs``, the plan job's outputs feeding the build matrix,
+the matrix keys the build uses existing in ``plan``'s real output, secrets reaching only the
+login step, the destination and pin rules, and every ``build.py`` command line parsing with
+kiln's own argument parser (a renamed option fails here, not in CI).
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import subprocess
 
 import pytest
 import yaml
 
 from kiln import commands, paths
 
-WORKFLOW = paths.REPO / "ci" / "workflows" / "kiln.yml"
+WORKFLOW = paths.REPO / ".github" / "workflows" / "kiln.yml"
 _EXPR = re.compile(r"\$\{\{\s*(.*?)\s*\}\}")
 _SHELL_VAR = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 
@@ -92,20 +94,56 @@ def test_matrix_keys_used_exist_in_plan_output(workflow, matrix_entry):
 
 
 def test_secrets_reach_only_the_login_step(workflow):
+    logins = []
     for job in workflow["jobs"].values():
         for step in job["steps"]:
             assert "secrets." not in step.get("run", "")
-            assert "secrets." not in json.dumps(step.get("env", {}))
-    login = [s for s in workflow["jobs"]["build"]["steps"] if s.get("uses", "").startswith("docker/login-action@")]
-    assert len(login) == 1 and login[0]["if"] == "github.event_name != 'pull_request'"
-    assert set(login[0]["with"]) == {"registry", "username", "password"}
+            if "secrets." in json.dumps(step.get("env", {})) or "secrets." in json.dumps(step.get("with", {})):
+                logins.append(step)
+        assert "secrets." not in json.dumps(job.get("env", {}))
+    assert len(logins) == 1
+    login = logins[0]
+    assert login["run"] == '.venv/bin/python ci/registry_login.py "$REPOSITORY"'
+    assert login["if"] == "github.event_name != 'pull_request'"  # a pull request gets no credentials
+    assert set(login["env"]) == {"REPOSITORY", "KILN_REGISTRY_USER", "KILN_REGISTRY_PASSWORD", "GITHUB_TOKEN"}
+
+
+def test_only_steps_that_set_up_the_runner_are_actions(workflow):
+    """Every other step is a `run:` the local runner executes as GitHub would."""
+    used = {step["uses"].split("@")[0] for job in workflow["jobs"].values() for step in job["steps"] if "uses" in step}
+    assert used == {"actions/checkout", "actions/setup-python", "actions/upload-artifact", "actions/cache"}
+    assert not any("uses" in s and s["uses"].startswith("actions/cache") for s in workflow["jobs"]["build"]["steps"])
+
+
+def test_destination_and_pin_rules(workflow):
+    build = workflow["jobs"]["build"]
+    assert build["permissions"]["packages"] == "write"  # GITHUB_TOKEN pushes to ghcr.io
+    steps = build["steps"]
+    names = [s.get("id") or s.get("name") or s.get("uses") or s["run"] for s in steps]
+    dest = next(s for s in steps if s.get("id") == "dest")
+    assert dest["env"]["TEMPLATE"] == "${{ vars.KILN_REPOSITORY }}"
+    script = dest["run"]
+    for template, owner, expected in (("", "Some-Owner", "ghcr.io/some-owner/qwen3.6-27b-tq"),
+                                      ("registry.example/team/vllm-{image}", "x", "registry.example/team/vllm-qwen3.6-27b-tq")):
+        out = subprocess.run(["bash", "-eo", "pipefail", "-c", script.replace('>> "$GITHUB_OUTPUT"', "")],
+                             env={"TEMPLATE": template, "OWNER": owner, "IMAGE": "qwen3.6-27b-tq", "PATH": "/usr/bin:/bin"},
+                             capture_output=True, text=True, check=True).stdout
+        assert out.strip() == f"repository={expected}"
+    lock = next(s for s in steps if "pin lock" in s.get("run", ""))
+    assert lock["if"] == "vars.KILN_REQUIRE_LOCKED_PINS != 'true'"
+    # the lock comes before the login and the build; the destination before both
+    first_build = next(i for i, s in enumerate(steps) if "build.py build" in s.get("run", ""))
+    assert names.index("dest") < steps.index(lock) < first_build
+    for step in steps:
+        if "build.py build" in step.get("run", ""):
+            assert step["env"]["REPOSITORY"] == "${{ steps.dest.outputs.repository }}"
 
 
 def _commands(script: str) -> list[list[str]]:
     """Each build.py invocation in a run script, as its argument list (after ``build.py``)."""
     found = []
     for line in script.replace("\\\n", " ").splitlines():
-        if "build.py" not in line:
+        if "build.py" not in line or line.strip().startswith("echo "):  # a message, not a command
             continue
         lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
         lexer.whitespace_split = True
@@ -153,7 +191,7 @@ def test_every_build_py_command_parses(workflow, matrix_entry):
     assert {job for job, _, _ in builds} == {"build"}
     for _, condition, args in builds:
         assert (args.image, args.pin, args.sm) == (matrix_entry["image"], matrix_entry["pin"], matrix_entry["sm"])
-        assert args.values and args.json
+        assert args.values and args.json and args.repository
         # main pushes; a pull request builds without pushing
         assert args.push == (condition == "github.event_name != 'pull_request'"), condition
     assert sorted(a.push for _, _, a in builds) == [False, True]

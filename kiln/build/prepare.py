@@ -48,16 +48,20 @@ from kiln.triton.cachelayer import image_env, triton_cache_layer
 
 
 class Clock:
-    """Seconds spent in each step, for ``--json`` and the benchmarks."""
+    """Seconds spent in each step, for ``--json`` and the benchmarks; each step is reported as a
+    stage with the bytes it moved (``pulled()``'s growth over the step, unless given)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reporter: Reporter = SILENT, pulled=lambda: 0) -> None:
         self.started = self._mark = time.monotonic()
         self.timings: dict[str, float] = {}
+        self._reporter, self._pulled = reporter, pulled
+        self._bytes_mark = pulled()
 
-    def lap(self, name: str) -> None:
-        now = time.monotonic()
+    def lap(self, name: str, nbytes: int | None = None) -> None:
+        now, pulled = time.monotonic(), self._pulled()
         self.timings[name] = round(now - self._mark, 3)
-        self._mark = now
+        self._reporter.stage(name, now - self._mark, pulled - self._bytes_mark if nbytes is None else nbytes)
+        self._mark, self._bytes_mark = now, pulled
 
     def total(self) -> dict[str, float]:
         self.timings["total"] = round(time.monotonic() - self.started, 3)
@@ -117,7 +121,6 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
                   allow_unlocked: bool = False, cache: Path | None = None,
                   reporter: Reporter = SILENT) -> PreparedBuild:
     """Resolve and check the base, read its pristine vLLM, patch it, and decide kiln's layers."""
-    clock = Clock()
     definition, pin, sm = inputs.definition, inputs.pin, inputs.sm
     config = registry_config or RegistryConfig.load()
     cache = cache or cache_root()
@@ -125,6 +128,7 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     # 1. resolve the base and check the lock
     base_ref = parse_reference(pin.image)
     stats = TransferStats()
+    clock = Clock(reporter, lambda: stats.bytes_down)
     source = ImageSource(base_ref, expected_version=pin.vllm, registry_config=config, cache=cache, stats=stats,
                          reporter=reporter, need_triton=bool(definition.model.kernels))
     resolved = base_ref.digest or source.client.resolve(base_ref.repository, base_ref.ref)

@@ -16,7 +16,7 @@ import argparse
 import sys
 
 from kiln.commands import bench, build, patches, pin, plan, verify
-from kiln.commands.options import KilnParser, add_repo_options
+from kiln.commands.options import KilnParser, add_repo_options, progress_mode
 from kiln.commands.output import Output
 from kiln.errors import KilnError
 
@@ -52,7 +52,12 @@ def build_parser(prog: str = "build.py") -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str = "build.py") -> int:
     args = build_parser(prog).parse_args(argv)
-    out = Output(json_mode=bool(getattr(args, "json", False)))
+    try:
+        progress = progress_mode(args)
+    except KilnError as err:
+        Output().error(str(err))
+        return 2
+    out = Output(json_mode=bool(getattr(args, "json", False)), progress=progress)
     try:
         return args.run(args, out)
     except KilnError as err:

@@ -28,6 +28,7 @@ from kiln.bench.prompts import PROMPT_SET_VERSION, select_prompts
 from kiln.bench.run import METRICS, OVERALL, BenchSettings, run_battery, run_speed
 from kiln.bench.stats import BETTER, WORSE
 from kiln.bench.wire import DEFAULT_BOUNDS, quote
+from kiln.commands.options import add_progress_option
 from kiln.commands.output import Output
 from kiln.errors import KilnError
 from kiln.oci.limits import parse_seconds, parse_size, size_text
@@ -274,4 +275,5 @@ def register(subparsers) -> None:
     p.add_argument("--evidence", type=Path, metavar="FILE", help="also write the JSON evidence to FILE")
     p.add_argument("--plot", type=Path, metavar="FILE", help="PNG of the per-prompt distributions (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print the evidence (every raw sample) as JSON")
+    add_progress_option(p)
     p.set_defaults(run=run_bench)

@@ -9,13 +9,14 @@ from rich.markup import escape
 
 from kiln.build.inputs import destination, load_build_inputs
 from kiln.commands import options
+from kiln.errors import KilnError
 from kiln.pipeline import run_build
 from kiln.publish import Publisher
 from kiln.publish.archive import ArchivePublisher
 from kiln.publish.context import ContextPublisher
 from kiln.publish.layout import LayoutPublisher
 from kiln.publish.registry import RegistryPublisher
-from kiln.publish.values import ValuesPublisher, built_values, values_bytes
+from kiln.publish.values import CHARTS, ValuesPublisher, built_values, values_bytes
 
 
 def register(sub) -> None:
@@ -24,6 +25,7 @@ def register(sub) -> None:
     p.add_argument("--oci", type=Path, metavar="DIR", help="add the image to the OCI image layout DIR")
     p.add_argument("--docker-archive", type=Path, metavar="FILE", help="write a docker-archive tarball (podman load)")
     p.add_argument("--values", type=Path, metavar="FILE", help="write the image's Helm values (JSON) to FILE")
+    add_chart_option(p)
     p.add_argument("--repository", help="destination repository instead of the image definition's")
     p.add_argument("--force", action="store_true", help="replace an existing --docker-archive file")
 
@@ -34,8 +36,15 @@ def register(sub) -> None:
     p = sub.add_parser("values", help="print the Helm values of an image already built and pushed")
     options.add_target_options(p)
     p.add_argument("--repository", help="the repository it was pushed to, instead of the image definition's")
+    add_chart_option(p)
     options.add_registry_options(p)
     p.set_defaults(run=run_values)
+
+
+def add_chart_option(parser) -> None:
+    parser.add_argument("--chart", choices=CHARTS, default="kiln",
+                        help="whose values: kiln's own (docs/HELM.md) or vLLM production-stack's vllm-stack chart "
+                             "(default: %(default)s)")
 
 
 def _image_command(sub, name: str, description: str, run):
@@ -49,6 +58,8 @@ def _image_command(sub, name: str, description: str, run):
 
 
 def run_build_command(args, out) -> int:
+    if args.chart != "kiln" and not args.values:
+        raise KilnError(f"--chart {args.chart}: chooses the shape of --values FILE, which is not given")
     inputs = load_build_inputs(options.repo_files(args), args.image, args.pin, args.sm)
     config = options.registry_config(args)
     reporter = out.reporter()
@@ -60,7 +71,7 @@ def run_build_command(args, out) -> int:
     if args.docker_archive:
         publishers.append(ArchivePublisher(args.docker_archive, [f"{name.name}:{inputs.tag}"], args.force))
     if args.values:
-        publishers.append(ValuesPublisher(args.values, name))
+        publishers.append(ValuesPublisher(args.values, name, args.chart, inputs.definition))
     if args.push:
         publishers.append(RegistryPublisher(name, [inputs.tag], config, reporter))
     result = run_build(inputs, publishers, name.name, config, args.allow_unlocked, reporter=reporter)
@@ -101,7 +112,7 @@ def run_context(args, out) -> int:
 
 def run_values(args, out) -> int:
     inputs = load_build_inputs(options.repo_files(args), args.image, args.pin, args.sm)
-    values = built_values(inputs, options.registry_config(args), args.repository)
+    values = built_values(inputs, options.registry_config(args), args.repository, args.chart)
     sys.stdout.write(values_bytes(values).decode())
     return 0
 

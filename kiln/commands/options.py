@@ -6,7 +6,10 @@ Public API:
     repo_files(args) -> RepoFiles
     add_source_options(parser)       --pin NAME | --vllm VERSION
     add_target_options(parser)       --image --pin --sm   (build, context, values)
-    add_registry_options(parser)     --mirror --insecure-registry --registries --connect-timeout --read-timeout
+    add_registry_options(parser)     --mirror --insecure-registry --registries --connect-timeout --read-timeout,
+                                     and --progress (every command that talks to registries is a long one)
+    add_progress_option(parser)      --progress auto|plain|tty|quiet
+    progress_mode(args) -> str       --progress, else $KILN_PROGRESS, else auto
     add_limit_options(parser)        --max-layer-bytes --max-build-bytes --max-layers --deadline --stall-warning
     add_base_image_options(parser)   the registry and limit options, and --allow-unlocked
     registry_config(args) -> RegistryConfig     (with ``Limits``: the environment, options winning)
@@ -17,10 +20,12 @@ Public API:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from kiln import paths
+from kiln.commands.output import PROGRESS_MODES
 from kiln.definitions import check_sm
 from kiln.errors import KilnError
 from kiln.oci.endpoints import RegistryConfig
@@ -79,6 +84,26 @@ def add_registry_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--registries", type=Path, help="registries config file (mirrors, insecure hosts)")
     for name in ("connect_timeout", "read_timeout"):
         _add_knob(parser, name)
+    add_progress_option(parser)
+
+
+def add_progress_option(parser: argparse.ArgumentParser) -> None:
+    """How a long command shows its progress on stderr (``kiln.commands.output``)."""
+    parser.add_argument("--progress", choices=PROGRESS_MODES,
+                        help="tty: progress bars; plain: one line per finished stage with its bytes and seconds "
+                             "(for logs); quiet: none (warnings still shown); auto: tty on a terminal, else plain "
+                             "(default: $KILN_PROGRESS, else auto)")
+
+
+def progress_mode(args: argparse.Namespace) -> str:
+    """``--progress``, else ``$KILN_PROGRESS``, else ``auto``."""
+    chosen = getattr(args, "progress", None)
+    if chosen:
+        return chosen
+    env = os.environ.get("KILN_PROGRESS", "") or "auto"
+    if env not in PROGRESS_MODES:
+        raise KilnError(f"KILN_PROGRESS={env!r}: not one of {', '.join(PROGRESS_MODES)}")
+    return env
 
 
 def add_limit_options(parser: argparse.ArgumentParser) -> None:

@@ -1,13 +1,17 @@
 """What the command line shows: rich tables and progress on stderr, JSON or tables on stdout.
 
 Public API:
-    Output(json_mode=False)
+    Output(json_mode=False, progress="auto")
         .stdout / .stderr      rich Consoles (wide pages outside a terminal, so CI logs keep rows)
         .json(data)            ``data`` as indented JSON on stdout
         .warn(message)         ``warning: ...`` on stderr
         .error(message)        ``error: ...`` on stderr (one line)
-        .reporter() -> RichReporter   progress bars for library calls (silent under --json
-                               or outside a terminal; warnings still reach stderr)
+        .reporter() -> Reporter   progress of library calls on stderr, by ``--progress``:
+                               ``tty`` rich bars (``auto`` on a terminal; none under --json),
+                               ``plain`` one line per finished stage, transfer or step with its
+                               bytes and seconds (``auto`` elsewhere: CI logs), ``quiet`` none;
+                               warnings reach stderr in every mode
+    PROGRESS_MODES             ``auto``, ``plain``, ``tty``, ``quiet``
     VERDICT_STYLE              the colour of each verdict in tables
 
 Only ``kiln/commands/`` uses this module: library code reports through ``kiln.report``.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -53,6 +58,7 @@ VERDICT_STYLE = {
 }
 
 _PAGE = 200  # columns outside a terminal: rich would otherwise fold tables at 80
+PROGRESS_MODES = ("auto", "plain", "tty", "quiet")
 
 
 def styled(verdict: Verdict | str, text: str | None = None) -> str:
@@ -85,12 +91,14 @@ class _Scrubbed:
 
 
 class Output:
-    def __init__(self, json_mode: bool = False) -> None:
+    def __init__(self, json_mode: bool = False, progress: str = "auto") -> None:
         self.json_mode = json_mode
+        self.progress = progress
+        forced = True if progress == "tty" else None
         self.stdout = Console(file=_Scrubbed("stdout"), highlight=False, soft_wrap=True,
                               width=None if sys.stdout.isatty() else _PAGE)
-        self.stderr = Console(file=_Scrubbed("stderr"), highlight=False,
-                              width=None if sys.stderr.isatty() else _PAGE)
+        self.stderr = Console(file=_Scrubbed("stderr"), highlight=False, force_terminal=forced,
+                              width=None if sys.stderr.isatty() or forced else _PAGE)
 
     def json(self, data) -> None:
         sys.stdout.write(json.dumps(scrub_data(data), indent=2) + "\n")
@@ -102,8 +110,14 @@ class Output:
     def error(self, message: str) -> None:
         self.stderr.print(f"[red]error:[/] {escape(scrub(message))}", soft_wrap=True)
 
-    def reporter(self) -> RichReporter:
-        return RichReporter(self)
+    def reporter(self) -> RichReporter | PlainReporter:
+        mode = self.progress
+        if mode == "auto":
+            mode = "tty" if self.stderr.is_terminal else "plain"
+        if mode == "plain":
+            return PlainReporter(self)
+        # tty: bars (asked for, or on a terminal without --json); quiet: warnings only
+        return RichReporter(self, bars=self.progress == "tty" or (mode == "tty" and not self.json_mode))
 
 
 class _Figures(ProgressColumn):
@@ -148,8 +162,9 @@ def _short(description: str, width: int = 32) -> str:
 class RichReporter(Reporter):
     """One rich ``Progress`` on stderr shared by every task and status of a command."""
 
-    def __init__(self, output: Output) -> None:
+    def __init__(self, output: Output, bars: bool = True) -> None:
         self._output = output
+        self._bars = bars
         self._progress: Progress | None = None
         self._open = 0
         self._lock = threading.Lock()  # a build compiles its kernels beside the patching
@@ -157,7 +172,7 @@ class RichReporter(Reporter):
 
     @property
     def enabled(self) -> bool:
-        return not self._output.json_mode and self._output.stderr.is_terminal
+        return self._bars and self._output.stderr.is_terminal
 
     def _start(self) -> Progress:
         with self._lock:
@@ -221,3 +236,65 @@ class RichReporter(Reporter):
     def note(self, message: str) -> None:
         if self.enabled:
             self._output.stderr.print(escape(scrub(message)), soft_wrap=True)
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError
+
+
+class _PlainTask(Task):
+    def __init__(self, description: str) -> None:
+        self.description, self.done = description, 0.0
+
+    def advance(self, amount: float) -> None:
+        self.done += amount
+
+    def update(self, total: float | None = None, description: str | None = None) -> None:
+        if description is not None:
+            self.description = description
+
+
+class PlainReporter(Reporter):
+    """One line on stderr per finished stage, transfer or step, for logs (BuildKit's
+    ``--progress=plain``): what, how many bytes (or items), how many seconds. Nothing is redrawn."""
+
+    def __init__(self, output: Output) -> None:
+        self._output = output
+        self._lock = threading.Lock()  # lines from the kernels' thread never interleave
+        self.warnings: list[str] = []
+
+    def _line(self, text: str) -> None:
+        with self._lock:
+            self._output.stderr.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    @contextmanager
+    def task(self, description: str, total: float | None = None, unit: str = "bytes") -> Iterator[Task]:
+        task, started = _PlainTask(description), time.monotonic()
+        yield task  # a failed transfer prints nothing here: its error says what happened
+        seconds = time.monotonic() - started
+        if unit == "bytes":
+            self._line(f"{task.description}: {int(task.done)} bytes ({_size(task.done)}) in {seconds:.2f}s")
+        else:
+            self._line(f"{task.description}: {int(task.done)} done in {seconds:.2f}s")
+
+    @contextmanager
+    def status(self, message: str) -> Iterator[None]:
+        started = time.monotonic()
+        yield
+        self._line(f"{message}: done in {time.monotonic() - started:.2f}s")
+
+    def stage(self, name: str, seconds: float, nbytes: int | None = None) -> None:
+        moved = "" if nbytes is None else f"{nbytes} bytes ({_size(nbytes)}) in "
+        self._line(f"stage {name}: {moved}{seconds:.2f}s")
+
+    def warn(self, message: str) -> None:
+        with self._lock:
+            self.warnings.append(message)
+        self._line(f"warning: {message}")
+
+    def note(self, message: str) -> None:
+        self._line(message)

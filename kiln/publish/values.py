@@ -2,17 +2,22 @@
 
 Public API:
     VALUES_SCHEMA                          ``ci/helm/values.schema.json`` (JSON Schema 2020-12)
-    helm_values(definition, pin, sm, repository, tag, digest) -> dict
+    CHARTS                                 the charts values are written for: ``kiln``, ``vllm-stack``
+    helm_values(definition, pin, sm, repository, tag, digest) -> dict      kiln's own
+    chart_values(chart, definition, pin, sm, repository, tag, digest) -> dict
+    check_chart(chart, definition)         refuse, before any work, serve args the chart cannot take
     values_bytes(values) -> bytes          the values file's exact bytes
-    ValuesPublisher(path, repository)      ``build --values FILE``
-    built_values(inputs, config, repository=None) -> dict   values of a pushed image (``values``)
+    ValuesPublisher(path, repository, chart="kiln", definition=None)   ``build --values FILE``
+    built_values(inputs, config, repository=None, chart="kiln") -> dict  values of a pushed image
 
 The values hold only what the build knows: the image (repository, tag, manifest digest), the
 model preset's id, the image definition's ``[serve]`` args and env, one GPU, and a node
 selector on the GPU feature discovery labels of the SM the image is built for (an sm_86 image
 carries sm_86 Triton kernels and SM-gated patches). ``build --values FILE`` writes them at
 build time; ``build.py values`` derives the same bytes later from the registry, so the
-values of an image are a function of (image definition, pin, SM, digest) only.
+values of an image are a function of (image definition, pin, SM, digest) only. ``--chart
+vllm-stack`` writes the same facts in the shape of vLLM production-stack's chart
+(``kiln.publish.vllm_stack``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from kiln.oci.reference import ImageReference
 from kiln.oci.registry import RegistryClient
 from kiln.pins import Pin
 from kiln.publish import Publisher
+from kiln.publish.vllm_stack import vllm_config, vllm_stack_values
 from kiln.staging import Staged, stage_bytes
 
 VALUES_SCHEMA = paths.REPO / "ci" / "helm" / "values.schema.json"
@@ -38,6 +44,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 # Node labels set by NVIDIA GPU feature discovery (part of the GPU operator).
 COMPUTE_MAJOR = "nvidia.com/gpu.compute.major"
 COMPUTE_MINOR = "nvidia.com/gpu.compute.minor"
+CHARTS = ("kiln", "vllm-stack")
 
 
 def helm_values(definition: ImageDefinition, pin: Pin, sm: int, repository: str, tag: str, digest: str) -> dict:
@@ -59,6 +66,21 @@ def helm_values(definition: ImageDefinition, pin: Pin, sm: int, repository: str,
     }
 
 
+def chart_values(chart: str, definition: ImageDefinition, pin: Pin, sm: int, repository: str, tag: str,
+                 digest: str) -> dict:
+    values = helm_values(definition, pin, sm, repository, tag, digest)
+    if chart == "vllm-stack":
+        return vllm_stack_values(values, f"{definition.path}: serve.args")
+    return values
+
+
+def check_chart(chart: str, definition: ImageDefinition) -> None:
+    if chart not in CHARTS:
+        raise KilnError(f"--chart {chart}: unknown chart (charts: {', '.join(CHARTS)})")
+    if chart == "vllm-stack":
+        vllm_config(definition.serve_args, f"{definition.path}: serve.args")
+
+
 def values_bytes(values: dict) -> bytes:
     """JSON (which Helm reads as YAML): no implicit typing of values like ``"1"`` or ``"on"``."""
     return (json.dumps(values, indent=2) + "\n").encode()
@@ -68,14 +90,22 @@ class ValuesPublisher(Publisher):
     kind = "values"
     option = "--values"
 
-    def __init__(self, path: Path, repository: ImageReference):
+    def __init__(self, path: Path, repository: ImageReference, chart: str = "kiln",
+                 definition: ImageDefinition | None = None):
         self.path = path
         self.repository = repository
+        self.chart = chart
+        self.definition = definition
+
+    def check(self) -> None:
+        super().check()
+        if self.definition is not None:
+            check_chart(self.chart, self.definition)
 
     def values(self, image) -> dict:
         inputs = image.prepared.inputs
-        return helm_values(inputs.definition, inputs.pin, inputs.sm, self.repository.name, image.tag,
-                           image.manifest.digest)
+        return chart_values(self.chart, inputs.definition, inputs.pin, inputs.sm, self.repository.name, image.tag,
+                            image.manifest.digest)
 
     def stage(self, image) -> Staged:
         return stage_bytes(self.path, values_bytes(self.values(image)))
@@ -84,9 +114,11 @@ class ValuesPublisher(Publisher):
         return str(self.path)
 
 
-def built_values(inputs: BuildInputs, config: RegistryConfig, repository: str | None = None) -> dict:
+def built_values(inputs: BuildInputs, config: RegistryConfig, repository: str | None = None,
+                 chart: str = "kiln") -> dict:
     """The values of the image ``build --push`` published for (definition, pin, sm)."""
     definition, pin, sm = inputs.definition, inputs.pin, inputs.sm
+    check_chart(chart, definition)
     dest = destination(definition, repository, purpose="Helm values")
     tag = inputs.tag
     where = f"{dest.name}:{tag}"
@@ -106,4 +138,4 @@ def built_values(inputs: BuildInputs, config: RegistryConfig, repository: str | 
     if wrong:
         found = ", ".join(f"{k}={v!r}" for k, v in wrong.items())
         raise KilnError(f"{where}@{manifest.digest}: not kiln's {definition.name} {pin.name} sm {sm} image ({found})")
-    return helm_values(definition, pin, sm, dest.name, tag, manifest.digest)
+    return chart_values(chart, definition, pin, sm, dest.name, tag, manifest.digest)

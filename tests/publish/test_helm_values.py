@@ -33,7 +33,7 @@ dtype = "float16"
 kv_cache_dtype = "turboquant_k8v4"
 
 [serve]
-args = ["--kv-cache-dtype", "turboquant_k8v4", "--speculative-config", '{{"method": "mtp", "num_speculative_tokens": 3}}']
+args = ["--kv-cache-dtype", "turboquant_k8v4", "--enable-prefix-caching", "--speculative-config", '{{"method": "mtp", "num_speculative_tokens": 3}}']
 
 [serve.env]
 VLLM_NO_USAGE_STATS = "1"
@@ -104,6 +104,28 @@ def test_build_writes_values_and_values_command_reads_the_same(project, capsys, 
     code, printed, err = project.run(capsys, "values")
     assert code == 0, err
     assert printed.encode() == written
+
+
+def test_vllm_stack_chart_values_from_build_and_from_the_registry(project, capsys, tmp_path):
+    from kiln.publish.vllm_stack import VLLM_STACK_SCHEMA
+
+    values_file = tmp_path / "values.yaml"  # JSON is YAML: `helm install -f values.yaml`
+    code, out, err = project.run(capsys, "build", "--push", "--values", str(values_file), "--chart", "vllm-stack",
+                                 "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    values = json.loads(values_file.read_bytes())
+    jsonschema.Draft202012Validator(json.loads(VLLM_STACK_SCHEMA.read_text())).validate(values)
+    assert values == result["helm_values"]
+    (spec,) = values["servingEngineSpec"]["modelSpec"]
+    assert spec["repository"] == f"{project.registry.host}/{project.dest}"
+    tag, digest = spec["tag"].split("@")
+    assert digest == result["manifest_digest"] == project.registry.digest_of(f"{project.dest}:{tag}")
+    assert spec["vllmConfig"] == {"enablePrefixCaching": True, "extraArgs": [
+        "--kv-cache-dtype", "turboquant_k8v4", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}']}
+    code, printed, err = project.run(capsys, "values", "--chart", "vllm-stack")
+    assert code == 0, err
+    assert printed.encode() == values_file.read_bytes()
 
 
 def test_values_of_an_image_never_built(project, capsys, tmp_path):
