@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 
 from kiln.commands import bench, build, patches, pin, plan, verify
-from kiln.commands.options import KilnParser, add_repo_options
+from kiln.commands.options import KilnParser, add_repo_options, command_inputs
 from kiln.commands.output import Output
 from kiln.errors import KilnError
+from kiln.publish.destinations import check_stdout
 
 COMMANDS = (patches, verify, build, pin, plan, bench)
 
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None, prog: str = "build.py") -> int:
     args = build_parser(prog).parse_args(argv)
     out = Output(json_mode=bool(getattr(args, "json", False)))
     try:
+        check_stdout(command_inputs(args))  # `> pins.toml`: kiln never writes its output into an input
         return args.run(args, out)
     except KilnError as err:
         out.error(str(err))
