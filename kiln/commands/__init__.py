@@ -13,6 +13,7 @@ usage error); 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from kiln.commands import bench, build, patches, pin, plan, verify
 from kiln.commands.options import KilnParser, add_repo_options, command_inputs
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None, prog: str = "build.py") -> int:
     args = build_parser(prog).parse_args(argv)
     out = Output(json_mode=bool(getattr(args, "json", False)))
     try:
-        check_stdout(command_inputs(args))  # `> pins.toml`: kiln never writes its output into an input
+        check_stdout(sys.stdout, command_inputs(args))  # `> pins.toml`: kiln never writes its output into an input
         return args.run(args, out)
     except KilnError as err:
         out.error(str(err))

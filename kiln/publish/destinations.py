@@ -9,7 +9,7 @@ Public API:
         file, kiln's cache and Triton toolchains, and the parts of kiln's own checkout it reads
     check_output_path(path, option, directory, inputs=()) -> Path     resolved, checked
     check_distinct(outputs)          ``[(option, resolved path)]``: no two in one place
-    check_stdout(inputs)             stdout redirected onto an input is refused
+    check_stdout(stream, inputs)     standard output redirected onto an input is refused
 
 Paths are compared resolved (symlinks followed, relative made absolute) and, where both exist,
 by inode, so a hard link to the pins file is the pins file. An output is refused when it is an
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import stat
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,12 +166,11 @@ def check_distinct(outputs: Iterable[tuple[str, Path]]) -> None:
                                 "cannot write the same place")
 
 
-def check_stdout(inputs: Sequence[Input], stream=None) -> None:
-    """Refuse a standard output redirected onto (or appended to) a file kiln reads.
+def check_stdout(stream, inputs: Sequence[Input]) -> None:
+    """Refuse a standard output (``stream``) redirected onto (or appended to) a file kiln reads.
 
     The shell opened it before kiln started (``>`` has already emptied it, and the error then
     says so); what kiln can still prevent is writing its output into the input."""
-    stream = sys.stdout if stream is None else stream
     try:
         fd = stream.fileno()
         info = os.fstat(fd)
