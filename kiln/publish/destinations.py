@@ -189,7 +189,7 @@ def check_stdout(stream, inputs: Sequence[Input]) -> None:
             continue
         inside = where is not None and source.directory and source.path in where.parents
         if (known.st_dev, known.st_ino) == (info.st_dev, info.st_ino) or inside:
-            emptied = " (already emptied by the shell's '>'; restore it from git or a backup)" \
-                if info.st_size == 0 and not inside else ""
+            emptied = " (it is empty now: a '>' redirection empties the file before kiln starts; restore it " \
+                "from git or a backup)" if info.st_size == 0 and not inside else ""
             raise KilnError(f"standard output {where or 'file'}: is {'inside ' if inside else ''}{source.what} "
                             f"(an input){emptied}; redirect the output elsewhere")

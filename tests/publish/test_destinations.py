@@ -117,7 +117,7 @@ def test_standard_output_redirected_onto_the_pins_file_is_refused(workspace, red
     if redirect == ">>":
         assert pins.read_bytes() == original
     else:
-        assert pins.read_bytes() == b"" and "already emptied by the shell" in lines[0]
+        assert pins.read_bytes() == b"" and "it is empty now: a '>' redirection empties the file" in lines[0]
 
 
 def test_patches_doc_onto_the_pins_file_is_refused(workspace):
