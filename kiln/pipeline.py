@@ -74,7 +74,7 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
     """Build ``inputs`` and hand the image to every publisher; ``repository`` names it in the result."""
     config = registry_config or RegistryConfig.load()
     budget = Budget(config.limits)  # the deadline runs from here: it bounds the whole command
-    check_outputs(publishers, command_inputs(inputs.files, config.path))
+    check_outputs(publishers, command_inputs(inputs.files, config.path, cache))
     cache = cache or cache_root()
     record = inputs.files.record
     if inputs.pin.name not in load_record(record):

@@ -3,7 +3,7 @@ inside another OCI layout, never where another output of the same command goes.
 
 Public API:
     Input(path, what, directory)     one path a command reads
-    command_inputs(files=None, registries=None) -> list[Input]
+    command_inputs(files=None, registries=None, cache=None) -> list[Input]
         every input kiln reads: the pins file, the verdict record, the image definitions (the
         directory and each file), the patch catalogue, the registries file, the registry auth
         file, kiln's cache and Triton toolchains, and the parts of kiln's own checkout it reads
@@ -56,32 +56,37 @@ class Input:
     directory: bool = False
 
 
-def command_inputs(files: paths.RepoFiles | None = None, registries: Path | None = None) -> list[Input]:
+def command_inputs(files: paths.RepoFiles | None = None, registries: Path | None = None,
+                   cache: Path | None = None) -> list[Input]:
     """Every path a command reads, the most specific first (it names the refusal)."""
     files = files or paths.RepoFiles()
     found = [Input(_resolved(files.pins), "kiln's pins file"),
              Input(_resolved(files.record), "kiln's verdict record")]
     images = _resolved(files.images)
     if images.is_dir():
-        found += [Input(p.resolve(), "an image definition") for p in sorted(images.glob("*.toml"))]
+        found += [Input(_resolved(p), "an image definition") for p in sorted(images.glob("*.toml"))]
     found += [Input(images, "the image definitions directory", True),
               Input(_resolved(files.patchsets), "the patch catalogue", True),
-              Input(_resolved(registries or default_config_path()), "the registries file"),
-              Input(_resolved(auth_file()), "the registry auth file")]
-    cache = _resolved(cache_dir())
-    found.append(Input(cache, "kiln's cache", True))
+              Input(_resolved(registries or default_config_path()), "the registries file")]
+    auth = auth_file()
+    if auth is not None:
+        found.append(Input(_resolved(auth), "the registry auth file"))
+    found.append(Input(_resolved(cache or cache_dir()), "kiln's cache", True))
     shared = os.environ.get("KILN_TRITON_TOOLCHAINS")
     if shared:
         found.append(Input(_resolved(Path(shared)), "kiln's Triton toolchains", True))
     for name, what in CHECKOUT_INPUTS.items():
         part = paths.REPO / name
         if part.exists():
-            found.append(Input(part.resolve(), what, part.is_dir()))
+            found.append(Input(_resolved(part), what, part.is_dir()))
     return found
 
 
 def _resolved(path: Path) -> Path:
-    return path.expanduser().resolve()
+    try:
+        return path.expanduser().resolve()
+    except (OSError, RuntimeError):  # a symlink loop: compared as written, made absolute
+        return path.expanduser().absolute()
 
 
 def _kind(mode: int) -> str:
