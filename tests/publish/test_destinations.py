@@ -139,6 +139,16 @@ def test_apply_out_inside_the_patch_catalogue_is_refused(tmp_path):
     assert not out.exists() and not (tmp_path / "kiln-cache").exists()
 
 
+def test_context_out_inside_the_definitions_directory_is_refused(workspace, hub, tmp_path):
+    from tests.support.reliability_checks import run_cli
+
+    before = snapshot(tmp_path)
+    run = run_cli(["--pins", str(workspace / "pins.toml"), "--images", str(workspace / "defs"), "context",
+                   "--image", "e2e-p65", "--pin", "v0.20.1", "--sm", "120", "--mirror", hub.mirror,
+                   "--out", "defs/context"])
+    assert_refused(run, hub, tmp_path, before, "--out defs/context: is inside the image definitions directory")
+
+
 def test_a_layout_index_with_a_foreign_entry_is_left_as_it_was(workspace, hub, tmp_path):
     """The refusal of ``--values other/index.json`` leaves the other layout's index as it was
     (it used to be replaced by Helm values: the layout lost its images)."""

@@ -244,3 +244,18 @@ def test_a_held_layout_lock_does_not_keep_a_build_past_its_deadline(tmp_path, re
     assert_one_line_error(runs[0], f"--oci: waiting for the lock on {shared}", f"deadline of {deadline} s")
     assert not (shared / "images").exists()
     assert [p.name for p in shared.iterdir()] == []
+
+
+def test_nothing_is_committed_once_the_deadline_has_passed(tmp_path):
+    """Every output staged, then the deadline checked before the first commit: past it, the
+    stages are discarded, the destination untouched (it used to be committed whatever the time)."""
+    from kiln.oci.limits import Budget, LimitExceeded, Limits
+    from kiln.publish import publish
+    from kiln.publish.layout import LayoutPublisher
+
+    dest = tmp_path / "out"
+    spent = Budget(Limits(deadline=0.0))
+    with pytest.raises(LimitExceeded, match="publish .*: the build ran past its deadline of 0 s"):
+        publish(_FakeImage(tmp_path / "a", "a"), [LayoutPublisher(dest, "tag-a")], spent)
+    assert not dest.exists()
+    assert [p.name for p in tmp_path.iterdir() if ".kiln-" in p.name] == []
