@@ -24,14 +24,18 @@ from pathlib import Path
 from kiln.staging import is_stage_name
 
 
-def cache_root() -> Path:
-    """``$KILN_CACHE_DIR``, else ``$XDG_CACHE_HOME/kiln``, else ``~/.cache/kiln`` (claimed)."""
+def cache_dir() -> Path:
+    """``$KILN_CACHE_DIR``, else ``$XDG_CACHE_HOME/kiln``, else ``~/.cache/kiln``; not created."""
     explicit = os.environ.get("KILN_CACHE_DIR")
     if explicit:
-        root = Path(explicit)
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        root = (Path(xdg) if xdg else Path.home() / ".cache") / "kiln"
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kiln"
+
+
+def cache_root() -> Path:
+    """``cache_dir()``, claimed (created, and this process registered as a user)."""
+    root = cache_dir()
     claim_cache(root)
     return root
 

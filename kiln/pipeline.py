@@ -5,7 +5,8 @@ Public API:
     run_build(inputs, publishers, registry_config=None, allow_unlocked=False, cache=None,
               reporter=SILENT) -> BuildResult
 
-Every destination is checked before the first network request (``check_outputs``); a pin with
+Every destination is checked before the first network request (``check_outputs``: never an
+input the build reads, ``kiln.publish.destinations``); the deadline runs from the start; a pin with
 no verdicts in the record is built with a warning (its verdicts land in the audit file); the pull,
 the patching and the bake happen once; then every publisher writes the one ``BuiltImage``
 (``kiln.publish.publish``: staged, committed together, the push last).
@@ -24,9 +25,11 @@ from kiln.build.layers import AUDIT_PATH
 from kiln.build.prepare import prepare_build
 from kiln.cache import cache_root
 from kiln.oci.endpoints import RegistryConfig
+from kiln.oci.limits import Budget
 from kiln.patch.record import load_record
 from kiln.pausepoint import pause_point
 from kiln.publish import Publisher, check_outputs, publish
+from kiln.publish.destinations import command_inputs
 from kiln.publish.registry import RegistryPublisher
 from kiln.publish.values import ValuesPublisher
 from kiln.report import SILENT, Reporter
@@ -69,8 +72,9 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
               registry_config: RegistryConfig | None = None, allow_unlocked: bool = False,
               cache: Path | None = None, reporter: Reporter = SILENT) -> BuildResult:
     """Build ``inputs`` and hand the image to every publisher; ``repository`` names it in the result."""
-    check_outputs(publishers)
     config = registry_config or RegistryConfig.load()
+    budget = Budget(config.limits)  # the deadline runs from here: it bounds the whole command
+    check_outputs(publishers, command_inputs(inputs.files, config.path, cache))
     cache = cache or cache_root()
     record = inputs.files.record
     if inputs.pin.name not in load_record(record):
@@ -78,10 +82,9 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
         # and fails closed on every verdict, and the audit file records them all.
         reporter.warn(f"pin {inputs.pin.name} has no recorded verdicts in {record}; this build's verdicts "
                       f"are in its {AUDIT_PATH} (review them: `verify --pin {inputs.pin.name} --accept`)")
-    prepared = prepare_build(inputs, config, allow_unlocked, cache, reporter)
+    prepared = prepare_build(inputs, config, allow_unlocked, cache, reporter, budget)
     clock = prepared.clock
-    budget = prepared.client.budget  # the build's limits: its deadline is checked between steps
-    budget.check_deadline("patch")
+    budget.check_deadline("patch")  # and between the steps after it
     work_root = cache / "build"
     work_root.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(dir=work_root, prefix=".tmp-"))
@@ -90,7 +93,7 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
         clock.lap("bake", sum(layer.size for layer in image.layers))  # kiln's layers, compressed
         pause_point("bake")
         budget.check_deadline("bake")
-        written = publish(image, publishers)
+        written = publish(image, publishers, budget)
         push = next((p for p in publishers if isinstance(p, RegistryPublisher)), None)
         clock.lap("publish", push.report.bytes_uploaded if push else 0)
     finally:

@@ -11,10 +11,12 @@ Public API:
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from kiln.bench.run import SpeedRun
 from kiln.errors import KilnError
+from kiln.staging import write_atomic
 
 PLOTTED = (("wall_tps", "wall TPS (tok/s)"), ("ttft", "TTFT (s)"), ("tpot", "TPOT (ms)"))
 
@@ -54,5 +56,8 @@ def write_plot(run: SpeedRun, path: Path, names: dict[str, str] | None = None) -
             if row == 0 and column == 0:
                 ax.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    image = io.BytesIO()
+    figure.savefig(image, format=path.suffix.lstrip(".").lower() or "png", dpi=100)
     pyplot.close(figure)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, image.getvalue())

@@ -34,6 +34,7 @@ from kiln.oci.blobcache import BlobCache
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.image import RemoteImage
 from kiln.oci.layer import LayerContents
+from kiln.oci.limits import Budget
 from kiln.oci.mutate import ImageModel, to_oci
 from kiln.oci.reference import ImageReference, parse_reference
 from kiln.oci.registry import RegistryClient, TransferStats
@@ -119,8 +120,10 @@ def check_lock(pin: Pin, resolved: str, allow_unlocked: bool, reporter: Reporter
 
 def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = None,
                   allow_unlocked: bool = False, cache: Path | None = None,
-                  reporter: Reporter = SILENT) -> PreparedBuild:
-    """Resolve and check the base, read its pristine vLLM, patch it, and decide kiln's layers."""
+                  reporter: Reporter = SILENT, budget: Budget | None = None) -> PreparedBuild:
+    """Resolve and check the base, read its pristine vLLM, patch it, and decide kiln's layers.
+
+    ``budget``: the command's limits (its deadline already running); a new one when None."""
     definition, pin, sm = inputs.definition, inputs.pin, inputs.sm
     config = registry_config or RegistryConfig.load()
     cache = cache or cache_root()
@@ -130,7 +133,7 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     stats = TransferStats()
     clock = Clock(reporter, lambda: stats.bytes_down)
     source = ImageSource(base_ref, expected_version=pin.vllm, registry_config=config, cache=cache, stats=stats,
-                         reporter=reporter, need_triton=bool(definition.model.kernels))
+                         reporter=reporter, budget=budget, need_triton=bool(definition.model.kernels))
     resolved = base_ref.digest or source.client.resolve(base_ref.repository, base_ref.ref)
     check_lock(pin, resolved, allow_unlocked, reporter)
     clock.lap("resolve")

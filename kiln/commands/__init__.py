@@ -16,9 +16,10 @@ import argparse
 import sys
 
 from kiln.commands import bench, build, patches, pin, plan, verify
-from kiln.commands.options import KilnParser, add_repo_options, progress_mode
+from kiln.commands.options import KilnParser, add_repo_options, command_inputs, progress_mode
 from kiln.commands.output import Output
 from kiln.errors import KilnError
+from kiln.publish.destinations import check_stdout
 
 COMMANDS = (patches, verify, build, pin, plan, bench)
 
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None, prog: str = "build.py") -> int:
         return 2
     out = Output(json_mode=bool(getattr(args, "json", False)), progress=progress)
     try:
+        check_stdout(sys.stdout, command_inputs(args))  # `> pins.toml`: kiln never writes its output into an input
         return args.run(args, out)
     except KilnError as err:
         out.error(str(err))

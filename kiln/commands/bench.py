@@ -28,10 +28,11 @@ from kiln.bench.prompts import PROMPT_SET_VERSION, select_prompts
 from kiln.bench.run import METRICS, OVERALL, BenchSettings, run_battery, run_speed
 from kiln.bench.stats import BETTER, WORSE
 from kiln.bench.wire import DEFAULT_BOUNDS, quote
-from kiln.commands.options import add_progress_option
+from kiln.commands.options import add_progress_option, command_inputs
 from kiln.commands.output import Output
 from kiln.errors import KilnError
 from kiln.oci.limits import parse_seconds, parse_size, size_text
+from kiln.publish.destinations import check_distinct, check_output_path
 from kiln.secrets import scrub, scrub_data
 from kiln.staging import write_atomic
 
@@ -180,8 +181,20 @@ def _battery_table(out: Output, battery, names: dict[str, str]) -> None:
     out.stdout.print(table)
 
 
+def _check_outputs(args) -> None:
+    """``--evidence`` and ``--plot`` checked before any request (never an input of kiln's, a
+    device or FIFO, or one path twice), each then resolved."""
+    inputs = command_inputs(args)
+    chosen = [(option, getattr(args, name)) for option, name in (("--evidence", "evidence"), ("--plot", "plot"))
+              if getattr(args, name) is not None]
+    for option, path in chosen:
+        setattr(args, option.removeprefix("--"), check_output_path(path, option, False, inputs))
+    check_distinct((option, getattr(args, option.removeprefix("--"))) for option, _ in chosen)
+
+
 def run_bench(args, out: Output) -> int:
     settings = _settings(args)
+    _check_outputs(args)
     cases = battery_cases.select_cases(_ids(args.cases))
     if args.plot is not None:
         if args.only == "battery":

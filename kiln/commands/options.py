@@ -4,6 +4,7 @@ Public API:
     KilnParser                       argparse that reports a usage error in one line (exit 2)
     add_repo_options(parser)         --pins --patchsets --record --images (on the top parser)
     repo_files(args) -> RepoFiles
+    command_inputs(args) -> list[Input]   what the command reads, which no output may touch
     add_source_options(parser)       --pin NAME | --vllm VERSION
     add_target_options(parser)       --image --pin --sm   (build, context, values)
     add_registry_options(parser)     --mirror --insecure-registry --registries --connect-timeout --read-timeout,
@@ -31,6 +32,8 @@ from kiln.errors import KilnError
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.limits import KNOBS, Limits, parse_knob, seconds_text, size_text
 from kiln.paths import RepoFiles
+from kiln.publish import destinations
+from kiln.publish.destinations import Input
 
 
 class KilnParser(argparse.ArgumentParser):
@@ -57,6 +60,11 @@ def add_repo_options(parser: argparse.ArgumentParser) -> None:
 
 def repo_files(args: argparse.Namespace) -> RepoFiles:
     return RepoFiles(pins=args.pins, patchsets=args.patchsets, record=args.record, images=args.images)
+
+
+def command_inputs(args: argparse.Namespace) -> list[Input]:
+    """Every input the command reads (``kiln.publish.destinations``): no output may touch one."""
+    return destinations.command_inputs(repo_files(args), getattr(args, "registries", None))
 
 
 def add_source_options(parser: argparse.ArgumentParser, train: bool = False) -> None:

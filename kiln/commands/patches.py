@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kiln import paths
-from kiln.commands.options import add_json_option, repo_files
+from kiln.commands.options import add_json_option, command_inputs, repo_files
 from kiln.definitions import load_definitions
 from kiln.patch.catalog import load_catalogue
 from kiln.patch.catalogue_doc import doc_notes, render_patches_doc
@@ -17,6 +17,7 @@ from kiln.patch.record import load_record
 from kiln.patch.train import TRAIN_RECORD
 from kiln.paths import RepoFiles
 from kiln.pins import load_pins
+from kiln.publish.destinations import check_output_path
 from kiln.staging import write_atomic
 
 DOC = paths.REPO / "docs" / "PATCHES.md"
@@ -42,6 +43,7 @@ def patches_doc(files: RepoFiles, notes: str) -> str:
 def run_patches(args, out) -> int:
     files = repo_files(args)
     if args.doc:
+        args.doc = check_output_path(args.doc, "--doc", False, command_inputs(args))
         notes = doc_notes(args.doc.read_text()) if args.doc.is_file() else ""
         write_atomic(args.doc, patches_doc(files, notes).encode())
         out.stderr.print(f"wrote {escape(str(args.doc))}")

@@ -13,6 +13,7 @@ from kiln.commands.options import (
     add_json_option,
     add_registry_options,
     add_source_options,
+    command_inputs,
     registry_config,
     repo_files,
     sm_option,
@@ -202,7 +203,7 @@ def run_diff(args, out) -> int:
 def run_apply(args, out) -> int:
     files = repo_files(args)
     publisher = TreePublisher(args.out, args.force)
-    publisher.check()  # before any work: a taken --out fails now, not after the patching
+    publisher.check(command_inputs(args))  # before any work: a taken --out fails now, not after the patching
     catalogue = load_catalogue(files.patchsets)
     choice = checks.choose_source(files, args.pin, args.vllm, out.reporter(), registry_config(args))
     tree, result = checks.patch_selection(catalogue, choice, args.patch, args.sm)

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 from kiln.oci.limits import Limits
+from kiln.oci.reference import check_port
 from kiln.schema import check
 
 DOCKER_HUB_API = "registry-1.docker.io"
@@ -61,6 +62,7 @@ class RegistryConfig:
     insecure: set[str] = field(default_factory=set)  # hosts spoken to over plain HTTP
     unverified_tls: set[str] = field(default_factory=set)  # hosts over HTTPS, certificate unchecked
     limits: Limits = field(default_factory=Limits.from_env)  # what every client and build is bounded by
+    path: Path | None = None  # the config file read (or looked for): an input no output may replace
 
     def endpoint(self, registry: str, push: bool = False) -> Endpoint:
         """Where ``registry`` is contacted. Mirrors serve pulls only (containerd's rule): a push
@@ -82,8 +84,8 @@ class RegistryConfig:
     def load(cls, mirror_options: Iterable[str] = (), insecure_options: Iterable[str] = (),
              path: Path | None = None, limits: Limits | None = None) -> RegistryConfig:
         """The config file (if present) overlaid with command-line options, which win."""
-        config = cls(limits=limits or Limits.from_env())
         path = path or default_config_path()
+        config = cls(limits=limits or Limits.from_env(), path=path)
         if path.is_file():
             config._merge_file(path)
         for option in mirror_options:
@@ -137,4 +139,7 @@ def default_config_path() -> Path:
 def _check_host(host: str, where: str) -> str:
     if not _HOSTPORT.fullmatch(host):
         raise KilnError(f"{where}: {host!r} is not a host[:port]")
+    problem = check_port(host)
+    if problem:
+        raise KilnError(f"{where}: {problem}")
     return host

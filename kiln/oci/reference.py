@@ -6,6 +6,7 @@ Public API:
         .pinned(digest) -> ImageReference   the same image addressed by digest
         str(ref)                canonical form, e.g. ``docker.io/vllm/vllm-openai:v0.20.1``
     parse_reference(text) -> ImageReference
+    check_port(host) -> str | None    what is wrong with ``host[:port]``'s port (1..65535)
     check_tag(tag, where) -> str   a tag (or a pin name, which becomes part of one) by the grammar
 
 Normalisation follows Docker's rules so a reference means the same image it means to
@@ -30,6 +31,19 @@ _COMPONENT = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*")
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _HOST = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*(?::[0-9]+)?|\[[0-9A-Fa-f:]+\](?::[0-9]+)?")
+
+
+def check_port(host: str) -> str | None:
+    """What is wrong with the port of ``host[:port]`` (None when it has none or a valid one).
+
+    A TCP port is 1..65535; urllib3 refuses any other only when the first request is made,
+    with a traceback, after the build's work."""
+    head, sep, port = host.rpartition(":")
+    if not sep or (head.count(":") and not head.endswith("]")):  # no port, or a bare IPv6 address
+        return None
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"port {port!r} of {host!r} is not a TCP port (1 to 65535)"
+    return None
 
 
 def check_tag(tag: str, where: str) -> str:
@@ -98,6 +112,9 @@ def parse_reference(text: str) -> ImageReference:
         registry, path = first, parts[1:]
         if not _HOST.fullmatch(registry):
             raise KilnError(f"image reference {original!r}: {registry!r} is not a registry host")
+        port_problem = check_port(registry)
+        if port_problem:
+            raise KilnError(f"image reference {original!r}: {port_problem}")
     else:
         registry, path = DOCKER_HUB, parts
     if registry.lower() in _HUB_ALIASES:

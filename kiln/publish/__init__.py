@@ -1,11 +1,12 @@
 """Where a built image goes: every output is a publisher over the one ``BuiltImage``.
 
 Public API:
-    Publisher          ``kind``, ``check()`` before any work, ``stage(image) -> Staged``,
+    Publisher          ``kind``, ``check(inputs)`` before any work, ``stage(image) -> Staged``,
                        ``where(image) -> str`` once committed
-    publish(image, publishers) -> dict[kind, where]
-    check_outputs(publishers)          every destination checked, and checked distinct
-    check_output_path(path, option, directory) -> Path
+    publish(image, publishers, budget=None) -> dict[kind, where]
+    check_outputs(publishers, inputs=())   every destination checked (``kiln.publish.destinations``:
+                                           never an input, a special file, inside another layout),
+                                           and checked distinct
 
 The publishers (ko's multi-publisher, go-containerregistry's writers):
     registry.RegistryPublisher    push: blobs, then the manifest per tag
@@ -23,11 +24,12 @@ other outputs failed, and no output is left half-written.
 
 from __future__ import annotations
 
-import os
+from collections.abc import Sequence
 from pathlib import Path
 
-from kiln.errors import KilnError
-from kiln.staging import Staged, commit_all, discard_all, remove_dead_stages, stage_file
+from kiln.oci.limits import Budget
+from kiln.publish.destinations import Input, check_distinct, check_output_path
+from kiln.staging import Staged, commit_all, discard_all
 
 
 class Publisher:
@@ -38,11 +40,12 @@ class Publisher:
     path: Path | None = None  # a local destination, checked before any work
     directory: bool = False  # the destination is a directory (else a file)
     last: bool = False  # committed after every local output (the registry push)
+    budget: Budget | None = None  # the command's limits, set by ``publish``: a wait ends at its deadline
 
-    def check(self) -> None:
-        """Refuse a destination that cannot be written, before any pull or patch."""
+    def check(self, inputs: Sequence[Input] = ()) -> None:
+        """Refuse a destination that cannot be written or touches an input, before any pull or patch."""
         if self.path is not None:
-            self.path = check_output_path(self.path, self.option, self.directory)
+            self.path = check_output_path(self.path, self.option, self.directory, inputs)
 
     def stage(self, image) -> Staged:
         raise NotImplementedError
@@ -51,59 +54,24 @@ class Publisher:
         raise NotImplementedError
 
 
-def check_output_path(path: Path, option: str, directory: bool) -> Path:
-    """``path`` resolved, after checking it can be written and renamed into place.
-
-    The nearest existing ancestor must be a directory kiln can create and rename entries in
-    (tested with a throw-away file there, removed at once); an existing ``path`` must be a
-    directory for a directory output and not one for a file output. Dead staging leftovers of
-    killed runs beside ``path`` are removed.
-    """
-    resolved = path.expanduser().resolve()
-    ancestor = resolved.parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise KilnError(f"{option} {path}: {ancestor} is not a directory")
-    if resolved.exists():
-        if directory and not resolved.is_dir():
-            raise KilnError(f"{option} {path}: exists and is not a directory")
-        if not directory and resolved.is_dir():
-            raise KilnError(f"{option} {path}: is a directory; a file path is expected")
-    try:
-        probe = stage_file(ancestor / resolved.name)
-        try:
-            os.rename(probe, probe.with_name(probe.name + "x"))
-            probe = probe.with_name(probe.name + "x")
-        finally:
-            probe.unlink(missing_ok=True)
-    except OSError as err:
-        raise KilnError(f"{option} {path}: cannot write in {ancestor} ({err.strerror})") from None
-    if resolved.parent.is_dir():
-        remove_dead_stages(resolved.parent)
-    return resolved
-
-
-def check_outputs(publishers: list[Publisher]) -> None:
-    """Check each destination, then that no two outputs of one build write the same place."""
+def check_outputs(publishers: list[Publisher], inputs: Sequence[Input] = ()) -> None:
+    """Check each destination (against ``inputs`` too), then that no two share a place."""
     for publisher in publishers:
-        publisher.check()
-    local = [p for p in publishers if p.path is not None]
-    for i, first in enumerate(local):
-        for second in local[i + 1:]:
-            a, b = first.path, second.path
-            if a == b or a in b.parents or b in a.parents:
-                raise KilnError(f"{first.option} {a} and {second.option} {b}: two outputs of one build "
-                                "cannot write the same place")
+        publisher.check(inputs)
+    check_distinct((p.option, p.path) for p in publishers if p.path is not None)
 
 
-def publish(image, publishers: list[Publisher]) -> dict[str, str]:
-    """Stage every output, then commit them all (the push last), or none."""
+def publish(image, publishers: list[Publisher], budget: Budget | None = None) -> dict[str, str]:
+    """Stage every output, then commit them all (the push last), or none; nothing is committed
+    once ``budget``'s deadline has passed."""
     ordered = [p for p in publishers if not p.last] + [p for p in publishers if p.last]
     stages: list[Staged] = []
     try:
         for publisher in ordered:
+            publisher.budget = budget
             stages.append(publisher.stage(image))
+        if budget is not None:
+            budget.check_deadline("publish (every output staged, none committed)")
     except BaseException:
         discard_all(stages)
         raise

@@ -13,11 +13,12 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from kiln.errors import KilnError
 from kiln.oci.layer import LAYER_MTIME
-from kiln.publish import Publisher
+from kiln.publish import Input, Publisher
 from kiln.staging import Staged, stage_file
 
 
@@ -30,8 +31,8 @@ class ArchivePublisher(Publisher):
         self.repo_tags = list(repo_tags)
         self.force = force
 
-    def check(self) -> None:
-        super().check()
+    def check(self, inputs: Sequence[Input] = ()) -> None:
+        super().check(inputs)
         if not self.path.exists():
             return
         if not self.force:

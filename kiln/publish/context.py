@@ -37,7 +37,7 @@ from kiln import labels as L
 from kiln import paths
 from kiln.errors import KilnError
 from kiln.oci.layer import LAYER_MTIME, LayerContents, normalise_path
-from kiln.publish import Publisher
+from kiln.publish import Input, Publisher
 from kiln.staging import Staged, stage_dir
 
 CONTEXT_MARKER = "kiln-context.json"
@@ -124,8 +124,8 @@ class ContextPublisher(Publisher):
         self.dockerfile = dockerfile
         self.record: dict = {}
 
-    def check(self) -> None:
-        super().check()
+    def check(self, inputs: Sequence[Input] = ()) -> None:
+        super().check(inputs)
         dest = self.path
         if dest.is_dir() and any(dest.iterdir()):
             if not (dest / CONTEXT_MARKER).is_file():

@@ -2,14 +2,16 @@
 
 Public API:
     LayoutPublisher(path, ref_name)
-    layout_index(path) -> dict        a layout's ``index.json`` (validated)
+    layout_index(path, option="--oci") -> dict   a layout's ``index.json`` (validated)
+    check_layout(path, option="--oci")           an existing layout kiln may add to (marker, index, blobs)
 
 A layout is shared: it may hold other images (a per-SM matrix written into one directory,
 images copied in with skopeo). Writing adds this image's manifest to ``index.json``, replacing
 only an entry with the same ``org.opencontainers.image.ref.name``, and adds the blobs it lacks;
 every other entry and every blob stay. Commits take an exclusive lock on the layout's parent
 directory, so concurrent builds writing one layout both land. A missing or empty directory
-becomes a new layout; anything else that is not a layout is refused before any work.
+becomes a new layout; anything else that is not a layout, or a layout kiln cannot add to (an
+index entry without a valid digest, a ``blobs`` that is a file), is refused before any work.
 
 Staging writes the complete layout beside the destination (blobs hard-linked where possible);
 the commit moves it into place (new layout) or moves its missing blobs into the existing one
@@ -21,42 +23,115 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 from kiln.errors import KilnError
 from kiln.labels import REF_NAME
+from kiln.oci.limits import Budget
 from kiln.oci.manifest import Descriptor
 from kiln.oci.mediatypes import OCI_INDEX
 from kiln.oci.mutate import canonical_json
-from kiln.publish import Publisher
+from kiln.publish import Input, Publisher
+from kiln.publish.destinations import LAYOUT_MARKER
 from kiln.staging import Staged, stage_dir, umask, write_atomic
 
-LAYOUT_MARKER = "oci-layout"
+# The OCI digest grammar (image-spec descriptor.md), and the algorithms a reader can verify.
+_DIGEST = re.compile(r"[a-z0-9]+(?:[+._-][a-z0-9]+)*:[a-zA-Z0-9=_-]+")
+_ENCODED = {"sha256": re.compile(r"[a-f0-9]{64}"), "sha512": re.compile(r"[a-f0-9]{128}")}
 
 
 def is_layout(path: Path) -> bool:
     return (path / LAYOUT_MARKER).is_file() and (path / "index.json").is_file()
 
 
-def layout_index(path: Path) -> dict:
+def layout_index(path: Path, option: str = "--oci") -> dict:
+    """A layout's ``index.json``, checked as a reader of the layout (skopeo, crane) would need it:
+    an image index of schemaVersion 2 whose every entry is a descriptor (mediaType, a digest
+    of a known algorithm, a size); refused naming the file and the field otherwise."""
+    where = f"{option} {path}: index.json"
     try:
         index = json.loads((path / "index.json").read_text())
     except (OSError, ValueError) as err:
-        raise KilnError(f"{path}/index.json: not a readable OCI index ({err})") from None
-    if not isinstance(index, dict) or not isinstance(index.get("manifests", []), list):
-        raise KilnError(f"{path}/index.json: not an OCI image index")
+        raise KilnError(f"{where}: not a readable OCI index ({err})") from None
+    if not isinstance(index, dict):
+        raise KilnError(f"{where}: not an OCI image index (a JSON object)")
+    version = index.get("schemaVersion")
+    if type(version) is not int or version != 2:
+        raise KilnError(f"{where}: schemaVersion is {version!r}; an OCI image index has schemaVersion 2")
+    if "mediaType" in index and index["mediaType"] != OCI_INDEX:
+        raise KilnError(f"{where}: mediaType is {index['mediaType']!r}, not {OCI_INDEX}")
+    manifests = index.get("manifests")
+    if not isinstance(manifests, list):
+        raise KilnError(f"{where}: manifests is {_shown(manifests)}, not a list of descriptors")
+    for i, entry in enumerate(manifests):
+        problem = _descriptor_problem(entry)
+        if problem:
+            raise KilnError(f"{where}: manifests[{i}]{problem}")
     return index
 
 
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _descriptor_problem(entry) -> str | None:
+    if not isinstance(entry, dict):
+        return f" is {_shown(entry)}, not a descriptor (a JSON object)"
+    media_type, digest, size = entry.get("mediaType"), entry.get("digest"), entry.get("size")
+    if not isinstance(media_type, str) or not media_type:
+        return f".mediaType is {_shown(media_type)}, not a media type"
+    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+        return f".digest is {_shown(digest)}, not a digest (algorithm:hex, e.g. sha256:<64 hex>)"
+    algorithm, encoded = digest.split(":", 1)
+    if algorithm not in _ENCODED or not _ENCODED[algorithm].fullmatch(encoded):
+        return f".digest {_shown(digest)}: not a sha256 or sha512 digest a reader can verify"
+    if type(size) is not int or size < 0:
+        return f".size is {_shown(size)}, not a byte count"
+    annotations = entry.get("annotations", {})
+    if not isinstance(annotations, dict) or not all(isinstance(v, str) for v in annotations.values()):
+        return f".annotations is {_shown(annotations)}, not a map of strings"
+    return None
+
+
+def check_layout(path: Path, option: str = "--oci") -> None:
+    """An existing layout kiln may add to: its marker, its index and its blob directories."""
+    try:
+        marker = json.loads((path / LAYOUT_MARKER).read_text())
+    except (OSError, ValueError) as err:
+        raise KilnError(f"{option} {path}: {LAYOUT_MARKER}: not readable JSON ({err})") from None
+    version = marker.get("imageLayoutVersion") if isinstance(marker, dict) else None
+    if version != "1.0.0":
+        raise KilnError(f"{option} {path}: {LAYOUT_MARKER}: imageLayoutVersion is {_shown(version)}; kiln "
+                        "writes into layouts of version 1.0.0")
+    for blobs in (path / "blobs", path / "blobs" / "sha256"):
+        if blobs.exists() and not blobs.is_dir():
+            raise KilnError(f"{option} {path}: {blobs.relative_to(path)} is not a directory; not an OCI layout "
+                            "kiln can add blobs to")
+    layout_index(path, option)
+
+
 @contextmanager
-def _locked(directory: Path) -> Iterator[None]:
+def _locked(directory: Path, budget: Budget | None = None) -> Iterator[None]:
+    """The layout's lock; with ``budget``, waited for only until its deadline (a build that
+    hangs while holding it must not hang this one past its ``--deadline``)."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if budget is None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        else:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    budget.check_deadline(f"--oci: waiting for the lock on {directory} (another build writes there)")
+                    budget.sleep(0.1)
         yield
     finally:
         os.close(fd)
@@ -83,13 +158,13 @@ class LayoutPublisher(Publisher):
         self.path = path
         self.ref_name = ref_name
 
-    def check(self) -> None:
-        super().check()
+    def check(self, inputs: Sequence[Input] = ()) -> None:
+        super().check(inputs)
         dest = self.path
         if dest.is_dir() and any(dest.iterdir()) and not is_layout(dest):
             raise KilnError(f"--oci {dest}: exists and is neither empty nor an OCI layout; refusing to write there")
         if is_layout(dest):
-            layout_index(dest)
+            check_layout(dest)
 
     def stage(self, image) -> Staged:
         dest = self.path
@@ -115,7 +190,7 @@ class LayoutPublisher(Publisher):
         return Staged(staged, dest, on_commit=lambda: self._commit(staged, dest, entry))
 
     def _commit(self, staged: Path, dest: Path, entry: dict) -> Callable[[], None]:
-        with _locked(dest.parent):
+        with _locked(dest.parent, self.budget):
             if not dest.exists() or (dest.is_dir() and not any(dest.iterdir())):
                 if dest.exists():
                     dest.rmdir()
@@ -123,6 +198,7 @@ class LayoutPublisher(Publisher):
                 return lambda: self._undo_new(dest, entry)
             if not is_layout(dest):
                 raise KilnError(f"--oci {dest}: is no longer an OCI layout; not writing there")
+            check_layout(dest)  # as it is now, under the lock: another writer may have changed it
             for blob in sorted((staged / "blobs" / "sha256").iterdir()):
                 target = dest / "blobs" / "sha256" / blob.name
                 if not target.exists():

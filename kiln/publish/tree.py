@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from kiln.errors import KilnError
 from kiln.patch.engine import RunResult
 from kiln.patch.output import report
-from kiln.publish import Publisher
+from kiln.publish import Input, Publisher
 from kiln.source.tree import SourceTree
 from kiln.staging import Staged, stage_dir
 
@@ -33,8 +34,8 @@ class TreePublisher(Publisher):
         self.force = force
         self.report: dict = {}
 
-    def check(self) -> None:
-        super().check()
+    def check(self, inputs: Sequence[Input] = ()) -> None:
+        super().check(inputs)
         if self.path.exists() and not self.force:
             raise KilnError(f"--out {self.path}: already exists (use --force to replace it)")
 

@@ -189,3 +189,73 @@ def test_dead_stages_beside_an_output_are_removed_live_ones_kept(tmp_path):
         alive.kill()
         alive.wait()
     assert os.path.isdir(live)
+
+
+def test_a_layout_broken_after_the_check_is_refused_at_commit_not_a_traceback(tmp_path):
+    """Checked again under the lock at commit: a ``blobs`` turned into a file since the check
+    (another writer) is one line naming it, not NotADirectoryError; the index stays as it was."""
+    from kiln.errors import KilnError
+    from kiln.publish.layout import LayoutPublisher
+
+    dest = tmp_path / "out"
+    first = LayoutPublisher(dest, "tag-a").stage(_FakeImage(tmp_path / "a", "a"))
+    first.commit()
+    first.finish()
+    index = (dest / "index.json").read_bytes()
+    second = LayoutPublisher(dest, "tag-b").stage(_FakeImage(tmp_path / "b", "b"))
+    import shutil
+
+    shutil.rmtree(dest / "blobs")
+    (dest / "blobs").write_text("a file now\n")
+    with pytest.raises(KilnError, match=r"--oci .*/out: blobs is not a directory"):
+        second.commit()
+    second.discard()
+    assert (dest / "index.json").read_bytes() == index
+
+
+def test_a_held_layout_lock_does_not_keep_a_build_past_its_deadline(tmp_path, registry_plain):
+    """Another build that hangs while holding the layout's lock (here: this test holds it) used to
+    keep this one waiting forever, whatever ``--deadline`` said; now the wait ends at the
+    deadline with one line naming the lock, and the layout is not written."""
+    import fcntl
+    import math
+    import os
+    import threading
+    import time
+
+    cold_start = time.monotonic()
+    assert build(tmp_path, registry_plain, 120, "--oci", str(tmp_path / "warm")).code == 0  # fills the cache
+    cold = time.monotonic() - cold_start
+    deadline = math.ceil(1.5 * cold + 5)  # the build below is warm: well under two thirds of it
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    holder = os.open(shared, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    runs = []
+    worker = threading.Thread(target=lambda: runs.append(
+        build(tmp_path, registry_plain, 120, "--oci", str(shared / "images"), "--deadline", f"{deadline}s")))
+    started = time.monotonic()
+    worker.start()
+    worker.join(timeout=deadline + 60)
+    waited = time.monotonic() - started
+    os.close(holder)  # releases the lock: a build still waiting for it goes on
+    worker.join()
+    assert waited < deadline + 60, "the build waited for the layout's lock past its deadline"
+    assert_one_line_error(runs[0], f"--oci: waiting for the lock on {shared}", f"deadline of {deadline} s")
+    assert not (shared / "images").exists()
+    assert [p.name for p in shared.iterdir()] == []
+
+
+def test_nothing_is_committed_once_the_deadline_has_passed(tmp_path):
+    """Every output staged, then the deadline checked before the first commit: past it, the
+    stages are discarded, the destination untouched (it used to be committed whatever the time)."""
+    from kiln.oci.limits import Budget, LimitExceeded, Limits
+    from kiln.publish import publish
+    from kiln.publish.layout import LayoutPublisher
+
+    dest = tmp_path / "out"
+    spent = Budget(Limits(deadline=0.0))
+    with pytest.raises(LimitExceeded, match="publish .*: the build ran past its deadline of 0 s"):
+        publish(_FakeImage(tmp_path / "a", "a"), [LayoutPublisher(dest, "tag-a")], spent)
+    assert not dest.exists()
+    assert [p.name for p in tmp_path.iterdir() if ".kiln-" in p.name] == []
