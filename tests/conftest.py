@@ -10,6 +10,8 @@ access to the developer's credentials or mirrors (``isolated_registry_env``).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from packaging.version import Version
 
@@ -35,11 +37,10 @@ CANDIDATES: dict[str, str] = {}  # e.g. {"vllm-0.34.0": "0.34.0"} while a releas
 SOURCES = {name: str(pin.vllm) for name, pin in load_pins(paths.PINS).items()} | CANDIDATES
 
 
-@pytest.fixture(autouse=True)
-def quiet_progress(monkeypatch):
-    """Commands run as before plain progress lines existed (stderr is not a terminal here): tests
-    that check progress ask for it with --progress (tests/commands/test_progress.py)."""
-    monkeypatch.setenv("KILN_PROGRESS", "quiet")
+# Commands run as before plain progress lines existed (stderr is not a terminal here): tests that
+# check progress ask for it with --progress (tests/commands/test_progress.py). Set for the whole
+# session, not per test: module-scoped fixtures run their commands before any per-test fixture.
+os.environ["KILN_PROGRESS"] = "quiet"
 
 
 @pytest.fixture(autouse=True)
