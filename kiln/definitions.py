@@ -2,6 +2,8 @@
 
 Public API:
     ImageDefinition, ModelPreset     the parsed definition
+    BakedFile                        one ``[[files]]`` entry: a repository file baked into the image
+    BAKED_ROOT                       "/opt/kiln/": the only directory baked files may go under
     ImageDefinition.tag(cuda, sm, pin) -> str   the one tag rule (checked against the OCI grammar)
     ImageDefinition.target(pin, sm=None) -> BuildTarget
     ImageDefinition.pins_of(pins) -> list[Pin]   the pins it is built for
@@ -15,16 +17,20 @@ An image definition is data, its keys and types declared once in ``kiln/schemas/
 then validates everything else that can be decided without source: the patches exist, none
 conflict, every ``requires`` is selected, no patch is gated off for one of the image's SMs or its
 model preset, the destination repository and the tag template are well-formed and every tag it
-renders is a valid OCI tag.
+renders is a valid OCI tag, every baked file (``[[files]]``) exists inside the images directory
+and goes to a distinct absolute path under ``/opt/kiln/``, and a ``--chat-template`` under
+``/opt/kiln/`` in ``[serve] args`` names one of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import posixpath
 import re
 import string
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.errors import KilnError
@@ -39,6 +45,25 @@ TAG_FIELDS = {"cuda", "sm", "pin"}
 # SMs the Triton/CUDA toolchain in vLLM images targets (consumer and datacenter NVIDIA GPUs).
 KNOWN_SMS = {75, 80, 86, 87, 89, 90, 100, 103, 110, 120, 121}
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+# Baked files go under kiln's own directory of the image, where nothing of the base lives, so a
+# file can never shadow (or be shadowed by) one of the base's; kiln's own records there are taken.
+BAKED_ROOT = "/opt/kiln/"
+_KILN_RESERVED = ("/opt/kiln/manifest.json", "/opt/kiln/triton-kernels.json", "/opt/kiln/triton-cache")
+_BAKED_PATH = re.compile(r"^[A-Za-z0-9._+/-]+$")  # no whitespace or quoting: it goes into serve args
+BAKED_MAX_BYTES = 1 << 20  # a template or config file, not a payload: the layer is meant to stay small
+
+
+@dataclass(frozen=True)
+class BakedFile:
+    """A file of the kiln repository baked into the image: ``[[files]]`` of the definition."""
+
+    source: str  # as written, relative to the images directory (e.g. "files/qwen3.6-chat.jinja")
+    path: str  # absolute, normalised image path under /opt/kiln/
+    data: bytes = field(repr=False)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -67,6 +92,7 @@ class ImageDefinition:
     model: ModelPreset
     serve_args: tuple[str, ...]
     serve_env: dict[str, str]
+    files: tuple[BakedFile, ...] = ()  # [[files]]: baked into the patched-source layer
 
     def tag(self, cuda: str, sm: int, pin: Pin) -> str:
         """The image's tag for a pin and SM, ``cuda`` being the pin's resolved CUDA flavour."""
@@ -180,6 +206,12 @@ def load_definition(images_dir: Path, name: str, catalogue: Catalogue, pins: dic
     serve = raw.get("serve", {})
     args, env = serve.get("args", []), serve.get("env", {})
 
+    files = tuple(_baked_file(images_dir, entry, i, fail) for i, entry in enumerate(raw.get("files", [])))
+    paths = [f.path for f in files]
+    for dup in sorted({p for p in paths if paths.count(p) > 1}):
+        fail("files", f"two entries bake {dup}")
+    _check_chat_template(args, {f.path for f in files}, fail)
+
     image = ImageDefinition(
         name=name,
         path=path,
@@ -192,6 +224,7 @@ def load_definition(images_dir: Path, name: str, catalogue: Catalogue, pins: dic
         model=model,
         serve_args=tuple(args),
         serve_env=dict(env),
+        files=files,
     )
     # Build-time gates that depend only on the SM and the model preset: decided now, per SM.
     for pin in image.pins_of(pins):
@@ -205,3 +238,42 @@ def load_definition(images_dir: Path, name: str, catalogue: Catalogue, pins: dic
                 if blocked:
                     fail("patches", f"{pid} is gated off for sm_{sm}: {blocked}")
     return image
+
+
+def _baked_file(images_dir: Path, entry: dict, index: int, fail) -> BakedFile:
+    """One ``[[files]]`` entry, its source read now (small, and its bytes are the build's input)."""
+    where = f"files[{index}]"
+    source, path = entry["source"], entry["path"]
+    if (not path.startswith(BAKED_ROOT) or not _BAKED_PATH.match(path) or posixpath.normpath(path) != path or "/../" in f"{path}/"
+            or path.endswith("/")):
+        fail(f"{where}.path", f"{path!r} must be a normalised absolute path under {BAKED_ROOT} "
+                              "(kiln's directory: a baked file never shadows one of the base)")
+    if any(path == r or path.startswith(r + "/") for r in _KILN_RESERVED):
+        fail(f"{where}.path", f"{path!r} is kiln's own record in the image; choose another name")
+    root = images_dir.resolve()
+    rel = Path(source)
+    found = (images_dir / rel).resolve()
+    if rel.is_absolute() or ".." in rel.parts or not found.is_relative_to(root):
+        fail(f"{where}.source", f"{source!r} must be a path inside {images_dir} (relative, no '..')")
+    if not found.is_file():
+        fail(f"{where}.source", f"{images_dir / rel}: no such file")
+    data = found.read_bytes()
+    if len(data) > BAKED_MAX_BYTES:
+        fail(f"{where}.source", f"{images_dir / rel}: {len(data)} bytes, over the {BAKED_MAX_BYTES} a baked file may hold")
+    return BakedFile(source=rel.as_posix(), path=path, data=data)
+
+
+def _check_chat_template(args, baked: set[str], fail) -> None:
+    """``--chat-template /opt/kiln/...`` must name a file the image bakes (nothing else is there)."""
+    for i, arg in enumerate(args):
+        if arg == "--chat-template":
+            value = args[i + 1] if i + 1 < len(args) else ""
+        elif arg.startswith("--chat-template="):
+            value = arg.partition("=")[2]
+        else:
+            continue
+        if not value:
+            fail("serve.args", "--chat-template has no value")
+        if value.startswith(BAKED_ROOT) and value not in baked:
+            known = ", ".join(sorted(baked)) or "none"
+            fail("serve.args", f"--chat-template {value} is not a file the image bakes ([[files]] paths: {known})")

@@ -3,7 +3,7 @@
 Public API:
     Layout(root, pins, patchsets, images, record)     repo-relative locations of kiln's data
     Layout.discover(pins, patchsets, images, record) -> Layout   the git work tree holding them
-    classify(path, layout, patch_files) -> Kind       what a changed path is to the builds
+    classify(path, layout, patch_files, baked_files=None) -> Kind   what a changed path is to the builds
     plan_builds(layout, since=None, include_worktree=False) -> Plan   ``since=None``: every build
     Plan.matrix() -> {"include": [{"image", "pin", "sm", "tag"}, ...]}
 
@@ -17,11 +17,13 @@ kind            paths                                                 rebuilds
                                                                       field but ``role``); a
                                                                       removed pin rebuilds nothing
 ``image``       ``images/<name>.toml``                                that image: its pins x SMs
+``baked``       a file under ``images/`` that a definition bakes      the images whose ``[[files]]``
+                (``[[files]] source``, e.g. a chat template)          bake it: their pins x SMs
 ``patch``       ``patchsets/<family>/<patch>.py`` (a catalogue        the images whose selection
                 module), or a file one of its edits adds              (with ``requires``) holds it
                 (``content``, e.g. ``p67_files/...``)
 ``none``        ``*.md``, ``docs/``, ``tests/``, ``ci/``,             nothing: not read by a build
-                ``.github/``, the verdict record, other files in
+                ``.github/``, the verdict record, unbaked files in
                 ``images/``, ``Dockerfile``, ``.gitignore`` ...
 ``engine``      everything else: ``kiln/``, ``build.py``,             every image, pin and SM
                 ``pyproject.toml``, other files under ``patchsets/``
@@ -63,6 +65,7 @@ class Kind(StrEnum):
     PINS = "pins"
     IMAGE = "image"
     PATCH = "patch"
+    BAKED = "baked"
     NONE = "none"
     ENGINE = "engine"
 
@@ -91,19 +94,23 @@ class Layout:
         return cls(root, **rel)
 
 
-def classify(path: str, layout: Layout, patch_files: dict[str, str]) -> Kind:
+def classify(path: str, layout: Layout, patch_files: dict[str, str],
+             baked_files: dict[str, set[str]] | None = None) -> Kind:
     """What a repo-relative (posix) path is to the builds; see the module docstring.
 
     ``patch_files``: repo-relative path -> patch id, for every file the catalogue's patches
-    are made of (their modules and the content files their edits add).
+    are made of (their modules and the content files their edits add). ``baked_files``:
+    repo-relative path -> the images whose ``[[files]]`` bake it.
     """
     p = PurePosixPath(path)
     if p == layout.pins:
         return Kind.PINS
     if p.parent == layout.images and p.suffix == ".toml":
         return Kind.IMAGE
+    if path in (baked_files or {}):
+        return Kind.BAKED  # checked before the suffix: a baked README.md is still baked
     if p.suffix == ".md" or p == layout.record or layout.images in p.parents:
-        return Kind.NONE  # load_definition reads images/<name>.toml only
+        return Kind.NONE  # load_definition reads images/<name>.toml and the files they bake (above)
     if layout.patchsets in p.parents:
         if path in patch_files:
             return Kind.PATCH
@@ -149,6 +156,7 @@ class _State:
     images: dict[str, ImageDefinition]
     patch_files: dict[str, str]  # repo-relative path of a module or content file -> patch id
     closures: dict[str, set[str]]  # image -> its selection with everything it requires
+    baked: dict[str, set[str]]  # repo-relative path of a [[files]] source -> the images baking it
 
 
 def plan_builds(layout: Layout, since: str | None = None, include_worktree: bool = False) -> Plan:
@@ -175,7 +183,7 @@ def plan_builds(layout: Layout, since: str | None = None, include_worktree: bool
                 want(image, pin, "every build requested (--all)")
         else:
             changed = _changed_paths(repo, base, include_worktree)
-            plan.changes = {path: classify(path, layout, after.patch_files) for path in changed}
+            plan.changes = {path: classify(path, layout, after.patch_files, after.baked) for path in changed}
             engine = sorted(p for p, kind in plan.changes.items() if kind is Kind.ENGINE)
             if engine:
                 listed = ", ".join(engine[:3]) + (f" (+{len(engine) - 3} more)" if len(engine) > 3 else "")
@@ -186,6 +194,10 @@ def plan_builds(layout: Layout, since: str | None = None, include_worktree: bool
                     image = after.images.get(PurePosixPath(path).stem)
                     for pin in image.pins_of(after.pins) if image else ():  # removed: nothing
                         want(image, pin, f"image definition changed: {path}")
+                elif kind is Kind.BAKED:
+                    for image, pin in everything:
+                        if image.name in after.baked[path]:
+                            want(image, pin, f"baked file changed: {path}")
                 elif kind is Kind.PATCH and path in after.patch_files:  # a removed module: nothing
                     pid = after.patch_files[path]
                     for image, pin in everything:
@@ -277,4 +289,8 @@ def _load_state(layout: Layout, root: Path) -> _State:
         for path in (module, *added):
             patch_files[path.resolve().relative_to(root.resolve()).as_posix()] = pid
     closures = {name: set(catalogue.closure(list(image.patches))) for name, image in images.items()}
-    return _State(pins, images, patch_files, closures)
+    baked: dict[str, set[str]] = {}
+    for name, image in images.items():
+        for baked_file in image.files:
+            baked.setdefault((layout.images / baked_file.source).as_posix(), set()).add(name)
+    return _State(pins, images, patch_files, closures, baked)

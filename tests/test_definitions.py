@@ -105,3 +105,116 @@ def test_repository_image_definitions_load(capsys):
     for path in sorted(paths.IMAGES.glob("*.toml")):
         code, _, err = run(capsys, "verify", "--image", path.stem)
         assert code == 0, err
+
+
+# --- [[files]]: repository files baked into the image ---------------------------------------
+
+def _baked(workspace, files: str, args: str = "", template: bytes = b"{{ messages }}\n"):
+    (workspace / "images" / "files").mkdir(exist_ok=True)
+    (workspace / "images" / "files" / "chat.jinja").write_bytes(template)
+    path = image(workspace)
+    path.write_text(path.read_text() + files + (f"\n[serve]\nargs = {args}\n" if args else ""))
+    return path
+
+
+def _load(workspace):
+    from kiln.definitions import load_definition
+    from kiln.patch.catalog import load_catalogue
+    from kiln.pins import load_pins
+    return load_definition(workspace / "images", "test", load_catalogue(workspace / "patchsets"),
+                           load_pins(workspace / "pins.toml"))
+
+
+FILE = '\n[[files]]\nsource = "files/chat.jinja"\npath = "{path}"\n'
+
+
+def test_baked_file_loads_with_its_bytes_and_sha256(workspace):
+    import hashlib
+    _baked(workspace, FILE.format(path="/opt/kiln/chat-templates/x.jinja"),
+           args='["--chat-template", "/opt/kiln/chat-templates/x.jinja"]', template=b"tmpl\n")
+    [baked] = _load(workspace).files
+    assert (baked.source, baked.path, baked.data) == ("files/chat.jinja", "/opt/kiln/chat-templates/x.jinja", b"tmpl\n")
+    assert baked.sha256 == hashlib.sha256(b"tmpl\n").hexdigest()
+
+
+@pytest.mark.parametrize("path,why", [
+    ("opt/kiln/x.jinja", "must be a normalised absolute path under /opt/kiln/"),
+    ("/usr/lib/python3/dist-packages/x.py", "must be a normalised absolute path under /opt/kiln/"),
+    ("/opt/kiln/../../etc/passwd", "must be a normalised absolute path under /opt/kiln/"),
+    ("/opt/kiln//x.jinja", "must be a normalised absolute path under /opt/kiln/"),
+    ("/opt/kiln/my template.jinja", "must be a normalised absolute path under /opt/kiln/"),
+    ("/opt/kiln/manifest.json", "is kiln's own record in the image"),
+    ("/opt/kiln/triton-cache/x", "is kiln's own record in the image"),
+])
+def test_baked_file_path_is_refused_in_one_line(capsys, workspace, path, why):
+    _baked(workspace, FILE.format(path=path))
+    code, _, err = verify_image(capsys, workspace)
+    assert code == 2
+    line = one_line_error(err)
+    assert "test.toml: files[0].path:" in line and why in line, line
+
+
+@pytest.mark.parametrize("source,why", [
+    ("files/missing.jinja", "no such file"),
+    ("../pins.toml", "must be a path inside"),
+    ("/etc/hostname", "must be a path inside"),
+])
+def test_baked_file_source_is_refused_in_one_line(capsys, workspace, source, why):
+    _baked(workspace, f'\n[[files]]\nsource = "{source}"\npath = "/opt/kiln/x"\n')
+    code, _, err = verify_image(capsys, workspace)
+    assert code == 2
+    line = one_line_error(err)
+    assert "files[0].source:" in line and why in line, line
+
+
+def test_baked_file_source_symlink_out_of_images_is_refused(workspace):
+    from kiln.errors import KilnError
+    _baked(workspace, FILE.format(path="/opt/kiln/x"))
+    target = workspace / "images" / "files" / "chat.jinja"
+    target.unlink()
+    target.symlink_to(workspace / "pins.toml")
+    with pytest.raises(KilnError, match=r"files\[0\]\.source: 'files/chat.jinja' must be a path inside"):
+        _load(workspace)
+
+
+def test_two_files_baked_at_one_path_are_refused(workspace):
+    from kiln.errors import KilnError
+    _baked(workspace, FILE.format(path="/opt/kiln/x") * 2)
+    with pytest.raises(KilnError, match="files: two entries bake /opt/kiln/x"):
+        _load(workspace)
+
+
+def test_unknown_key_in_files_is_refused(capsys, workspace):
+    _baked(workspace, FILE.format(path="/opt/kiln/x") + 'mode = "0755"\n')
+    code, _, err = verify_image(capsys, workspace)
+    assert code == 2 and "mode" in one_line_error(err)
+
+
+@pytest.mark.parametrize("args", ['["--chat-template", "/opt/kiln/other.jinja"]',
+                                  '["--chat-template=/opt/kiln/other.jinja"]'])
+def test_chat_template_must_name_a_baked_file(capsys, workspace, args):
+    _baked(workspace, FILE.format(path="/opt/kiln/x.jinja"), args=args)
+    code, _, err = verify_image(capsys, workspace)
+    assert code == 2
+    line = one_line_error(err)
+    assert "serve.args: --chat-template /opt/kiln/other.jinja is not a file the image bakes" in line, line
+    assert "/opt/kiln/x.jinja" in line
+
+
+def test_chat_template_outside_kiln_dir_is_left_to_the_base(workspace):
+    # a base image's own template (vLLM images ship examples/*.jinja) is not kiln's to check
+    _baked(workspace, "", args='["--chat-template", "/vllm-workspace/examples/tool_chat_template.jinja"]')
+    assert _load(workspace).files == ()
+
+
+def test_shipped_qwen_images_bake_the_chat_template_they_serve_with(capsys):
+    from kiln.definitions import load_definition
+    from kiln.patch.catalog import load_catalogue
+    from kiln.pins import load_pins
+    catalogue, pins = load_catalogue(paths.REPO / "patchsets"), load_pins(paths.PINS)
+    for name in ("qwen3.6-27b-tq", "qwen3.6-35b-a3b-fp8"):
+        definition = load_definition(paths.IMAGES, name, catalogue, pins)
+        args = list(definition.serve_args)
+        template = args[args.index("--chat-template") + 1]
+        [baked] = [f for f in definition.files if f.path == template]
+        assert baked.data == (paths.IMAGES / "files" / "chat-templates" / "qwen3.6.jinja").read_bytes()

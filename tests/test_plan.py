@@ -100,7 +100,7 @@ def project(tmp_path) -> tuple[Project, str]:
     root.mkdir()
     (root / "pins.toml").write_text(PINS)
     shutil.copytree(paths.PATCHSETS, root / "patchsets", ignore=shutil.ignore_patterns("__pycache__"))
-    for rel in (f"images/{QWEN}.toml", "build.py", "pyproject.toml", "kiln/build/layers.py", "README.md",
+    for rel in (f"images/{QWEN}.toml", "images/files/chat-templates/qwen3.6.jinja", "build.py", "pyproject.toml", "kiln/build/layers.py", "README.md",
                 "docs/BUILDING.md", "ci/test"):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(paths.REPO / rel, root / rel)
@@ -208,6 +208,21 @@ def test_image_definition_changes(project, capsys):
     (project.root / "images/gdn.toml").unlink()
     project.commit()
     assert project.rebuilds(capsys, added) == []
+
+
+def test_a_baked_file_change_rebuilds_the_images_baking_it(project, capsys):
+    project, _ = project
+    # only-p65 bakes a file of its own; the Qwen image bakes the chat template
+    project.write("images/files/only.conf", "a = 1\n")
+    project.write("images/only-p65.toml", ONLY_P65 + '\n[[files]]\nsource = "files/only.conf"\npath = "/opt/kiln/only.conf"\n')
+    base = project.commit("only-p65 bakes a file")
+    project.append("images/files/chat-templates/qwen3.6.jinja", "{# reviewed #}\n")
+    template = project.commit()
+    assert project.rebuilds(capsys, base) == qwen()
+    project.append("images/files/only.conf", "b = 2\n")
+    project.write("images/files/unbaked.jinja", "not baked by any image\n")
+    project.commit()
+    assert project.rebuilds(capsys, template) == only_p65()
 
 
 @pytest.mark.parametrize("rel", [

@@ -4,12 +4,15 @@ Public API:
     AUDIT_PATH                       "opt/kiln/manifest.json" (inside the image)
     pyc_whiteouts(rel, site_dir, base_files) -> list[str]
     audit_record(...) -> dict        what ``/opt/kiln/manifest.json`` holds
-    patched_contents(changed, site_dir, base_files, audit, created_by="") -> LayerContents
+    patched_contents(changed, site_dir, base_files, audit, created_by="", baked=()) -> LayerContents
 
 The layer holds only what differs from the base: the patched (or added) modules under
 ``<site_dir>/vllm/``, a whiteout for each ``__pycache__`` entry the base holds for a changed
 module (the base's bytecode would otherwise be trusted when size and mtime happen to match),
-and the audit file. Nothing here reads a clock: the same inputs give the same layer digest.
+the files the definition bakes (``[[files]]``, under ``/opt/kiln/``) and the audit file, which
+records each baked file's source and sha256. Baked files share this layer rather than adding
+one: the audit file records them, so a changed template changes this layer anyway, and a
+few-kilobyte file is not worth a layer of its own. Nothing here reads a clock: the same inputs give the same layer digest.
 
 Deciding *what* the layer holds (``patched_contents``) is separate from writing it: the
 daemonless build writes ``LayerContents`` as a tar layer (``write_layer``, removals become
@@ -26,6 +29,7 @@ from collections.abc import Collection
 
 from kiln import __version__
 from kiln.build.provenance import kiln_revision
+from kiln.definitions import BakedFile
 from kiln.errors import KilnError
 from kiln.oci.layer import LayerContents
 from kiln.patch.engine import sha256_text
@@ -65,7 +69,8 @@ def pyc_whiteouts(rel: str, site_dir: str, base_files: Collection[str] | None) -
 
 def audit_record(*, image: str, pin: dict, sm: int, base_reference: str, base_digest: str,
                  site_dir: str, outcomes: dict[str, Outcome], before: dict[str, str],
-                 changed: dict[str, str]) -> dict:
+                 changed: dict[str, str], baked: tuple[BakedFile, ...] = (),
+                 images_dir: str = "images") -> dict:
     """The audit file's content. ``before``: rel -> pristine text for every changed file that existed."""
     commit, dirty = kiln_revision()
     files = {}
@@ -74,7 +79,7 @@ def audit_record(*, image: str, pin: dict, sm: int, base_reference: str, base_di
             "before": sha256_text(before[rel]) if rel in before else None,
             "after": sha256_text(text),
         }
-    return {
+    record = {
         "schema": AUDIT_SCHEMA,
         "kiln": {"version": __version__, "commit": commit, "dirty": dirty},
         "image": image,
@@ -85,11 +90,14 @@ def audit_record(*, image: str, pin: dict, sm: int, base_reference: str, base_di
         "patches": [outcomes[pid].to_json() for pid in outcomes],
         "files": files,
     }
+    if baked:  # absent when nothing is baked, so images without [[files]] keep their digests
+        record["baked"] = {f.path: {"source": f"{images_dir}/{f.source}", "sha256": f.sha256} for f in baked}
+    return record
 
 
 def patched_contents(changed: dict[str, str], site_dir: str, base_files: Collection[str] | None,
-                     audit: dict, created_by: str = "") -> LayerContents:
-    """The patched-source layer: every changed module, its stale bytecode, the audit file."""
+                     audit: dict, created_by: str = "", baked: tuple[BakedFile, ...] = ()) -> LayerContents:
+    """The patched-source layer: every changed module, its stale bytecode, baked files, the audit file."""
     if not site_dir or site_dir.startswith("/"):
         raise KilnError(f"site dir {site_dir!r}: expected a relative image path like usr/local/lib/python3.12/dist-packages")
     files: dict[str, bytes] = {}
@@ -99,5 +107,7 @@ def patched_contents(changed: dict[str, str], site_dir: str, base_files: Collect
         files[f"{site_dir}/vllm/{rel}"] = text.encode("utf-8")
         if base_files is None or rel in base:
             removals.extend(pyc_whiteouts(rel, site_dir, base_files))
+    for baked_file in baked:  # under /opt/kiln/ (checked when the definition loads): no clash
+        files[baked_file.path.lstrip("/")] = baked_file.data
     files[AUDIT_PATH] = (json.dumps(audit, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
     return LayerContents(files, tuple(removals), created_by)

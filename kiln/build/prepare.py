@@ -186,10 +186,12 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
                     "digest": pin.digest or None}
         audit = audit_record(image=definition.name, pin=pin_json, sm=sm, base_reference=str(base_ref),
                              base_digest=resolved, site_dir=found.site_dir, outcomes=result.outcomes,
-                             before=before, changed=changed)
+                             before=before, changed=changed, baked=definition.files,
+                             images_dir=inputs.files.images.name)
         layers = [patched_contents(
             changed, found.site_dir, found.vllm_files, audit,
-            created_by=f"kiln bake {definition.name} {pin.name} sm{sm}: {','.join(applied) or 'no patch'}")]
+            created_by=f"kiln bake {definition.name} {pin.name} sm{sm}: {','.join(applied) or 'no patch'}",
+            baked=definition.files)]
         env: dict[str, str] = {}
         triton: dict = {}
         if kernels:  # the ahead-of-time Triton kernel cache, one layer per SM

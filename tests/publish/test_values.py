@@ -129,3 +129,14 @@ def test_values_file_is_staged_then_committed(qwen, tmp_path):
 
     with pytest.raises(KilnError, match="is a directory"):
         ValuesPublisher(tmp_path, parse_reference("ghcr.io/x/y")).check()
+
+
+@pytest.mark.parametrize("case", range(4), ids=lambda i: f"image-pin-{i}")
+def test_shipped_values_serve_with_the_baked_chat_template(catalogue, case):
+    """The Qwen presets' values start vLLM on the chat template the image bakes (no volume needed)."""
+    image, pin = _shipped(catalogue)[case]
+    sm = image.sms[0]
+    args = helm_values(image, pin, sm, "ghcr.io/you/x", image.tag(pin.cuda, sm, pin), DIGEST)["serve"]["args"]
+    template = args[args.index("--chat-template") + 1]
+    assert template == "/opt/kiln/chat-templates/qwen3.6.jinja"
+    assert template in {baked.path for baked in image.files}
