@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import tomllib
 
 import jsonschema
@@ -176,7 +177,7 @@ def test_kiln_values_stay_the_default(catalogue):
 
 def test_build_refuses_a_definition_the_chart_cannot_take_before_any_work(tmp_path, capsys):
     images = tmp_path / "images"
-    images.mkdir()
+    shutil.copytree(paths.IMAGES / "files", images / "files")  # the files the definition bakes
     text = (paths.IMAGES / "qwen3.6-27b-tq.toml").read_text()
     assert '  "--enable-prefix-caching",\n' in text
     (images / "qwen3.6-27b-tq.toml").write_text(text.replace('  "--enable-prefix-caching",\n', ""))
