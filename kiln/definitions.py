@@ -27,7 +27,7 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 from kiln.oci.reference import check_tag, parse_reference
-from kiln.patch.catalog import Catalogue
+from kiln.patch.catalog import Catalogue, current_id
 from kiln.patch.model import BuildTarget
 from kiln.pins import Pin
 from kiln.triton.kernels import KernelPreset, parse_kernel_preset
@@ -144,6 +144,7 @@ def load_definition(images_dir: Path, name: str, catalogue: Catalogue, pins: dic
     patches = raw.get("patches")
     if not isinstance(patches, list) or not patches or not all(isinstance(p, str) for p in patches):
         fail("patches", "must be a non-empty list of patch ids")
+    patches = [current_id(pid) for pid in patches]  # an id renamed since still names its patch
     if len(set(patches)) != len(patches):
         fail("patches", "lists a patch twice")
     for pid in patches:

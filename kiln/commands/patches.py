@@ -49,7 +49,7 @@ def run_patches(args, out) -> int:
     catalogue = load_catalogue(files.patchsets)
     rows = [{
         "id": patch.id, "family": patch.family, "title": patch.title, "targets": list(patch.targets),
-        "gates": patch.gates.describe(), "requires": list(patch.requires), "conflicts": list(patch.conflicts),
+        "written_for": patch.written_for, "gates": patch.gates.describe(), "requires": list(patch.requires), "conflicts": list(patch.conflicts),
         "upstream_refs": list(patch.upstream_refs), "variant": patch.variant, "perf_critical": patch.perf_critical,
     } for patch in catalogue.patches.values()]
     if args.json:

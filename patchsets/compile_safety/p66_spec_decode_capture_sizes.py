@@ -123,7 +123,7 @@ class P66(Patch):
         "batch (B*(1+K) tokens) uses, gaps where it needs one. Round them as vLLM does for FULL."
     )
     upstream_refs = ("vllm#28015", "vllm#28207", "vllm#23679")
-    gates = Gates(vllm=">=0.20.1")
+    written_for = ">=0.20.1"
     edits = (RoundCaptureSizesForSpecDecode,)
 
     def upstream_fix(self, module_of):

@@ -276,7 +276,7 @@ class P5b(Patch):
     conflicts = ("P5",)
     variant = True
     perf_critical = True
-    gates = Gates(vllm=">=0.20.1")
+    written_for = ">=0.20.1"
     edits = (
         UnifyPagesPadToMax,
         PaddedPageStridePerKernelBlock,

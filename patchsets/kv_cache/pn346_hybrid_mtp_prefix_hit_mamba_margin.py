@@ -116,7 +116,7 @@ class PN346(Patch):
         "by one block of never-computed context. Give the margin to non-Mamba groups only."
     )
     upstream_refs = ("vllm#43559", "vllm#43650", "vllm#49502")
-    gates = Gates(vllm=">=0.20.1")
+    written_for = ">=0.20.1"
     edits = (ImportMambaSpec, NoEagleMarginForMamba)
 
     def upstream_fix(self, module_of):

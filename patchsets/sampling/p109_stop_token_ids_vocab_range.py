@@ -128,7 +128,7 @@ class P109(Patch):
         "kills the engine for every request."
     )
     upstream_refs = ("vllm#42614", "vllm#54196", "vllm#54195")
-    gates = Gates(vllm=">=0.20.1")
+    written_for = ">=0.20.1"
     edits = (AddStopTokenIdsValidator, CallStopTokenIdsValidator)
 
     def upstream_fix(self, module_of) -> str | None:

@@ -104,5 +104,5 @@ class P58(Patch):
         "overwrite them, and -1 reaches the embedding (device assert at TP=1, garbage under TP)."
     )
     upstream_refs = ("vllm#40768", "vllm#46899", "vllm#37159", "vllm#40807")
-    gates = Gates(vllm=">=0.20.1")
+    written_for = ">=0.20.1"
     edits = (DropStalePlaceholders,)

@@ -444,7 +444,7 @@ class P62(Patch):
         "vllm#44993",
         "vllm#48200",
     )
-    gates = Gates(vllm=">=0.20.1")
+    written_for = ">=0.20.1"
     edits = (
         AddReasoningAwareMethods,
         ConstrainRowsAfterReasoningEnd,
