@@ -39,7 +39,7 @@ Verdicts across releases (``patchsets/release-train.toml``, reviewed on every re
 import libcst as cst
 import libcst.matchers as m
 
-from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.model import Codemod, Patch
 from kiln.patch.shapes import (
     assign_to,
     cls,

@@ -51,7 +51,7 @@ Verdicts across releases (``patchsets/release-train.toml``, reviewed on every re
 
 import libcst.matchers as m
 
-from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.model import Codemod, Patch
 from kiln.patch.shapes import (
     assign_to,
     cls,

@@ -66,7 +66,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from kiln.patch.anchor import find, reach
-from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.model import Codemod, Patch
 from kiln.patch.shapes import assign_to, cls, func, marked, place, place_of, statements, with_marker
 
 UNIFY = "unify_kv_cache_spec_page_size"

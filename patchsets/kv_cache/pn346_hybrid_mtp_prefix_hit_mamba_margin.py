@@ -48,7 +48,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from kiln.patch.anchor import find, line_of
-from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.model import Codemod, Patch
 from kiln.patch.shapes import cls, func, insert_after, marked, statements, with_marker
 
 TARGET = "v1/core/kv_cache_coordinator.py"

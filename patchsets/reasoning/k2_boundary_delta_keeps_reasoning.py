@@ -52,7 +52,7 @@ import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from kiln.patch.anchor import find
-from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.model import Codemod, Patch
 from kiln.patch.shapes import cls, func, marked, statements, with_marker
 
 TARGET = "parser/abstract_parser.py"

@@ -49,7 +49,7 @@ Verdicts across releases (``patchsets/release-train.toml``, reviewed on every re
 
 import libcst.matchers as m
 
-from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.model import Codemod, Patch
 from kiln.patch.shapes import cls, func, insert_after, marked, statements, with_marker
 
 TARGET = "v1/core/sched/scheduler.py"

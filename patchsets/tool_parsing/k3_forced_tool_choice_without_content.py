@@ -48,7 +48,7 @@ import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from kiln.patch.anchor import count, find
-from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.model import Codemod, Patch
 from kiln.patch.shapes import cls, func, marked, statements, with_marker
 
 SERVING = "entrypoints/openai/engine/serving.py"

@@ -48,7 +48,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from kiln.patch.anchor import find
-from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.model import Codemod, Patch
 from kiln.patch.shapes import (
     cls,
     func,
