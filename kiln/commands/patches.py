@@ -1,5 +1,6 @@
 """``build.py patches``: the catalogue, with families, gates, requires and conflicts;
-``--doc`` writes docs/PATCHES.md from it."""
+``--doc`` writes docs/PATCHES.md from it, ``--genesis-doc`` docs/GENESIS.md from
+``patchsets/genesis.toml`` (the Genesis ledger)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from rich.table import Table
 from kiln import paths
 from kiln.commands.options import add_json_option, repo_files
 from kiln.definitions import load_definitions
+from kiln.errors import KilnError
 from kiln.patch.catalog import load_catalogue
 from kiln.patch.catalogue_doc import doc_notes, render_patches_doc
+from kiln.patch.genesis_doc import load_ledger, render_genesis_doc
 from kiln.patch.record import load_record
 from kiln.patch.train import TRAIN_RECORD
 from kiln.paths import RepoFiles
@@ -20,6 +23,8 @@ from kiln.pins import load_pins
 from kiln.staging import write_atomic
 
 DOC = paths.REPO / "docs" / "PATCHES.md"
+GENESIS_DOC = paths.REPO / "docs" / "GENESIS.md"
+GENESIS_LEDGER = "genesis.toml"  # beside the catalogue (patchsets/)
 
 
 def register(sub) -> None:
@@ -27,6 +32,9 @@ def register(sub) -> None:
     add_json_option(p, "the catalogue as JSON")
     p.add_argument("--doc", nargs="?", type=Path, const=DOC, metavar="FILE",
                    help=f"write the catalogue document (default {DOC.relative_to(paths.REPO)}), keeping its notes")
+    p.add_argument("--genesis-doc", nargs="?", type=Path, const=GENESIS_DOC, metavar="FILE",
+                   help="write the Genesis ledger from patchsets/genesis.toml "
+                        f"(default {GENESIS_DOC.relative_to(paths.REPO)})")
     p.set_defaults(run=run_patches)
 
 
@@ -39,8 +47,20 @@ def patches_doc(files: RepoFiles, notes: str) -> str:
                               selections, notes)
 
 
+def genesis_doc(files: RepoFiles) -> str:
+    """docs/GENESIS.md's text for the ledger, catalogue and records in ``files``."""
+    ledger = load_ledger(files.patchsets / GENESIS_LEDGER)  # a bad ledger fails before the catalogue loads
+    return render_genesis_doc(ledger, load_catalogue(files.patchsets), load_record(files.record))
+
+
 def run_patches(args, out) -> int:
     files = repo_files(args)
+    if args.doc and args.genesis_doc:
+        raise KilnError("patches: --doc and --genesis-doc write one document each; run them one at a time")
+    if args.genesis_doc:
+        write_atomic(args.genesis_doc, genesis_doc(files).encode())
+        out.stderr.print(f"wrote {escape(str(args.genesis_doc))}")
+        return 0
     if args.doc:
         notes = doc_notes(args.doc.read_text()) if args.doc.is_file() else ""
         write_atomic(args.doc, patches_doc(files, notes).encode())

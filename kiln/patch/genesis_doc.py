@@ -158,7 +158,8 @@ def check_ledger(ledger: Ledger, catalogue: Catalogue) -> None:
 
 
 def _cell(text: str) -> str:
-    return " ".join(text.replace("|", "\\|").split())
+    """One table cell: pipes escaped, and ``<`` too, so ``<tool_call>`` is shown, not read as HTML."""
+    return " ".join(text.replace("|", "\\|").replace("<", "&lt;").split())
 
 
 def _status_cell(row: Row, record: Mapping[str, Mapping[str, str]], pins: list[str]) -> str:
