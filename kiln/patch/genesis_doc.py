@@ -36,14 +36,14 @@ REASONS = {
     "tooling": "Genesis's own tooling or configuration",
     "runtime": "a runtime feature or behaviour change, not a fix kiln can make at build time",
 }
-# The keys a row may have, by status (`id`, `presets`, `what` always; `note` always optional).
+# Keys any row may have: `id`, `presets`, `what` (required), `note`, `refs` (optional).
 _COMMON = {"id", "presets", "what", "note", "refs"}
-_BY_STATUS = {
-    "ported": ({"kiln"}, set()),
-    "upstream": ({"release", "evidence"}, set()),
-    "not-applicable": ({"reason"}, set()),
-    "declined": ({"evidence"}, set()),
-    "planned": (set(), set()),
+_BY_STATUS = {  # the keys a row of that status must have (and no other status-specific key)
+    "ported": {"kiln"},
+    "upstream": {"release", "evidence"},
+    "not-applicable": {"reason"},
+    "declined": {"evidence"},
+    "planned": set(),
 }
 _HEAD_KEYS = {"repository", "commit", "vllm", "presets"}
 _SWITCH = re.compile(r"^(GENESIS|SNDR)_[A-Z0-9_]+$")
@@ -93,10 +93,11 @@ def load_ledger(path: Path) -> Ledger:
     head = data.get("genesis")
     if not isinstance(head, dict):
         raise KilnError(f"{path}: [genesis] (repository, commit, vllm, presets) is missing")
-    for key in sorted(set(head) - _HEAD_KEYS):
-        raise KilnError(f"{path}: genesis.{key}: unknown key (expected {', '.join(sorted(_HEAD_KEYS))})")
-    for key in sorted(_HEAD_KEYS - set(head)):
-        raise KilnError(f"{path}: genesis.{key}: missing")
+    unknown, missing = sorted(set(head) - _HEAD_KEYS), sorted(_HEAD_KEYS - set(head))
+    if unknown:
+        raise KilnError(f"{path}: genesis.{unknown[0]}: unknown key (expected {', '.join(sorted(_HEAD_KEYS))})")
+    if missing:
+        raise KilnError(f"{path}: genesis.{missing[0]}: missing")
     if not isinstance(head["commit"], str) or not _COMMIT.match(head["commit"]):
         raise KilnError(f"{path}: genesis.commit: {head['commit']!r} is not a 40-hex commit")
     if not isinstance(head["vllm"], str) or not _RELEASE.match(head["vllm"]):
@@ -122,7 +123,7 @@ def _row(path: Path, name: str, raw, presets: Mapping[str, str]) -> Row:
     status = raw.get("status")
     if status not in STATUSES:
         fail("status", f"{status!r} is not one of {', '.join(STATUSES)}")
-    required, _ = _BY_STATUS[status]
+    required = _BY_STATUS[status]
     allowed = _COMMON | {"status"} | required
     for key in sorted(set(raw) - allowed):
         fail(key, f"unknown key for a {status} row (allowed: {', '.join(sorted(allowed))})")
