@@ -81,6 +81,8 @@ def run_patches(args, out) -> int:
     for row in rows:
         rel = " ".join([*(f"+{r}" for r in row["requires"]), *(f"!{c}" for c in row["conflicts"])])
         title = row["title"] + (" (variant)" if row["variant"] else "")
-        table.add_row(row["id"], row["family"], escape(title), escape(row["gates"]), rel or "-")
+        gates = "; ".join([*([f"written for vllm{row['written_for']}"] if row["written_for"] else []),
+                           *([row["gates"]] if row["gates"] != "-" else [])]) or "-"
+        table.add_row(row["id"], row["family"], escape(title), escape(gates), rel or "-")
     out.stdout.print(table)
     return 0
