@@ -27,8 +27,8 @@ _ID = re.compile(r"^(PN?\d+[a-zA-Z]?|K\d+)$")
 _FAMILY = re.compile(r"^[a-z][a-z0-9_]*$")
 
 # Ids that were renamed, old -> new: records, image definitions and `--patch` written before
-# the rename keep working (`current_id`). P98 was Genesis's PN353A (vllm#44053); the K ids were
-# numbered as if Genesis had them.
+# the rename keep working (`current_id`). P98 was Genesis's PN353A (vllm#44053); the K ids had
+# P/PN ids although Genesis has no such fixes.
 RENAMED = {"P98": "PN353A", "P61d": "K1", "P110": "K2", "P111": "K3", "PN401b": "K4"}
 
 
