@@ -35,7 +35,7 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 from kiln.oci.reference import check_tag, parse_reference
-from kiln.patch.catalog import Catalogue
+from kiln.patch.catalog import Catalogue, current_id
 from kiln.patch.model import BuildTarget
 from kiln.pins import Pin
 from kiln.schema import check
@@ -163,7 +163,7 @@ def load_definition(images_dir: Path, name: str, catalogue: Catalogue, pins: dic
     if not fields <= TAG_FIELDS or "sm" not in fields or "pin" not in fields:
         fail("tag", f"{tag_template!r} may use {{cuda}}, {{sm}}, {{pin}} and must use {{sm}} and {{pin}}")
 
-    patches = raw["patches"]
+    patches = [current_id(pid) for pid in raw["patches"]]  # an id renamed since still names its patch
     if len(set(patches)) != len(patches):
         fail("patches", "lists a patch twice")
     for pid in patches:

@@ -18,6 +18,7 @@ The rule that decides failure is ``Verdict.blocks_build``, the same one ``build`
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,10 +28,10 @@ from kiln.definitions import ImageDefinition
 from kiln.errors import KilnError
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.reference import parse_reference
-from kiln.patch.catalog import Catalogue
+from kiln.patch.catalog import Catalogue, current_id
 from kiln.patch.engine import RunResult, Session, run_isolated, run_selection
 from kiln.patch.memo import VerdictMemo
-from kiln.patch.model import BuildTarget, Outcome
+from kiln.patch.model import BuildTarget, Outcome, Verdict
 from kiln.patch.record import Difference, accept, compare, load_record
 from kiln.paths import RepoFiles
 from kiln.pins import Pin, get_pin, load_pins
@@ -132,6 +133,20 @@ class DefinitionVerdicts:
                 for pin, o in self.rows if o.verdict.blocks_build]
 
 
+def out_of_range_note(outcomes: Iterable[Outcome], label: str) -> str | None:
+    """What ``OUT_OF_RANGE`` verdicts on ``label`` mean, naming the patches; None when there are none.
+
+    Unlike ``GATED`` (the release, SM or model does not have the failure) it is no judgement of
+    the release: the patch is left out because nobody has read that release for it.
+    """
+    ids = [o.patch_id for o in outcomes if o.verdict is Verdict.OUT_OF_RANGE]
+    if not ids:
+        return None
+    return (f"{len(ids)} patch(es) OUT_OF_RANGE on {label} ({', '.join(ids)}): the release is outside the "
+            "releases each was written for (its `written_for`), so the build leaves them out without knowing "
+            "whether this release has the failure; read the release, then widen `written_for` or gate the patch")
+
+
 def verify_definition(definition: ImageDefinition, pins: dict[str, Pin], catalogue: Catalogue,
                       reporter: Reporter = SILENT, registry_config: RegistryConfig | None = None) -> DefinitionVerdicts:
     """The image's selection on each of its pins, cumulatively, as ``build`` runs it."""
@@ -148,7 +163,7 @@ def selection_ids(catalogue: Catalogue, ids: list[str] | None) -> list[str]:
         return catalogue.default_selection()
     for pid in ids:
         catalogue.get(pid)  # unknown id -> error naming it
-    return list(dict.fromkeys(ids))
+    return list(dict.fromkeys(current_id(pid) for pid in ids))
 
 
 def patch_selection(catalogue: Catalogue, choice: SourceChoice, ids: list[str] | None,

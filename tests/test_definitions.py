@@ -218,3 +218,29 @@ def test_shipped_qwen_images_bake_the_chat_template_they_serve_with(capsys):
         template = args[args.index("--chat-template") + 1]
         [baked] = [f for f in definition.files if f.path == template]
         assert baked.data == (paths.IMAGES / "files" / "chat-templates" / "qwen3.6.jinja").read_bytes()
+
+
+def test_verify_image_explains_a_patch_out_of_its_range_and_passes(capsys, workspace):
+    """OUT_OF_RANGE (the pin's release is outside what the patch was written for) leaves the
+    patch out without blocking the build, and verify says what that means, naming the patch."""
+    write_patch(workspace / "patchsets", "attention_turboquant", "p905_test.py",
+                good_patch(pid="P905", extra='written_for = ">=0.30"'))
+    image(workspace, pins='["v0.20.1"]', patches='["P65", "P905"]')
+    code, out, err = verify_image(capsys, workspace, "test", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    row = next(r for r in data["patches"] if r["patch"] == "P905")
+    assert row["verdict"] == "OUT_OF_RANGE" and "written for vllm>=0.30; this is 0.20.1" in row["detail"]
+    assert data["failures"] == []
+    code, out, err = verify_image(capsys, workspace, "test")
+    assert code == 0, err
+    assert "OUT_OF_RANGE on v0.20.1 (P905)" in " ".join(out.split())
+
+
+def test_an_image_naming_a_renamed_patch_by_its_old_id_selects_it(capsys, workspace):
+    """kiln's P98 is Genesis's PN353A: an image definition written before the rename still builds."""
+    write_patch(workspace / "patchsets", "attention_turboquant", "pn353a_test.py", good_patch(pid="PN353A"))
+    image(workspace, pins='["v0.20.1"]', patches='["P65", "P98"]')
+    code, out, err = verify_image(capsys, workspace, "test", "--json")
+    assert code == 0, err
+    assert ("v0.20.1", "PN353A", "APPLIES") in {(r["pin"], r["patch"], r["verdict"]) for r in json.loads(out)["patches"]}

@@ -52,6 +52,7 @@ VERDICT_STYLE = {
     Verdict.ALREADY_PATCHED: "green",
     Verdict.UPSTREAM: "cyan",
     Verdict.GATED: "yellow",
+    Verdict.OUT_OF_RANGE: "magenta",
     Verdict.DRIFTED: "red",
     Verdict.TARGET_GONE: "red",
     Verdict.CONFLICT: "red",

@@ -131,8 +131,7 @@ def _verify_train(args, out, catalogue, files) -> int:
 
 
 # One letter a verdict, so a row of 18 releases fits a terminal.
-SHORT = {"APPLIES": "A", "ALREADY_PATCHED": "P", "UPSTREAM": "U", "DRIFTED": "D", "TARGET_GONE": "T",
-         "GATED": "G", "CONFLICT": "C"}
+SHORT = {str(v): v.letter for v in Verdict}
 
 
 def _show_source(args, out, catalogue, result: checks.SourceVerdicts) -> None:
@@ -156,6 +155,9 @@ def _show_source(args, out, catalogue, result: checks.SourceVerdicts) -> None:
         mark = f"[red]{recorded} ≠[/]" if pid in different else recorded
         table.add_row(pid, catalogue.get(pid).family, styled(outcome.verdict), mark, escape(outcome.detail))
     out.stdout.print(table)
+    note = checks.out_of_range_note(result.outcomes.values(), choice.label)
+    if note:
+        out.stdout.print(escape(note))
     summary = ", ".join(f"{n} {v}" for v, n in result.counts().items())
     if not result.differences:
         which = "the release train" if record.name == TRAIN_RECORD else "the record"
@@ -182,13 +184,17 @@ def _show_definition(args, out, result: checks.DefinitionVerdicts) -> None:
     for row in rows:
         table.add_row(row["pin"], row["patch"], styled(row["verdict"]), escape(row["detail"]))
     out.stdout.print(table)
+    for pin in result.pins:
+        note = checks.out_of_range_note((o for p, o in result.rows if p is pin), pin.name)
+        if note:
+            out.stdout.print(escape(note))
     if result.failures:
         out.stderr.print(f"[red]{escape(str(definition.path))}: {len(result.failures)} selected patch(es) cannot be "
                          "built:[/] " + escape("; ".join(result.failures)))
     else:
         left_out = sum(1 for _, o in result.rows if not o.verdict.ok)
         out.stdout.print(f"image {escape(definition.name)} builds on {', '.join(p.name for p in result.pins)}"
-                         + (f" ({left_out} patch verdict(s) leave a patch out: UPSTREAM or GATED)" if left_out else ""))
+                         + (f" ({left_out} patch verdict(s) leave a patch out: UPSTREAM, GATED or OUT_OF_RANGE)" if left_out else ""))
 
 
 def run_diff(args, out) -> int:

@@ -14,19 +14,35 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import libcst.matchers as m
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from kiln.errors import KilnError
 from kiln.patch.model import Codemod, Gates, NewFile, Patch
 
-# "P65", "P5b"; "PN401" for patches numbered in Genesis's PN series (a separate sequence)
-_ID = re.compile(r"^PN?\d+[a-z]?$")
+# An id means the same fix as Genesis's (github Sandermage/genesis-vllm-patches) under that
+# id: "P65", "P5b", "PN401", "PN353A" are Genesis's ids, spelt as its registry spells them. A fix
+# Genesis does not have is "K<n>" (kiln's own sequence), a prefix Genesis never uses (its ids
+# are P<n>, PN<n>, G4_<n>, SNDR_*), so the two can never collide.
+_ID = re.compile(r"^(PN?\d+[a-zA-Z]?|K\d+)$")
 _FAMILY = re.compile(r"^[a-z][a-z0-9_]*$")
+
+# Ids that were renamed, old -> new: records, image definitions and `--patch` written before
+# the rename keep working (`current_id`). P98 was Genesis's PN353A (vllm#44053); the K ids had
+# P/PN ids although Genesis has no such fixes.
+RENAMED = {"P98": "PN353A", "P61d": "K1", "P110": "K2", "P111": "K3", "PN401b": "K4"}
+
+
+def current_id(patch_id: str) -> str:
+    """The id a patch has now (``patch_id`` itself unless it was renamed)."""
+    return RENAMED.get(patch_id, patch_id)
 
 
 def patch_sort_key(patch_id: str) -> tuple[int, int, str]:
-    """Natural order: P4 < P5 < P5b < P22 < P65 < PN399 < PN401 < PN401b."""
-    match = re.match(r"P(N?)(\d+)(.*)", patch_id)
-    return (len(match.group(1)), int(match.group(2)), match.group(3)) if match else (2, 1 << 30, patch_id)
+    """Natural order: P4 < P5 < P5b < P22 < P65 < PN399 < PN401 < K1 < K2 < K10."""
+    match = re.match(r"(P|PN|K)(\d+)(.*)", patch_id)
+    if not match:
+        return (3, 1 << 30, patch_id)
+    return ({"P": 0, "PN": 1, "K": 2}[match.group(1)], int(match.group(2)), match.group(3))
 
 
 @dataclass
@@ -37,7 +53,7 @@ class Catalogue:
 
     def get(self, patch_id: str) -> Patch:
         try:
-            return self.patches[patch_id]
+            return self.patches[current_id(patch_id)]
         except KeyError:
             raise KilnError(f"unknown patch {patch_id!r} (not in {self.root})") from None
 
@@ -50,6 +66,7 @@ class Catalogue:
         wanted: set[str] = set()
 
         def add(pid: str) -> None:
+            pid = current_id(pid)
             if pid in wanted:
                 return
             wanted.add(pid)
@@ -160,7 +177,9 @@ def _validate(cls: type[Patch], path: Path) -> None:
         if not isinstance(value, str) or not value.strip():
             fail(field, "missing or not a non-empty string")
     if not _ID.match(cls.id):
-        fail("id", f"{cls.id!r} is not like 'P65', 'P5b' or 'PN401'")
+        fail("id", f"{cls.id!r} is not like 'P65', 'P5b', 'PN401' (Genesis's ids) or 'K1' (kiln's own)")
+    if cls.id in RENAMED:
+        fail("id", f"{cls.id!r} was renamed to {RENAMED[cls.id]!r}; an old id is never reused")
     if path.stem.lower() != cls.id.lower() and not path.stem.lower().startswith(cls.id.lower() + "_"):
         fail("id", f"{cls.id!r} does not match the file name {path.name!r} (expected {cls.id.lower()}_*.py)")
     if not _FAMILY.match(cls.family) or cls.family != path.parent.name:
@@ -179,6 +198,12 @@ def _validate(cls: type[Patch], path: Path) -> None:
         cls.gates.specifier()
     except ValueError as err:
         fail("gates", str(err))
+    if not isinstance(cls.written_for, str):
+        fail("written_for", "must be a version specifier string such as '>=0.20.1'")
+    try:
+        SpecifierSet(cls.written_for)
+    except InvalidSpecifier:
+        fail("written_for", f"{cls.written_for!r} is not a version specifier")
     for field in ("perf_critical", "variant"):
         if not isinstance(getattr(cls, field), bool):
             fail(field, "must be True or False")

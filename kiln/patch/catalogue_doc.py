@@ -21,11 +21,10 @@ from pathlib import Path
 from packaging.version import Version
 
 from kiln.patch.catalog import Catalogue, patch_sort_key
-from kiln.patch.model import Patch
+from kiln.patch.model import Patch, Verdict
 
 NOTES_MARKER = "<!-- notes below are written by hand and kept by `build.py patches --doc` -->"
-_SHORT = {"APPLIES": "A", "ALREADY_PATCHED": "P", "UPSTREAM": "U", "DRIFTED": "D", "TARGET_GONE": "T",
-          "GATED": "G", "CONFLICT": "C"}
+_SHORT = {str(v): v.letter for v in Verdict}
 _SECTION = "Verdicts across releases"
 
 
@@ -107,7 +106,8 @@ def render_patches_doc(catalogue: Catalogue, record: Mapping[str, Mapping[str, s
                  f"`tests/patchsets/{patch.family}/test_{patch.id.lower()}.py`"]
         if patch.upstream_refs:
             facts.append(f"- upstream: {', '.join(patch.upstream_refs)}")
-        facts.append(f"- gates: {patch.gates.describe()}")
+        facts.append(f"- written for: {'vllm' + patch.written_for if patch.written_for else 'any release'}; "
+                     f"gates: {patch.gates.describe()}")
         if patch.requires or patch.conflicts:
             facts.append(f"- requires: {', '.join(patch.requires) or '-'}; conflicts: {', '.join(patch.conflicts) or '-'}")
         if patch.variant or patch.perf_critical:

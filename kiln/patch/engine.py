@@ -258,6 +258,9 @@ def _check_compiles(patch: Patch, session: Session, modules: dict[str, cst.Modul
 
 def evaluate(patch: Patch, state: State, target: BuildTarget, verdicts: dict[str, Outcome]) -> Outcome:
     """Decide ``patch``'s verdict on ``state`` and, when it applies, commit its edits to it."""
+    outside = patch.outside_range(target.vllm_version)
+    if outside:
+        return Outcome(patch.id, Verdict.OUT_OF_RANGE, outside)
     gate = patch.gates.blocks(target)
     if gate:
         return Outcome(patch.id, Verdict.GATED, gate)

@@ -29,7 +29,13 @@ class Verdict(StrEnum):
     DRIFTED = "DRIFTED"  # an anchor matched 0 or >1 times: re-anchor the patch
     TARGET_GONE = "TARGET_GONE"  # a target file does not exist in this pin
     GATED = "GATED"  # excluded by a version/SM/dtype/architecture gate or an unmet `requires`
+    OUT_OF_RANGE = "OUT_OF_RANGE"  # the release is outside the releases the patch was written for
     CONFLICT = "CONFLICT"  # selected together with a patch it conflicts with
+
+    @property
+    def letter(self) -> str:
+        """One letter, so a row of many releases fits a terminal (the release-train tables)."""
+        return "R" if self is Verdict.OUT_OF_RANGE else "P" if self is Verdict.ALREADY_PATCHED else self.value[0]
 
     @property
     def ok(self) -> bool:
@@ -43,7 +49,9 @@ class Verdict(StrEnum):
         A selected patch that cannot be placed (its anchor drifted, its file is gone, it
         conflicts) stops everything. One that is not needed on this source (``UPSTREAM``), not
         for this target (``GATED``), or already there (``ALREADY_PATCHED``) is left out and
-        reported: the image carries the fix either way.
+        reported: the image carries the fix either way. One written for other releases
+        (``OUT_OF_RANGE``) is left out and reported too, but nobody has judged that release:
+        ``verify`` says so, naming the releases the patch was written for.
         """
         return self in (Verdict.DRIFTED, Verdict.TARGET_GONE, Verdict.CONFLICT)
 
@@ -164,6 +172,11 @@ class Patch:
     requires: ClassVar[tuple[str, ...]] = ()
     conflicts: ClassVar[tuple[str, ...]] = ()
     gates: ClassVar[Gates] = Gates()
+    # PEP 440 specifier of the releases the patch was written and judged for ("" = any): on a
+    # release outside it the verdict is OUT_OF_RANGE, whatever the source holds. Unlike
+    # ``gates.vllm`` (this release does not have the failure, or has it elsewhere) it says
+    # nothing about the release: nobody has read it for this patch.
+    written_for: ClassVar[str] = ""
     perf_critical: ClassVar[bool] = False  # a pin bump that loses it must stop
     variant: ClassVar[bool] = False  # an alternative an image opts into; not in the default set
     edits: ClassVar[tuple[type[Codemod], ...]]
@@ -179,6 +192,12 @@ class Patch:
         on the codemods' ``upstream`` matchers only.
         """
         return None
+
+    def outside_range(self, version: Version) -> str | None:
+        """Why ``version`` is outside ``written_for``, or None when it is inside."""
+        if not self.written_for or SpecifierSet(self.written_for).contains(version, prereleases=True):
+            return None
+        return f"written for vllm{self.written_for}; this is {version}, which nobody has judged for this patch"
 
     @property
     def targets(self) -> tuple[str, ...]:

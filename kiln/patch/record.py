@@ -14,7 +14,7 @@ from pathlib import Path
 import tomlkit
 
 from kiln.errors import KilnError
-from kiln.patch.catalog import patch_sort_key
+from kiln.patch.catalog import current_id, patch_sort_key
 from kiln.patch.model import Outcome, Verdict
 from kiln.staging import write_atomic
 
@@ -43,10 +43,15 @@ def load_record(path: Path) -> dict[str, dict[str, str]]:
         if not isinstance(table, dict):
             raise KilnError(f"{path}: {label}: must be a table of PATCH = \"VERDICT\"")
         record[label] = {}
+        named: dict[str, str] = {}  # current id -> the id the file used
         for pid, verdict in table.items():
             if str(verdict) not in Verdict.__members__:
                 raise KilnError(f"{path}: {label}.{pid}: {verdict!r} is not a verdict ({', '.join(Verdict)})")
-            record[label][pid] = str(verdict)
+            now = current_id(pid)  # a record written before a rename reads under the new id
+            if now in named:
+                raise KilnError(f"{path}: {label}: {named[now]} and {pid} are the same patch (renamed); keep {now}")
+            named[now] = pid
+            record[label][now] = str(verdict)
     return record
 
 

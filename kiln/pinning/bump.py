@@ -176,7 +176,7 @@ class ImageImpact:
     path: str
     pins: list[str]  # [] = built on every pin, so on the candidate too
     broken: list[Outcome]  # selected patches `build` would refuse on the candidate
-    retired: list[Outcome]  # selected patches the build would leave out (UPSTREAM, GATED)
+    retired: list[Outcome]  # selected patches the build would leave out (UPSTREAM, GATED, OUT_OF_RANGE)
     names_dropped_pin: str  # the dropped rollback pin when the image lists it, else ""
 
     @property
@@ -246,6 +246,8 @@ def _action(old: Outcome, new: Outcome, requires_broken: bool) -> str:
         return "re-anchor"
     if new.verdict is Verdict.GATED:
         return "blocked" if requires_broken else "gated"
+    if new.verdict is Verdict.OUT_OF_RANGE:
+        return "out of range"
     return "-"
 
 
@@ -275,7 +277,7 @@ def run_preflight(catalogue: Catalogue, images: list[ImageDefinition], current: 
         dropped = rollback.name if rollback and rollback.name in image.pins else ""
         impacts.append(ImageImpact(image.name, str(image.path), list(image.pins),
                                    [o for o in selected if o.verdict.blocks_build],
-                                   [o for o in selected if o.verdict in (Verdict.UPSTREAM, Verdict.GATED)],
+                                   [o for o in selected if o.verdict in (Verdict.UPSTREAM, Verdict.GATED, Verdict.OUT_OF_RANGE)],
                                    dropped))
 
     pre = Preflight(current, rollback, candidate, old_tree.origin, rows, requires_impact, perf_lost, impacts)

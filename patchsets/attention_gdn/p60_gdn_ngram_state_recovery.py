@@ -449,8 +449,8 @@ class P60(Patch):
         "from before the accepted tokens; outputs silently degrade. Restore the accepted state."
     )
     upstream_refs = ("vllm#40738", "vllm#39273", "vllm#56531")
+    written_for = ">=0.20.1"
     gates = Gates(
-        vllm=">=0.20.1",
         architectures=("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
     )
     edits = (

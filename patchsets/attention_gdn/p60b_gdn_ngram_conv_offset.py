@@ -309,8 +309,8 @@ class P60b(Patch):
     )
     upstream_refs = ("vllm#40738", "vllm#39273")
     requires = ("P60",)
+    written_for = ">=0.20.1"
     gates = Gates(
-        vllm=">=0.20.1",
         architectures=("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
     )
     edits = (

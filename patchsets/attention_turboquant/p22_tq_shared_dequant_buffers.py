@@ -286,7 +286,8 @@ class P22(Patch):
         "across layers, reserve it at model construction, and keep cu_seqlens on the device."
     )
     upstream_refs = ("vllm#40420", "vllm#40655", "vllm#40706", "vllm#40798")
-    gates = Gates(vllm=">=0.20.1", kv_cache_dtypes=("turboquant_*",))
+    written_for = ">=0.20.1"
+    gates = Gates(kv_cache_dtypes=("turboquant_*",))
     perf_critical = True  # losing it brings back the long-context OOM and N-layer buffer growth
     edits = (SharedDequantBufferPool, ReserveDequantBuffersAtInit, DequantIntoSharedBuffers, DeviceSideCuSeqlens)
 

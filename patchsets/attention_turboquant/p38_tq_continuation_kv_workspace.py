@@ -252,6 +252,7 @@ class P38(Patch):
         ">= ~99k. Write prefix and chunk into shared K/V buffers reserved at model construction."
     )
     upstream_refs = ("vllm#40420",)
-    gates = Gates(vllm=">=0.20.1", kv_cache_dtypes=("turboquant_*",))
+    written_for = ">=0.20.1"
+    gates = Gates(kv_cache_dtypes=("turboquant_*",))
     perf_critical = True  # losing it brings back the deep-prefix OOM
     edits = (SharedKvFullPool, ReserveKvFullAtInit, WriteKvFullIntoSharedBuffers)

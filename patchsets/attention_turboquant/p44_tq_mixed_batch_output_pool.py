@@ -174,7 +174,8 @@ class P44(Patch):
         "every TurboQuant layer on every mixed decode+prefill step, though every row is then "
         "written. Reuse one pooled buffer, sliced to N, without the zero fill."
     )
-    gates = Gates(vllm=">=0.20.1", kv_cache_dtypes=("turboquant_*",))
+    written_for = ">=0.20.1"
+    gates = Gates(kv_cache_dtypes=("turboquant_*",))
     edits = (SharedMixedBatchOutputPool, DropMixedBatchZeroFill, PooledMixedBatchOutput)
 
     def upstream_fix(self, module_of) -> str | None:

@@ -154,7 +154,8 @@ class P4(Patch):
         "boundary layers for hybrids; dense models keep boundary protection."
     )
     upstream_refs = ("vllm#39931",)
-    gates = Gates(vllm=">=0.20.1", kv_cache_dtypes=("turboquant_*",))
+    written_for = ">=0.20.1"
+    gates = Gates(kv_cache_dtypes=("turboquant_*",))
     edits = (HybridBoundaryFromAttentionLayers,)
 
     def upstream_fix(self, module_of) -> str | None:

@@ -60,6 +60,7 @@ class P65(Patch):
     )
     upstream_refs = ("vllm#40880", "vllm#53180", "vllm#53406", "vllm#53410")
     conflicts = ("P67b",)
-    gates = Gates(vllm=">=0.20.1", kv_cache_dtypes=("turboquant_*",))
+    written_for = ">=0.20.1"
+    gates = Gates(kv_cache_dtypes=("turboquant_*",))
     edits = (ReportSingleTokenDecodeUnderSpec,)
 

@@ -131,7 +131,8 @@ class P67(Patch):
     )
     upstream_refs = ("vllm#40914",)
     requires = ("P67b",)
-    gates = Gates(vllm=">=0.20.1", kv_cache_dtypes=("turboquant_*",))
+    written_for = ">=0.20.1"
+    gates = Gates(kv_cache_dtypes=("turboquant_*",))
     perf_critical = True
     variant = True  # with P67b, instead of P65
     edits = (AddSpecVerifyKernel, ImportSpecVerifyKernel, TryKernelFirst)

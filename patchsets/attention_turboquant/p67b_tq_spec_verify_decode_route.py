@@ -180,7 +180,8 @@ class P67b(Patch):
     )
     upstream_refs = ("vllm#40880", "vllm#40914", "vllm#53180")
     conflicts = ("P65",)
-    gates = Gates(vllm=">=0.20.1", kv_cache_dtypes=("turboquant_*",))
+    written_for = ">=0.20.1"
+    gates = Gates(kv_cache_dtypes=("turboquant_*",))
     perf_critical = True
     variant = True  # an image picks P65 or P67b
     edits = (AddSpecVerifyMethods, RouteSpecVerifyBatches)

@@ -33,13 +33,13 @@ Verdicts across releases (``patchsets/release-train.toml``, reviewed on every re
 - 0.20.1-0.33.0: APPLIES (a variant: opt-in). ``WorkspaceManager.get_simultaneous``
   (``v1/worker/workspace.py:92`` on 0.20.1, ``:181`` on 0.33.0) rebuilds its views on every call
   in every release, and none memoises them; from 0.21.0 TurboQuant's decode is one of its
-  callers (see P98), before that the fused-MoE and MLA/flash-attention paths are.
+  callers (see PN353A), before that the fused-MoE and MLA/flash-attention paths are.
 """
 
 import libcst as cst
 import libcst.matchers as m
 
-from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.model import Codemod, Patch
 from kiln.patch.shapes import (
     assign_to,
     cls,
@@ -165,6 +165,6 @@ class P99(Patch):
         "the views cut from the same workspace tensor last time; forget them when it grows."
     )
     upstream_refs = ("vllm#40941",)
-    gates = Gates(vllm=">=0.20.1")
+    written_for = ">=0.20.1"
     variant = True  # Python overhead only; kiln has no GPU measurement of the gain yet
     edits = (InitMemo, LookUpMemo, StoreMemo, DropMemoOnGrowth)

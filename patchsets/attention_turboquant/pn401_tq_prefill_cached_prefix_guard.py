@@ -238,7 +238,8 @@ class PN401(Patch):
         "its cached prefix (hallucinated output). Take the fast path only when no row has one."
     )
     upstream_refs = ("vllm#46460", "vllm#46461")
-    gates = Gates(vllm=">=0.20.1", kv_cache_dtypes=("turboquant_*",))
+    written_for = ">=0.20.1"
+    gates = Gates(kv_cache_dtypes=("turboquant_*",))
     edits = (AddCachedPrefixField, AddCachedPrefixCheck, SetFlagInBuild, PassFlagToPrefillRows, GuardFastPath)
 
     def upstream_fix(self, module_of):

@@ -51,7 +51,7 @@ Verdicts across releases (``patchsets/release-train.toml``, reviewed on every re
 
 import libcst.matchers as m
 
-from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.model import Codemod, Patch
 from kiln.patch.shapes import (
     assign_to,
     cls,
@@ -123,7 +123,7 @@ class P66(Patch):
         "batch (B*(1+K) tokens) uses, gaps where it needs one. Round them as vLLM does for FULL."
     )
     upstream_refs = ("vllm#28015", "vllm#28207", "vllm#23679")
-    gates = Gates(vllm=">=0.20.1")
+    written_for = ">=0.20.1"
     edits = (RoundCaptureSizesForSpecDecode,)
 
     def upstream_fix(self, module_of):

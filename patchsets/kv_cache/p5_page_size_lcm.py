@@ -55,7 +55,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from kiln.patch.anchor import find, reach
-from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.model import Codemod, Patch
 from kiln.patch.shapes import assign_to, cls, func, marked, place, statements, with_marker
 
 UNIFY = "unify_kv_cache_spec_page_size"
@@ -197,7 +197,7 @@ class P5(Patch):
         "Mamba pages do not divide (TurboQuant + GDN/Mamba). Unify at a multiple of the LCM of "
         "the attention pages: attention grows by whole blocks, Mamba pages are padded."
     )
-    gates = Gates(vllm=">=0.20.1")
+    written_for = ">=0.20.1"
     edits = (UnifyPagesAtAttentionLcm,)
 
     def upstream_fix(self, module_of) -> str | None:

@@ -66,7 +66,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from kiln.patch.anchor import find, reach
-from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.model import Codemod, Patch
 from kiln.patch.shapes import assign_to, cls, func, marked, place, place_of, statements, with_marker
 
 UNIFY = "unify_kv_cache_spec_page_size"
@@ -276,7 +276,7 @@ class P5b(Patch):
     conflicts = ("P5",)
     variant = True
     perf_critical = True
-    gates = Gates(vllm=">=0.20.1")
+    written_for = ">=0.20.1"
     edits = (
         UnifyPagesPadToMax,
         PaddedPageStridePerKernelBlock,

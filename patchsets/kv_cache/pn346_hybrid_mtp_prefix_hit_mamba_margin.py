@@ -48,7 +48,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from kiln.patch.anchor import find, line_of
-from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.model import Codemod, Patch
 from kiln.patch.shapes import cls, func, insert_after, marked, statements, with_marker
 
 TARGET = "v1/core/kv_cache_coordinator.py"
@@ -116,7 +116,7 @@ class PN346(Patch):
         "by one block of never-computed context. Give the margin to non-Mamba groups only."
     )
     upstream_refs = ("vllm#43559", "vllm#43650", "vllm#49502")
-    gates = Gates(vllm=">=0.20.1")
+    written_for = ">=0.20.1"
     edits = (ImportMambaSpec, NoEagleMarginForMamba)
 
     def upstream_fix(self, module_of):

@@ -42,7 +42,7 @@ import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from kiln.patch.anchor import find
-from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.model import Codemod, Patch
 from kiln.patch.shapes import cls, func, insert_after, marked, statements, with_marker
 
 TARGET = "sampling_params.py"
@@ -128,7 +128,7 @@ class P109(Patch):
         "kills the engine for every request."
     )
     upstream_refs = ("vllm#42614", "vllm#54196", "vllm#54195")
-    gates = Gates(vllm=">=0.20.1")
+    written_for = ">=0.20.1"
     edits = (AddStopTokenIdsValidator, CallStopTokenIdsValidator)
 
     def upstream_fix(self, module_of) -> str | None:

@@ -49,7 +49,7 @@ Verdicts across releases (``patchsets/release-train.toml``, reviewed on every re
 
 import libcst.matchers as m
 
-from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.model import Codemod, Patch
 from kiln.patch.shapes import cls, func, insert_after, marked, statements, with_marker
 
 TARGET = "v1/core/sched/scheduler.py"
@@ -104,5 +104,5 @@ class P58(Patch):
         "overwrite them, and -1 reaches the embedding (device assert at TP=1, garbage under TP)."
     )
     upstream_refs = ("vllm#40768", "vllm#46899", "vllm#37159", "vllm#40807")
-    gates = Gates(vllm=">=0.20.1")
+    written_for = ">=0.20.1"
     edits = (DropStalePlaceholders,)

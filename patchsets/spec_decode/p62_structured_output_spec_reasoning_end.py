@@ -65,7 +65,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from kiln.patch.anchor import count, find
-from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.model import Codemod, Patch
 from kiln.patch.shapes import cls, func, insert_after, marked, place_of, statements, with_marker
 
 STRUCTURED_OUTPUT = "v1/structured_output/__init__.py"
@@ -444,7 +444,7 @@ class P62(Patch):
         "vllm#44993",
         "vllm#48200",
     )
-    gates = Gates(vllm=">=0.20.1")
+    written_for = ">=0.20.1"
     edits = (
         AddReasoningAwareMethods,
         ConstrainRowsAfterReasoningEnd,

@@ -38,7 +38,7 @@ Verdicts across releases (``patchsets/release-train.toml``, reviewed on every re
   ``qwen3coder_tool_parser.py``: ``qwen3_coder`` is served by ``Qwen3EngineToolParser``
   (``tool_parsers/qwen3_engine_tool_parser.py``), an adapter of the streaming parser engine.
   The failure survived there (the text after a header-less tag is dropped in streaming and
-  non-streaming alike), so the fix was ported rather than retired: P61d carries it on the
+  non-streaming alike), so the fix was ported rather than retired: K1 carries it on the
   engine from 0.24.0, and this patch is gated to the releases its file exists in, so an
   image lists both and each pin gets the one that fits.
 """
@@ -215,5 +215,6 @@ class P61c(Patch):
         "which the non-streaming parser returns as content."
     )
     upstream_refs = ("club-3090#72",)
-    gates = Gates(vllm=">=0.20.1,<0.24.0")  # from 0.24.0: P61d, on the parser engine
+    written_for = ">=0.20.1"
+    gates = Gates(vllm="<0.24.0")  # from 0.24.0: K1, on the parser engine
     edits = (AddDeferralState, AddDeferralMethods, HideReleasedTags, DeferCommit)

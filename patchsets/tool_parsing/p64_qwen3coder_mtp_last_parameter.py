@@ -48,7 +48,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from kiln.patch.anchor import find
-from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.model import Codemod, Patch
 from kiln.patch.shapes import (
     cls,
     func,
@@ -224,7 +224,7 @@ class P64(Patch):
         "final reconciliation left the tool call's arguments empty."
     )
     upstream_refs = ("vllm#39598", "vllm#45335", "vllm#45413")
-    gates = Gates(vllm=">=0.20.1")
+    written_for = ">=0.20.1"
     edits = (HoldFragmentsForTheClose, CloseInTheSameDelta)
 
     def upstream_fix(self, module_of) -> str | None:

@@ -124,6 +124,26 @@ def test_version_and_sm_gates(tmp_path):
     assert (out.verdict, out.detail) == (Verdict.GATED, "sm_86 below sm_89")
 
 
+def test_a_release_outside_written_for_is_out_of_range_not_gated(tmp_path):
+    """0.19.1 below a patch written for >=0.20.1: OUT_OF_RANGE, even where the anchor is there
+    (the failure may well be present); it wins over a gate and does not block a build."""
+    written = patch("P1", (AddHelper,), written_for=">=0.20.1", gates=Gates(sm_min=89))
+    old = BuildTarget(Version("0.19.1"), sm=86)
+    out = verdict(tmp_path, BASE, written, target=old)
+    assert out.verdict is Verdict.OUT_OF_RANGE
+    assert "written for vllm>=0.20.1" in out.detail and "0.19.1" in out.detail
+    assert not out.verdict.blocks_build and not out.verdict.ok
+    # inside the range the same patch is judged on the source and the target as before
+    assert verdict(tmp_path, BASE, written, target=BuildTarget(Version("0.20.1"), sm=86)).verdict is Verdict.GATED
+    assert verdict(tmp_path, BASE, written).verdict is Verdict.APPLIES
+
+
+def test_a_dependency_out_of_range_gates_the_dependent(tmp_path):
+    p1 = patch("P1", (AddHelper,), written_for=">=0.21")
+    out = verdict(tmp_path, BASE, p1, patch("P2", (RenameSupport,), requires=("P1",)), pid="P2")
+    assert (out.verdict, out.detail) == (Verdict.GATED, "requires P1, which is OUT_OF_RANGE")
+
+
 def test_requires_an_applying_patch(tmp_path):
     dependent = patch("P2", (RenameSupport,), requires=("P1",))
     files = {"mod.py": "class Builder:\n    support = 1\n    def upstream_helper(self):\n        pass\n"}

@@ -75,7 +75,7 @@ digest = ""
 # The verdicts kiln must find on the real sources (the reviewed record says the same).
 EXPECTED_0330 = {
     "P4": "UPSTREAM", "P5": "UPSTREAM", "P5b": "UPSTREAM", "P22": "UPSTREAM", "P38": "APPLIES",
-    "P44": "UPSTREAM", "P60": "UPSTREAM", "P60b": "GATED", "P61c": "GATED", "P61d": "APPLIES",
+    "P44": "UPSTREAM", "P60": "UPSTREAM", "P60b": "GATED", "P61c": "GATED", "K1": "APPLIES",
     "P62": "UPSTREAM", "P64": "UPSTREAM", "P65": "APPLIES", "P66": "UPSTREAM",
 }
 # No shipped patch breaks on 0.33.0 any more, so the catalogue copy the tests use adds one that
@@ -120,7 +120,7 @@ def work(tmp_path, monkeypatch) -> Path:
     shutil.copytree(paths.PATCHSETS, tmp_path / "patchsets", ignore=shutil.ignore_patterns("__pycache__"))
     p61c = tmp_path / "patchsets" / "tool_parsing" / "p61c_qwen3coder_deferred_commit.py"
     gone = p61c.read_text().replace('id = "P61c"', f'id = "{GONE_PATCH}"').replace(
-        'class P61c(Patch)', f'class {GONE_PATCH}(Patch)').replace('vllm=">=0.20.1,<0.24.0"', 'vllm=">=0.20.1"')
+        'class P61c(Patch)', f'class {GONE_PATCH}(Patch)').replace('gates = Gates(vllm="<0.24.0")', 'gates = Gates()')
     gone = gone.replace("kiln P61c:", f"kiln {GONE_PATCH}:").replace('marked("P61c")', f'marked("{GONE_PATCH}")')
     gone = gone.replace('"P61c", why', f'"{GONE_PATCH}", why').replace('"P61c",', f'"{GONE_PATCH}",')
     (p61c.parent / "p961_ungated_qwen3coder_test.py").write_text(gone)
@@ -166,7 +166,7 @@ def test_preflight_0201_to_0330_report(capsys, work):
     assert {pid: new[pid] for pid in EXPECTED_0330} == EXPECTED_0330
     assert {pid: new[pid] for pid in record["v0.33.0"]} == record["v0.33.0"]
     assert {pid: old[pid] for pid in record["v0.20.1"]} == record["v0.20.1"]
-    assert {old[pid] for pid in EXPECTED_0330 if pid != "P61d"} == {"APPLIES"} and old["P61d"] == "GATED"
+    assert {old[pid] for pid in EXPECTED_0330 if pid != "K1"} == {"APPLIES"} and old["K1"] == "GATED"
     assert old[GONE_PATCH] == "APPLIES" and new[GONE_PATCH] == "TARGET_GONE"
     assert report["from"]["pin"] == "v0.20.1" and report["drops"] == "v0.18.0"
     assert report["to"]["name"] == "v0.33.0" and report["to"]["vllm"] == "0.33.0"
@@ -183,7 +183,7 @@ def test_preflight_0201_to_0330_report(capsys, work):
     assert report["reanchor"] == [GONE_PATCH]  # no shipped patch needs re-anchoring
     actions = {row["patch"]: row["action"] for row in report["patches"]}
     assert actions["P60b"] == "blocked" and actions["P65"] == "keep" and actions["P38"] == "keep"
-    assert actions["P61c"] == "gated" and actions["P61d"] == "new"
+    assert actions["P61c"] == "gated" and actions["K1"] == "new"
     assert {"patch": "P60b", "requires": "P60", "verdict": "UPSTREAM"} in report["requires_impact"]
     perf = {pid for pid, p in catalogue.patches.items() if p.perf_critical and old[pid] == "APPLIES"
             and new[pid] not in ("APPLIES", "ALREADY_PATCHED")}

@@ -1,6 +1,6 @@
 """Run TurboQuant's metadata builder and prefill routing (``turboquant_attn.py``) on CPU.
 
-The behaviour tests of PN401/PN401b take, from a pristine or patched backend file, the
+The behaviour tests of PN401/K4 take, from a pristine or patched backend file, the
 ``TurboQuantMetadata`` dataclass, ``TurboQuantMetadataBuilder.build`` (with the helpers a
 patch adds to the builder), ``TurboQuantAttentionImpl.forward`` and ``_prefill_attention``,
 plus the real ``split_decodes_and_prefills`` from ``v1/attention/backends/utils.py`` of the

@@ -145,7 +145,7 @@ def test_through_the_delegating_parser_mid_thought(patched_text, tree, sessions)
     assert sides["pristine"]["content"] == ""  # everything after the tag swallowed
     after_tag = "".join(deltas)[len("I might need a ") :]
     assert sides["patched"]["content"] == after_tag
-    # (the space before the tag is the boundary delta's reasoning, which P110 keeps)
+    # (the space before the tag is the boundary delta's reasoning, which K2 keeps)
     assert sides["patched"]["reasoning"] == sides["pristine"]["reasoning"] == "I might need a"
 
 
@@ -160,9 +160,9 @@ def test_applies_once_and_is_gated_to_its_file_on_0330(catalogue, sessions):
     again = isolated_run(catalogue, old.overlay(first.state.changed), target, "P61c")
     assert again.outcomes["P61c"].verdict is Verdict.ALREADY_PATCHED
 
-    # 0.33.0: the parser file is gone (the engine serves qwen3_coder; P61d carries the fix
+    # 0.33.0: the parser file is gone (the engine serves qwen3_coder; K1 carries the fix
     # there), and the version gate says so before the missing file would
     new = sessions("v0.33.0")
     assert not new.tree.exists("tool_parsers/qwen3coder_tool_parser.py")
     outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "P61c").outcomes["P61c"]
-    assert outcome.verdict is Verdict.GATED and outcome.detail == "vllm 0.33.0 not in >=0.20.1,<0.24.0"
+    assert outcome.verdict is Verdict.GATED and outcome.detail == "vllm 0.33.0 not in <0.24.0"

@@ -1,4 +1,8 @@
-"""P110: a streamed delta that ends reasoning keeps its reasoning text (tools + reasoning parser).
+"""K2: a streamed delta that ends reasoning keeps its reasoning text (tools + reasoning parser).
+
+Genesis has no such fix, so the id is from kiln's own sequence (``K<n>``, a prefix Genesis
+never uses); it was P110 until the ids were aligned, and records written then still read
+(``kiln.patch.catalog.RENAMED``).
 
 What fails on 0.20.1: with ``--reasoning-parser`` and ``--enable-auto-tool-choice`` the chat
 stream goes through ``DelegatingParser.parse_delta`` (``parser/abstract_parser.py``,
@@ -48,7 +52,7 @@ import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from kiln.patch.anchor import find
-from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.model import Codemod, Patch
 from kiln.patch.shapes import cls, func, marked, statements, with_marker
 
 TARGET = "parser/abstract_parser.py"
@@ -87,7 +91,7 @@ class KeepBoundaryReasoning(Codemod):
 
     target = TARGET
     anchor = (*PARSE_DELTA, TOOL_PHASE, TOOL_CALL_EXTRACTION)
-    patched = (*PARSE_DELTA, TOOL_PHASE, m.SimpleStatementLine(leading_lines=marked("P110")))
+    patched = (*PARSE_DELTA, TOOL_PHASE, m.SimpleStatementLine(leading_lines=marked("K2")))
 
     def rewrite(self, node):
         (save,) = statements("boundary_reasoning = delta_message.reasoning if delta_message else None")
@@ -101,22 +105,22 @@ class KeepBoundaryReasoning(Codemod):
         )
         return cst.FlattenSentinel(
             [
-                with_marker(save, "P110", "a delta that ends reasoning also carries reasoning text"),
+                with_marker(save, "K2", "a delta that ends reasoning also carries reasoning text"),
                 node,
-                with_marker(restore, "P110", "the tool parser's answer replaced delta_message: keep that text"),
+                with_marker(restore, "K2", "the tool parser's answer replaced delta_message: keep that text"),
             ]
         )
 
 
 def _kiln_marked(node) -> bool:
     return any(
-        line.comment is not None and line.comment.value.startswith("# kiln P110:")
+        line.comment is not None and line.comment.value.startswith("# kiln K2:")
         for line in getattr(node, "leading_lines", ())
     )
 
 
-class P110(Patch):
-    id = "P110"
+class K2(Patch):
+    id = "K2"
     family = "reasoning"
     title = "Streaming with tools + reasoning parser: the delta that ends reasoning keeps its reasoning"
     why = (
@@ -125,7 +129,7 @@ class P110(Patch):
         "deltas) the tail of reasoning_content goes missing on tool-enabled streams."
     )
     upstream_refs = ("vllm#42691", "vllm#43055", "vllm#42781")
-    gates = Gates(vllm=">=0.20.1")
+    written_for = ">=0.20.1"
     edits = (KeepBoundaryReasoning,)
 
     def upstream_fix(self, module_of) -> str | None:

@@ -1,4 +1,4 @@
-"""P61d on the real parser engine of 0.24.0 and 0.33.0: a header-less <tool_call> is content.
+"""K1 on the real parser engine of 0.24.0 and 0.33.0: a header-less <tool_call> is content.
 
 Behaviour test: the pristine and the patched engine modules and ``parser/qwen3.py`` of each
 tree run as modules on CPU (``tests/patchsets/support/parser_engine.py`` says what is stood
@@ -31,7 +31,7 @@ def sessions_by_release():
 def engines(request, catalogue, sessions_by_release):
     """(pristine, patched) engines of one release."""
     session = sessions_by_release[request.param]
-    patched = patched_files(catalogue, session, "P61d")
+    patched = patched_files(catalogue, session, "K1")
     return pe.load(pe.tree_texts(session.tree)), pe.load(pe.tree_texts(session.tree, patched))
 
 
@@ -101,7 +101,7 @@ def test_other_engines_are_unchanged(engines):
 def test_verdicts(catalogue, sessions, sessions_by_release):
     for session in (sessions("v0.20.1"), *sessions_by_release.values()):
         target = BuildTarget(session.tree.vllm_version)
-        outcome = isolated_run(catalogue, session, target, "P61d").outcomes["P61d"]
+        outcome = isolated_run(catalogue, session, target, "K1").outcomes["K1"]
         expected = Verdict.GATED if session.tree.vllm_version < Version("0.24.0") else Verdict.APPLIES
         assert outcome.verdict is expected, outcome.detail
         p61c = isolated_run(catalogue, session, target, "P61c").outcomes["P61c"]
@@ -112,6 +112,6 @@ def test_verdicts(catalogue, sessions, sessions_by_release):
 def test_applying_twice_is_already_patched(catalogue, sessions_by_release, release):
     session = sessions_by_release[release]
     target = BuildTarget(session.tree.vllm_version)
-    first = isolated_run(catalogue, session, target, "P61d")
-    again = isolated_run(catalogue, session.overlay(first.state.changed), target, "P61d")
-    assert again.outcomes["P61d"].verdict is Verdict.ALREADY_PATCHED
+    first = isolated_run(catalogue, session, target, "K1")
+    again = isolated_run(catalogue, session.overlay(first.state.changed), target, "K1")
+    assert again.outcomes["K1"].verdict is Verdict.ALREADY_PATCHED

@@ -1,4 +1,4 @@
-"""P110 on real 0.20.1 source: the delta that ends reasoning keeps its reasoning text.
+"""K2 on real 0.20.1 source: the delta that ends reasoning keeps its reasoning text.
 
 Behaviour test running the real stream parsers (``tests/patchsets/support/qwen3_parsers.py``
 loads them): ``DelegatingParser.parse_delta`` and the methods it calls, pristine and patched,
@@ -38,7 +38,7 @@ def _parser(delegating_source, tree):
 
 @pytest.fixture(scope="module")
 def patched(catalogue, sessions):
-    text = patched_files(catalogue, sessions("v0.20.1"), "P110")[DELEGATING]
+    text = patched_files(catalogue, sessions("v0.20.1"), "K2")[DELEGATING]
     return lambda: _parser(text, sessions("v0.20.1").tree)
 
 
@@ -99,14 +99,14 @@ def test_verdicts(catalogue, sessions):
 
     old = sessions("v0.20.1")
     target = BuildTarget(old.tree.vllm_version)
-    first = isolated_run(catalogue, old, target, "P110")
-    assert first.outcomes["P110"].verdict is Verdict.APPLIES
-    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "P110")
-    assert again.outcomes["P110"].verdict is Verdict.ALREADY_PATCHED
+    first = isolated_run(catalogue, old, target, "K2")
+    assert first.outcomes["K2"].verdict is Verdict.APPLIES
+    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "K2")
+    assert again.outcomes["K2"].verdict is Verdict.ALREADY_PATCHED
 
     new = sessions("v0.33.0")
-    outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "P110").outcomes[
-        "P110"
+    outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "K2").outcomes[
+        "K2"
     ]
     assert outcome.verdict is Verdict.UPSTREAM, outcome.detail
     assert "parser/abstract_parser.py:947" in outcome.detail

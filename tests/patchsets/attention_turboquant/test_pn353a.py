@@ -1,8 +1,8 @@
-"""P98 on real 0.21.0, 0.22.1 and 0.23.0 source: TurboQuant scratch is reserved before the lock.
+"""PN353A on real 0.21.0, 0.22.1 and 0.23.0 source: TurboQuant scratch is reserved before the lock.
 
 What runs: the tree's real ``WorkspaceManager`` (``v1/worker/workspace.py``, on CPU;
 ``tests/patchsets/support/tq_workspace.py``), the (patched) ``TurboQuantMetadataBuilder.__init__``
-and the reservation method P98 adds, and the tree's own ``_continuation_prefill`` and
+and the reservation method PN353A adds, and the tree's own ``_continuation_prefill`` and
 ``_decode_attention`` extracted from the backend (``turboquant_standins``: the dequant kernel
 is a gather from an fp16 stand-in cache, the decode kernel a recorder). The engine's order is
 replayed: build the metadata builder (profile run), lock the workspace (end of
@@ -39,7 +39,7 @@ def texts(catalogue, sources):
     out = {}
     for version, session in sources.items():
         tree = session.tree
-        out[version] = (tree.read(tq.TARGET), patched_files(catalogue, session, "P98")[tq.TARGET], tree.read(ws.WORKSPACE))
+        out[version] = (tree.read(tq.TARGET), patched_files(catalogue, session, "PN353A")[tq.TARGET], tree.read(ws.WORKSPACE))
     return out
 
 
@@ -139,7 +139,7 @@ def _unlocked(workspace_text, monkeypatch):
 
 def test_verdicts(catalogue, sessions, sources):
     def verdict(session):
-        return isolated_run(catalogue, session, BuildTarget(session.tree.vllm_version), "P98").outcomes["P98"]
+        return isolated_run(catalogue, session, BuildTarget(session.tree.vllm_version), "PN353A").outcomes["PN353A"]
 
     for session in sources.values():
         assert verdict(session).verdict is Verdict.APPLIES
@@ -154,6 +154,6 @@ def test_verdicts(catalogue, sessions, sources):
 def test_applying_twice_is_already_patched(catalogue, sources):
     session = sources["0.21.0"]
     target = BuildTarget(session.tree.vllm_version)
-    first = isolated_run(catalogue, session, target, "P98")
-    again = isolated_run(catalogue, session.overlay(first.state.changed), target, "P98")
-    assert again.outcomes["P98"].verdict is Verdict.ALREADY_PATCHED
+    first = isolated_run(catalogue, session, target, "PN353A")
+    again = isolated_run(catalogue, session.overlay(first.state.changed), target, "PN353A")
+    assert again.outcomes["PN353A"].verdict is Verdict.ALREADY_PATCHED

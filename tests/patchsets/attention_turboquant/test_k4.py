@@ -1,4 +1,4 @@
-"""PN401b on real 0.21.0 and 0.33.0 source: verify rows attend over the device lengths.
+"""K4 on real 0.21.0 and 0.33.0 source: verify rows attend over the device lengths.
 
 Behaviour test by extraction (``tests/patchsets/support/tq_prefill.py``): the patched
 ``TurboQuantMetadataBuilder.build``, ``TurboQuantAttentionImpl.forward`` and
@@ -44,7 +44,7 @@ def sources(sessions, session_0210):
 def test_verify_rows_attend_their_true_context(catalogue, sources, label, case):
     session = sources[label]
     utils = session.tree.read(tp.UTILS)
-    patched = patched_files(catalogue, session, "PN401b")[tp.TARGET]
+    patched = patched_files(catalogue, session, "K4")[tp.TARGET]
     batch = tp.Batch(OVERSTATED[case])
     reference = batch.reference()
     fixed = tp.Backend(patched, utils)
@@ -66,7 +66,7 @@ def test_exact_host_lengths_give_the_same_output(catalogue, sources, label):
     utils = session.tree.read(tp.UTILS)
     # (the fresh prompt is shorter than the continuation: no flash fast path, PN401's business)
     batch = tp.Batch([tp.Row(1, 20), tp.Row(4, 30), tp.Row(20, 20), tp.Row(10, 32)])
-    patched = tp.Backend(patched_files(catalogue, session, "PN401b")[tp.TARGET], utils).forward(batch)
+    patched = tp.Backend(patched_files(catalogue, session, "K4")[tp.TARGET], utils).forward(batch)
     pristine = tp.Backend(session.tree.read(tp.TARGET), utils).forward(batch)
     assert (patched - pristine).abs().max() == 0
     assert (patched - batch.reference()).abs().max() < TOLERANCE
@@ -77,14 +77,14 @@ def test_0201_reads_device_lengths_so_it_is_gated(catalogue, sessions):
     batch = tp.Batch(OVERSTATED["two verify rows, one over-stated"])
     pristine = tp.Backend(session.tree.read(tp.TARGET), session.tree.read(tp.UTILS))
     assert (pristine.forward(batch) - batch.reference()).abs().max() < TOLERANCE
-    outcome = isolated_run(catalogue, session, BuildTarget(session.tree.vllm_version), "PN401b").outcomes["PN401b"]
+    outcome = isolated_run(catalogue, session, BuildTarget(session.tree.vllm_version), "K4").outcomes["K4"]
     assert outcome.verdict is Verdict.GATED
 
 
 @pytest.mark.parametrize("version", ["0.22.1", "0.24.0", "0.28.0", "0.32.0"])
 def test_applies_on_every_release_since_0210(catalogue, version):
     session = Session(WheelSource(Version(version)).fetch())
-    outcome = isolated_run(catalogue, session, BuildTarget(Version(version)), "PN401b").outcomes["PN401b"]
+    outcome = isolated_run(catalogue, session, BuildTarget(Version(version)), "K4").outcomes["K4"]
     assert outcome.verdict is Verdict.APPLIES, outcome.detail
 
 
@@ -97,13 +97,13 @@ def test_device_lengths_upstream_retire_it(catalogue, sessions):
     assert text.count(host) == 1
     device = "synth_seq_lens = attn_metadata.seq_lens[i] - q_len + 1 + _arange_cache[:q_len]"
     fixed = session.overlay({tp.TARGET: cst.parse_module(text.replace(host, device))})
-    outcome = isolated_run(catalogue, fixed, BuildTarget(session.tree.vllm_version), "PN401b").outcomes["PN401b"]
+    outcome = isolated_run(catalogue, fixed, BuildTarget(session.tree.vllm_version), "K4").outcomes["K4"]
     assert outcome.verdict is Verdict.UPSTREAM
 
 
 def test_composes_with_pn401_and_the_spec_decode_choices(catalogue, sessions):
     session = sessions("v0.33.0")
     target = BuildTarget(session.tree.vllm_version)
-    for ids in (["P65", "PN401", "PN401b"], ["P67", "PN401", "PN401b"]):
+    for ids in (["P65", "PN401", "K4"], ["P67", "PN401", "K4"]):
         result = run_selection(catalogue, session, target, ids)
         assert all(o.verdict is Verdict.APPLIES for o in result.outcomes.values()), result.outcomes

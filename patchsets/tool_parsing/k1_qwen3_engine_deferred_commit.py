@@ -1,4 +1,8 @@
-"""P61d: the qwen3 parser engine commits to a tool call only once ``<function=`` follows ``<tool_call>``.
+"""K1: the qwen3 parser engine commits to a tool call only once ``<function=`` follows ``<tool_call>``.
+
+Genesis has no such fix, so the id is from kiln's own sequence (``K<n>``, a prefix Genesis
+never uses); it was P61d until the ids were aligned, and records written then still read
+(``kiln.patch.catalog.RENAMED``).
 
 P61c for the parser engine. From 0.24.0 ``qwen3_coder`` (and the ``qwen3`` reasoning parser)
 are adapters of one streaming engine (``parser/engine/``, configured by ``qwen3_config`` in
@@ -66,12 +70,12 @@ class AddReleaseFlag(Codemod):
     target = CONFIG_FILE
     anchor = (cls("ParserEngineConfig"), assign_to("initial_state"))
     patched = (cls("ParserEngineConfig"),
-               m.SimpleStatementLine(body=[m.AnnAssign(target=m.Name(FLAG))], leading_lines=marked("P61d")))
+               m.SimpleStatementLine(body=[m.AnnAssign(target=m.Name(FLAG))], leading_lines=marked("K1")))
 
     def rewrite(self, node):
         (flag,) = statements(f"{FLAG}: bool = False")
         why = "a <tool_call> with no <function= header after it is released as content"
-        return insert_after(node, with_marker(flag, "P61d", why))
+        return insert_after(node, with_marker(flag, "K1", why))
 
 
 def _returns_config(**kwargs) -> m.SimpleStatementLine:
@@ -84,7 +88,7 @@ class Qwen3ConfigReleasesUnheadedCalls(Codemod):
 
     target = QWEN3_FILE
     anchor = (func("qwen3_config"), _returns_config())
-    patched = (func("qwen3_config"), _returns_config(leading_lines=marked("P61d")))
+    patched = (func("qwen3_config"), _returns_config(leading_lines=marked("K1")))
 
     def rewrite(self, node):
         call = node.body[0].value
@@ -95,7 +99,7 @@ class Qwen3ConfigReleasesUnheadedCalls(Codemod):
         flag = before[-1].with_changes(keyword=cst.Name(FLAG), value=cst.Name("True"), equal=tight, comma=last.comma)
         new_call = call.with_changes(args=[*before, last.with_changes(comma=before[-1].comma), flag])
         why = "a <tool_call> commits to a call only once its <function= header follows"
-        return with_marker(node.with_changes(body=[node.body[0].with_changes(value=new_call)]), "P61d", why)
+        return with_marker(node.with_changes(body=[node.body[0].with_changes(value=new_call)]), "K1", why)
 
 
 class HeldToolStartState(Codemod):
@@ -103,7 +107,7 @@ class HeldToolStartState(Codemod):
 
     target = ENGINE_FILE
     anchor = (ENGINE, func("reset"), _assigns_self("tool_index"))
-    patched = (ENGINE, func("reset"), _assigns_self("_held_tool_start", leading_lines=marked("P61d")))
+    patched = (ENGINE, func("reset"), _assigns_self("_held_tool_start", leading_lines=marked("K1")))
 
     def rewrite(self, node):
         held, preamble = statements(
@@ -112,7 +116,7 @@ class HeldToolStartState(Codemod):
             self._held_preamble = ""  # the whitespace after it, held with it
             """
         )
-        return insert_after(node, with_marker(held, "P61d", "per stream: a held <tool_call>"), preamble,
+        return insert_after(node, with_marker(held, "K1", "per stream: a held <tool_call>"), preamble,
                             blank_line=False)
 
 
@@ -124,7 +128,7 @@ class HoldOnEnteringPreamble(Codemod):
 
     target = ENGINE_FILE
     anchor = (ENGINE, func("_apply_transition"), EVENTS_LOOP)
-    patched = (ENGINE, func("_apply_transition"), _assigns_self("_held_tool_start", leading_lines=marked("P61d")))
+    patched = (ENGINE, func("_apply_transition"), _assigns_self("_held_tool_start", leading_lines=marked("K1")))
 
     def rewrite(self, node):
         held, preamble = statements(
@@ -141,7 +145,7 @@ class HoldOnEnteringPreamble(Codemod):
             """
         )
         why = "<function= (or </tool_call>) decides a held <tool_call>; text first releases it"
-        return insert_after(node, with_marker(held, "P61d", why), preamble, blank_line=False)
+        return insert_after(node, with_marker(held, "K1", why), preamble, blank_line=False)
 
 
 RELEASE = '''
@@ -175,7 +179,7 @@ class ReleaseUnheadedToolStart(Codemod):
 
     target = ENGINE_FILE
     anchor = (ENGINE, func("_emit_for_state"))
-    patched = (ENGINE, func("_release_unheaded_tool_start", leading_lines=marked("P61d")))
+    patched = (ENGINE, func("_release_unheaded_tool_start", leading_lines=marked("K1")))
 
     def rewrite(self, node):
         (guard,) = statements(
@@ -185,16 +189,16 @@ class ReleaseUnheadedToolStart(Codemod):
             """
         )
         why = "a held <tool_call>: hold whitespace, release it as content on anything else"
-        body = node.body.with_changes(body=[with_marker(guard, "P61d", why), *node.body.body])
+        body = node.body.with_changes(body=[with_marker(guard, "K1", why), *node.body.body])
         (holder,) = statements("class _:\n" + RELEASE)
         (method,) = holder.body.body
-        release = with_marker(method.with_changes(leading_lines=[]), "P61d",
+        release = with_marker(method.with_changes(leading_lines=[]), "K1",
                               "release a <tool_call> no <function= header follows")
         return insert_after(node.with_changes(body=body), release)
 
 
-class P61d(Patch):
-    id = "P61d"
+class K1(Patch):
+    id = "K1"
     family = "tool_parsing"
     title = "qwen3 parser engine: a <tool_call> without a <function= header is streamed as content"
     why = (
@@ -203,6 +207,7 @@ class P61d(Patch):
         "the text after it (streaming and non-streaming), and shifts later call indices."
     )
     upstream_refs = ("club-3090#72",)
+    written_for = ">=0.20.1"
     gates = Gates(vllm=">=0.24.0")
     edits = (AddReleaseFlag, Qwen3ConfigReleasesUnheadedCalls, HeldToolStartState, HoldOnEnteringPreamble,
              ReleaseUnheadedToolStart)

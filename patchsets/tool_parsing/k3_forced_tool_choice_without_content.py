@@ -1,4 +1,8 @@
-"""P111: a forced tool call whose output is all reasoning returns no call, not an AssertionError.
+"""K3: a forced tool call whose output is all reasoning returns no call, not an AssertionError.
+
+Genesis has no such fix, so the id is from kiln's own sequence (``K<n>``, a prefix Genesis
+never uses); it was P111 until the ids were aligned, and records written then still read
+(``kiln.patch.catalog.RENAMED``).
 
 What fails on 0.20.1: with a reasoning parser, a request that names the function to call
 (``tool_choice={"type": "function", "function": {"name": ...}}``, or the Responses API's
@@ -44,7 +48,7 @@ import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from kiln.patch.anchor import count, find
-from kiln.patch.model import Codemod, Gates, Patch
+from kiln.patch.model import Codemod, Patch
 from kiln.patch.shapes import cls, func, marked, statements, with_marker
 
 SERVING = "entrypoints/openai/engine/serving.py"
@@ -100,7 +104,7 @@ class _ReplaceContentAsserts(cst.CSTTransformer):
         self.hits += 1
         (guard,) = statements("if content is None:\n    return [], None")
         guard = guard.with_changes(leading_lines=updated_node.leading_lines)
-        return with_marker(guard, "P111", WHY)
+        return with_marker(guard, "K3", WHY)
 
 
 class _NoCallWithoutContent(Codemod):
@@ -117,13 +121,13 @@ class _NoCallWithoutContent(Codemod):
 class ServingNoCallWithoutContent(_NoCallWithoutContent):
     target = SERVING
     anchor = (cls("OpenAIServing"), func("_parse_tool_calls_from_content"))
-    patched = (*anchor, m.If(leading_lines=marked("P111")))
+    patched = (*anchor, m.If(leading_lines=marked("K3")))
 
 
 class ResponsesNoCallWithoutContent(_NoCallWithoutContent):
     target = PARSER
     anchor = (cls("DelegatingParser"), func("_parse_tool_calls"))
-    patched = (*anchor, m.If(leading_lines=marked("P111")))
+    patched = (*anchor, m.If(leading_lines=marked("K3")))
 
 
 class ChatNamedBranchWithoutCall(Codemod):
@@ -134,23 +138,23 @@ class ChatNamedBranchWithoutCall(Codemod):
     patched = (
         cls("OpenAIServingChat"),
         func("chat_completion_full_generator"),
-        m.SimpleStatementLine(leading_lines=marked("P111")),
+        m.SimpleStatementLine(leading_lines=marked("K3")),
     )
 
     def rewrite(self, node):
         (empty,) = statements("tool_calls = tool_calls or []")
-        return with_marker(empty.with_changes(leading_lines=node.leading_lines), "P111", WHY)
+        return with_marker(empty.with_changes(leading_lines=node.leading_lines), "K3", WHY)
 
 
 def _kiln_marked(node) -> bool:
     return any(
-        line.comment is not None and line.comment.value.startswith("# kiln P111:")
+        line.comment is not None and line.comment.value.startswith("# kiln K3:")
         for line in getattr(node, "leading_lines", ())
     )
 
 
-class P111(Patch):
-    id = "P111"
+class K3(Patch):
+    id = "K3"
     family = "tool_parsing"
     title = "Forced tool choice with all-reasoning output: no call instead of an AssertionError (500)"
     why = (
@@ -159,7 +163,7 @@ class P111(Patch):
         "HTTP 500 instead of returning its reasoning and finish_reason length."
     )
     upstream_refs = ("vllm#40148", "vllm#40147", "vllm#40528")
-    gates = Gates(vllm=">=0.20.1")
+    written_for = ">=0.20.1"
     edits = (ServingNoCallWithoutContent, ResponsesNoCallWithoutContent, ChatNamedBranchWithoutCall)
 
     def upstream_fix(self, module_of) -> str | None:

@@ -1,4 +1,8 @@
-"""PN401b: TurboQuant's per-request prefill loop attends over device lengths, not the host's optimistic ones.
+"""K4: TurboQuant's per-request prefill loop attends over device lengths, not the host's optimistic ones.
+
+Genesis has no such fix, so the id is from kiln's own sequence (``K<n>``, a prefix Genesis
+never uses); it was PN401b until the ids were aligned, and records written then still read
+(``kiln.patch.catalog.RENAMED``).
 
 Since vllm#41434 (0.21.0) ``TurboQuantAttentionImpl._prefill_attention`` reads request lengths
 from ``attn_metadata.seq_lens_cpu``, which ``TurboQuantMetadataBuilder.build`` fills with
@@ -80,16 +84,16 @@ class LengthsFromDevice(Codemod):
 
     target = TARGET
     anchor = (IMPL, PREFILL, HOST_LENGTHS)
-    patched = (IMPL, PREFILL, m.SimpleStatementLine(leading_lines=marked("PN401b")))
+    patched = (IMPL, PREFILL, m.SimpleStatementLine(leading_lines=marked("K4")))
     upstream = (IMPL, PREFILL, DEVICE_LENGTHS)
 
     def rewrite(self, node):
         (device,) = statements("synth_seq_lens = attn_metadata.seq_lens[i] - q_len + _arange_cache[1 : q_len + 1]")
-        return with_marker(device.with_changes(leading_lines=node.leading_lines), "PN401b", WHY)
+        return with_marker(device.with_changes(leading_lines=node.leading_lines), "K4", WHY)
 
 
-class PN401b(Patch):
-    id = "PN401b"
+class K4(Patch):
+    id = "K4"
     family = "attention_turboquant"
     title = "TurboQuant prefill loop: per-query lengths from the device seq_lens, not the host upper bound"
     why = (
@@ -98,5 +102,6 @@ class PN401b(Patch):
         "attend to later drafts and stale slots. Build the lengths from the device seq_lens."
     )
     upstream_refs = ("vllm#41434",)
+    written_for = ">=0.20.1"
     gates = Gates(vllm=">=0.21.0", kv_cache_dtypes=("turboquant_*",))
     edits = (LengthsFromDevice,)

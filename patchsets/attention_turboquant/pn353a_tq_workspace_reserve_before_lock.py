@@ -1,4 +1,4 @@
-"""P98: TurboQuant reserves its WorkspaceManager scratch before the workspace is locked.
+"""PN353A: TurboQuant reserves its WorkspaceManager scratch before the workspace is locked.
 
 From 0.21.0 (vllm#40941's change) ``TurboQuantAttentionImpl`` takes its scratch from the
 process-wide ``WorkspaceManager`` instead of per-layer buffers: the decode kernel's
@@ -40,7 +40,9 @@ method called from ``__init__`` that takes ``current_workspace_manager().get_sim
 (or ``__init__`` doing it itself) and names the call's file:line. APPLIES on 0.21.0, 0.22.x,
 0.23.0 (tested on their real source).
 
-Genesis's P98 is a different remedy for the same release range: it reverted the dequant
+The id is Genesis's for the same fix (its PN353A backports vllm#44053); kiln called it P98 until
+the ids were aligned, and records written then still read (``kiln.patch.catalog.RENAMED``).
+Genesis's own P98 is a different remedy for the same release range: it reverted the dequant
 buffers to per-layer allocations (and originally the decode scratch too, for a -17% decode
 regression measured on Ampere that its own later A/B on a newer pin did not reproduce). That
 brings back the per-layer growth P22 removed, so kiln keeps the shared workspace and reserves
@@ -86,7 +88,7 @@ class AddWorkspaceReservation(Codemod):
 
     target = TARGET
     anchor = (BUILDER, INIT)
-    patched = (BUILDER, func(METHOD, leading_lines=marked("P98")))
+    patched = (BUILDER, func(METHOD, leading_lines=marked("PN353A")))
 
     def rewrite(self, node):
         (method,) = statements(
@@ -118,7 +120,7 @@ class AddWorkspaceReservation(Codemod):
                 workspace.get_simultaneous((shape, torch.float16), (shape, torch.float16))
             '''
         )
-        return insert_after(node, with_marker(method, "P98", WHY))
+        return insert_after(node, with_marker(method, "PN353A", WHY))
 
 
 class ReserveAtConstruction(Codemod):
@@ -126,19 +128,19 @@ class ReserveAtConstruction(Codemod):
 
     target = TARGET
     anchor = (BUILDER, INIT, REORDER)
-    patched = (BUILDER, INIT, m.SimpleStatementLine(leading_lines=marked("P98")))
+    patched = (BUILDER, INIT, m.SimpleStatementLine(leading_lines=marked("PN353A")))
 
     def rewrite(self, node):
         (call,) = statements(f"self.{METHOD}()")
-        return insert_after(node, with_marker(call, "P98", WHY), blank_line=False)
+        return insert_after(node, with_marker(call, "PN353A", WHY), blank_line=False)
 
 
 def _is_kiln(node) -> bool:
-    return any(line.comment and line.comment.value.startswith("# kiln P98:") for line in node.leading_lines)
+    return any(line.comment and line.comment.value.startswith("# kiln PN353A:") for line in node.leading_lines)
 
 
-class P98(Patch):
-    id = "P98"
+class PN353A(Patch):
+    id = "PN353A"
     family = "attention_turboquant"
     title = "TurboQuant WorkspaceManager scratch reserved at builder construction, before the lock"
     why = (
@@ -147,6 +149,7 @@ class P98(Patch):
         "long prompt crashes the engine (locked-workspace AssertionError). Reserve it up front."
     )
     upstream_refs = ("vllm#40941", "vllm#41565", "vllm#40798", "vllm#44053")
+    written_for = ">=0.20.1"
     gates = Gates(vllm=">=0.21.0", kv_cache_dtypes=("turboquant_*",))
     edits = (AddWorkspaceReservation, ReserveAtConstruction)
 

@@ -1,4 +1,4 @@
-"""P111 on real 0.20.1 source: a forced tool call with all-reasoning output returns no call.
+"""K3 on real 0.20.1 source: a forced tool call with all-reasoning output returns no call.
 
 Behaviour test running real vLLM 0.20.1 code, pristine and patched, extracted from the trees
 (the serving modules import FastAPI, pydantic, openai and the engine): the qwen3 reasoning
@@ -162,7 +162,7 @@ def pristine(tree, coder):
 
 @pytest.fixture(scope="module")
 def patched(catalogue, sessions, coder):
-    files = patched_files(catalogue, sessions("v0.20.1"), "P111")
+    files = patched_files(catalogue, sessions("v0.20.1"), "K3")
     return Side(files[SERVING], files[PARSER], files[CHAT], coder)
 
 
@@ -213,14 +213,14 @@ def test_verdicts(catalogue, sessions):
 
     old = sessions("v0.20.1")
     target = BuildTarget(old.tree.vllm_version)
-    first = isolated_run(catalogue, old, target, "P111")
-    assert first.outcomes["P111"].verdict is Verdict.APPLIES
-    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "P111")
-    assert again.outcomes["P111"].verdict is Verdict.ALREADY_PATCHED
+    first = isolated_run(catalogue, old, target, "K3")
+    assert first.outcomes["K3"].verdict is Verdict.APPLIES
+    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "K3")
+    assert again.outcomes["K3"].verdict is Verdict.ALREADY_PATCHED
 
     new = sessions("v0.33.0")
-    outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "P111").outcomes[
-        "P111"
+    outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "K3").outcomes[
+        "K3"
     ]
     assert outcome.verdict is Verdict.UPSTREAM, outcome.detail
     assert "parser/abstract_parser.py:424" in outcome.detail

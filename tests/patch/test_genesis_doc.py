@@ -1,0 +1,163 @@
+"""The Genesis ledger (patchsets/genesis.toml -> docs/GENESIS.md) covers every switch Genesis's
+presets turn on, names real kiln patches, refuses malformed rows, and is current.
+
+The presets' switch lists are vendored in tests/patch/genesis/ (names and values only, with the
+Genesis commit they were read at): refreshing them to a newer Genesis commit makes every new
+switch fail here until it has a row.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from kiln import paths
+from kiln.commands.patches import GENESIS_LEDGER, genesis_doc
+from kiln.errors import KilnError
+from kiln.patch.genesis_doc import STATUSES, check_ledger, load_ledger
+from kiln.paths import RepoFiles
+from tests.support.cli import one_line_error, run
+
+FIXTURES = Path(__file__).parent / "genesis"
+LEDGER = paths.PATCHSETS / GENESIS_LEDGER
+DOC = paths.REPO / "docs" / "GENESIS.md"
+
+
+def presets() -> dict[str, dict]:
+    """Vendored preset file (its path in Genesis) -> its fixture (commit, patches)."""
+    found = {}
+    for fixture in sorted(FIXTURES.glob("*.toml")):
+        data = tomllib.loads(fixture.read_text())
+        found[data["path"]] = data
+    return found
+
+
+def enabled_by_preset(ledger) -> dict[str, set[str]]:
+    """Preset key of the ledger -> the switches its vendored list sets to "1"."""
+    by_path = presets()
+    return {key: {s for s, v in by_path[path]["patches"].items() if v == "1"} for key, path in ledger.presets.items()}
+
+
+def test_fixtures_and_ledger_were_read_at_the_same_genesis_commit():
+    ledger = load_ledger(LEDGER)
+    fixtures = presets()
+    assert set(fixtures) == set(ledger.presets.values())
+    for data in fixtures.values():
+        assert (data["repository"], data["commit"]) == (ledger.repository, ledger.commit)
+
+
+def test_every_switch_a_preset_turns_on_has_exactly_its_row():
+    ledger = load_ledger(LEDGER)
+    enabled = enabled_by_preset(ledger)
+    everything = set().union(*enabled.values())
+    rows = {row.switch: row for row in ledger.rows}
+    assert sorted(everything - set(rows)) == [], "switches with no row in patchsets/genesis.toml"
+    assert sorted(set(rows) - everything) == [], "rows for switches no preset turns on"
+    for switch, row in rows.items():
+        assert set(row.presets) == {key for key, on in enabled.items() if switch in on}, switch
+    assert {k: len(v) for k, v in enabled.items()} == {"27B": 71, "35B-A3B": 76}  # the issue's count
+
+
+def test_rows_have_valid_statuses_and_ported_rows_name_catalogue_patches(catalogue):
+    ledger = load_ledger(LEDGER)
+    check_ledger(ledger, catalogue)
+    for row in ledger.rows:
+        assert row.status in STATUSES
+        if row.status == "ported":
+            assert row.kiln or row.baked, row.switch
+            assert all(pid in catalogue.patches for pid in row.kiln), row.switch
+            assert all((LEDGER.parent.parent / rel).is_file() for rel in row.baked), row.switch
+        if row.status == "upstream":
+            assert row.release and row.evidence, row.switch
+
+
+def test_the_genesis_document_is_current():
+    assert DOC.read_text() == genesis_doc(RepoFiles()), \
+        "docs/GENESIS.md is stale: python build.py patches --genesis-doc"
+
+
+def test_every_row_is_in_the_document():
+    text = DOC.read_text()
+    for row in load_ledger(LEDGER).rows:
+        assert f"`{row.switch}`" in text
+
+
+ROW = """
+[genesis]
+repository = "Sandermage/genesis-vllm-patches"
+commit = "dfffdad749e0b90c2388903c018c2a3a84099da2"
+vllm = "0.33.0"
+
+[genesis.presets]
+"27B" = "a.yaml"
+
+[switch.GENESIS_ENABLE_P58_ASYNC_PLACEHOLDER_FIX]
+id = "P58"
+presets = ["27B"]
+what = "placeholders"
+{row}
+"""
+
+
+@pytest.mark.parametrize(("row", "message"), [
+    ('status = "ported"\nkiln = ["P58"]\ncolour = "red"',
+     "switch.GENESIS_ENABLE_P58_ASYNC_PLACEHOLDER_FIX.colour: unknown key for a ported row"),
+    ('status = "fixed"', "switch.GENESIS_ENABLE_P58_ASYNC_PLACEHOLDER_FIX.status: 'fixed' is not one of ported"),
+    ('status = "upstream"\nevidence = "x.py:1"', "switch.GENESIS_ENABLE_P58_ASYNC_PLACEHOLDER_FIX.release: missing"),
+    ('status = "upstream"\nrelease = "soon"\nevidence = "x.py:1"', "'soon' is not a release like 0.24.0"),
+    ('status = "not-applicable"\nreason = "dislike"', "reason: 'dislike' is not one of hardware, model"),
+    ('status = "ported"\nkiln = []', "switch.GENESIS_ENABLE_P58_ASYNC_PLACEHOLDER_FIX.kiln: must be a non-empty list"),
+    ('status = "planned"\npresets = ["27B"]', "not valid TOML"),
+])
+def test_a_malformed_row_is_one_line_naming_the_file_and_row(tmp_path, row, message):
+    path = tmp_path / "genesis.toml"
+    path.write_text(ROW.format(row=row))
+    with pytest.raises(KilnError) as err:
+        load_ledger(path)
+    assert message in str(err.value) and str(path) in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_ported_row_naming_no_patch_of_the_catalogue_is_refused(tmp_path, catalogue):
+    path = tmp_path / "genesis.toml"
+    path.write_text(ROW.format(row='status = "ported"\nkiln = ["P98"]'))
+    with pytest.raises(KilnError, match=r"switch.GENESIS_ENABLE_P58_ASYNC_PLACEHOLDER_FIX.kiln: 'P98' is not a patch"):
+        check_ledger(load_ledger(path), catalogue)
+
+
+def test_a_ported_row_may_name_a_baked_file_which_must_exist(tmp_path, catalogue):
+    """A fix that is a file (PN127's chat template) is ported by baking it, not by a patch."""
+    path = tmp_path / "patchsets" / "genesis.toml"
+    path.parent.mkdir()
+    path.write_text(ROW.format(row='status = "ported"\nbaked = ["images/files/t.jinja"]'))
+    with pytest.raises(KilnError, match=r"baked: 'images/files/t.jinja' is not a file of the repository"):
+        check_ledger(load_ledger(path), catalogue)
+    (tmp_path / "images" / "files").mkdir(parents=True)
+    (tmp_path / "images" / "files" / "t.jinja").write_text("{{ messages }}")
+    check_ledger(load_ledger(path), catalogue)
+    path.write_text(ROW.format(row='status = "planned"\nbaked = ["images/files/t.jinja"]'))
+    with pytest.raises(KilnError, match="baked: unknown key for a planned row"):
+        load_ledger(path)
+
+
+def test_an_unknown_head_key_is_refused(tmp_path):
+    path = tmp_path / "genesis.toml"
+    path.write_text(ROW.format(row='status = "planned"').replace('vllm = "0.33.0"', 'vllm = "0.33.0"\nbranch = "main"'))
+    with pytest.raises(KilnError, match=r"genesis.toml: genesis.branch: unknown key"):
+        load_ledger(path)
+
+
+def test_the_command_writes_the_document_and_a_bad_ledger_is_exit_2(tmp_path, capsys):
+    out = tmp_path / "GENESIS.md"
+    code, _, err = run(capsys, "patches", "--genesis-doc", out)
+    assert code == 0, err
+    assert out.read_text() == DOC.read_text()
+    patchsets = tmp_path / "patchsets"
+    patchsets.mkdir()
+    (patchsets / GENESIS_LEDGER).write_text(ROW.format(row='status = "maybe"'))
+    code, _, err = run(capsys, "--patchsets", patchsets, "patches", "--genesis-doc", tmp_path / "other.md")
+    assert code == 2
+    assert "status: 'maybe' is not one of" in one_line_error(err)
+    assert not (tmp_path / "other.md").exists()
