@@ -11,8 +11,10 @@ hands the rejection sampler ``(K + 1) * max_num_seqs`` rows of vocabulary-wide l
 turned into probabilities inside the sampler. The difference, ``(K - 1) * max_num_seqs *
 vocab`` elements per tensor, is never profiled: the KV cache takes that memory, and the first
 full batch of spec-decode steps can run out of it. For Qwen3.6 (vocab 248320) with MTP K=3 it
-is about 2 MiB per request per fp32 tensor: tens of MiB at kiln's ``--max-num-seqs 4``, over
-1 GiB at vLLM's default 256 (vllm#37521 reports the OOM with EAGLE; club-3090#16 with MTP).
+is about 2 MiB per request for each vocabulary-wide fp32 tensor (the logits' fp32 copy, the
+target probabilities): some MiB at kiln's ``--max-num-seqs 4``, half a GiB per such tensor at
+vLLM's default 256 (vllm#37521 reports the OOM with EAGLE; Genesis's PN33 cites one with MTP on a
+24 GB card).
 
 What the patch does: the dummy drafts are ``num_speculative_tokens`` per request (distinct
 ids ``0..K-1``), so the profiled logits and draft probabilities have the runtime's shape
