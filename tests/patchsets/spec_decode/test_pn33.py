@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.patchsets.support.patchlib import extract, patched_files
+from tests.patchsets.support.patchlib import extract, extract_all, patched_files
 
 RUNNER = "v1/worker/gpu_model_runner.py"
 SPEC_METADATA = "v1/spec_decode/metadata.py"
@@ -65,8 +65,8 @@ class RecordingRejectionSampler:
 
 
 def _exec(source: str, names: list[str], namespace: dict) -> dict:
-    for name in names:
-        exec(compile(extract(source, name), f"<{name}>", "exec"), namespace)
+    for name, code in extract_all(source, names).items():
+        exec(compile(code, f"<{name}>", "exec"), namespace)
     return namespace
 
 
