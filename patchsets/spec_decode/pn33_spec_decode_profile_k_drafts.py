@@ -43,7 +43,7 @@ Verdicts across releases (``patchsets/release-train.toml``, reviewed on every re
 import libcst.matchers as m
 
 from kiln.patch.model import Codemod, Gates, Patch
-from kiln.patch.shapes import cls, func, marked, statements, with_marker
+from kiln.patch.shapes import cls, func, marked, statements, unmarked, with_marker
 
 TARGET = "v1/worker/gpu_model_runner.py"
 RUNNER = cls("GPUModelRunner")
@@ -62,7 +62,7 @@ ONE_DRAFT_EACH = _assigns_draft_ids(m.ListComp(elt=m.List(elements=[m.Element(va
 # vLLM's own fix would size the dummy drafts from the speculative config.
 K_DRAFTS_EACH = _assigns_draft_ids(
     m.MatchIfTrue(lambda expr: bool(m.findall(expr, m.Attribute(attr=m.Name("num_speculative_tokens"))))),
-    leading_lines=[m.ZeroOrMore(~m.EmptyLine(comment=m.Comment(m.MatchIfTrue(lambda t: t.startswith("# kiln PN33:")))))],
+    leading_lines=unmarked("PN33"),
 )
 
 
