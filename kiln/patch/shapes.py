@@ -34,6 +34,16 @@ def marked(patch_id: str) -> list:
     ]
 
 
+def unmarked(patch_id: str) -> list:
+    """A ``leading_lines=`` matcher: no marker of this patch above the node.
+
+    For ``upstream`` matchers whose shape is the patch's own: vLLM's code of that shape is
+    upstream, kiln's marked copy is not (a re-run stays ``ALREADY_PATCHED``).
+    """
+    prefix = f"# kiln {patch_id}:"
+    return [m.ZeroOrMore(~m.EmptyLine(comment=m.Comment(m.MatchIfTrue(lambda text: text.startswith(prefix)))))]
+
+
 def cls(name: str) -> m.ClassDef:
     return m.ClassDef(name=m.Name(name))
 

@@ -43,7 +43,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from kiln.patch.anchor import find
 from kiln.patch.model import Codemod, Patch
-from kiln.patch.shapes import cls, func, insert_after, marked, statements, with_marker
+from kiln.patch.shapes import cls, func, insert_after, marked, statements, unmarked, with_marker
 
 TARGET = "sampling_params.py"
 PARAMS = cls("SamplingParams")
@@ -135,13 +135,8 @@ class P109(Patch):
         module = module_of(TARGET)
         if module is None:
             return None
-        unmarked = m.FunctionDef(
-            name=m.Name(VALIDATOR),
-            leading_lines=[
-                m.ZeroOrMore(~m.EmptyLine(comment=m.Comment(m.MatchIfTrue(lambda t: t.startswith("# kiln P109:")))))
-            ],
-        )
-        validators = [v for params in find(module, PARAMS) for v in find(params, unmarked)]
+        upstream_validator = func(VALIDATOR, leading_lines=unmarked("P109"))
+        validators = [v for params in find(module, PARAMS) for v in find(params, upstream_validator)]
         calls = [
             c
             for params in find(module, PARAMS)

@@ -41,6 +41,10 @@ def _find(module: cst.Module, path: list[str]) -> cst.CSTNode:
 
 def extract(source: str, dotted: str) -> str:
     """Source of a top-level def/class, or a method (``Class.method``), dedented."""
+    return extract_all(source, [dotted])[dotted]
+
+
+def extract_all(source: str, dotted_names: list[str]) -> dict[str, str]:
+    """``extract`` for several names, parsing ``source`` once (large files parse slowly)."""
     module = cst.parse_module(source)
-    node = _find(module, dotted.split("."))
-    return textwrap.dedent(module.code_for_node(node))
+    return {dotted: textwrap.dedent(module.code_for_node(_find(module, dotted.split(".")))) for dotted in dotted_names}
