@@ -7,17 +7,21 @@ package never prints: progress reaches the user through the ``Reporter`` a comma
 
 Exit codes: 0 success; 1 a check failed (verdicts differ from the record, a preflight failed);
 2 an error (``KilnError``: one line naming the file, field, option or patch at fault, or a
-usage error); 130 interrupted.
+usage error); 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM (128 + the signal, as a shell
+reports it), with one line ``error: interrupted (SIGTERM)`` once the build stopped cleanly: its
+worker processes killed, its staging removed, nothing committed (``kiln.lifeline``).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 
 from kiln.commands import bench, build, patches, pin, plan, verify
 from kiln.commands.options import KilnParser, add_repo_options
 from kiln.commands.output import Output
-from kiln.errors import KilnError
+from kiln.errors import Interrupted, KilnError
+from kiln.lifeline import stop_on_signals
 
 COMMANDS = (patches, verify, build, pin, plan, bench)
 
@@ -35,13 +39,15 @@ def main(argv: list[str] | None = None, prog: str = "build.py") -> int:
     args = build_parser(prog).parse_args(argv)
     out = Output(json_mode=bool(getattr(args, "json", False)))
     try:
-        return args.run(args, out)
+        with stop_on_signals():
+            return args.run(args, out)
     except KilnError as err:
         out.error(str(err))
         return 2
-    except KeyboardInterrupt:
-        out.stderr.print("interrupted")
-        return 130
+    except KeyboardInterrupt as err:  # Interrupted (a signal the build stopped on), or Ctrl-C
+        signum = err.signum if isinstance(err, Interrupted) else signal.SIGINT
+        out.error(f"interrupted ({signal.Signals(signum).name})")
+        return 128 + signum
 
 
 def entry() -> None:

@@ -27,6 +27,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln import lifeline
 from kiln.errors import KilnError
 
 _HUB_KEYS = ("https://index.docker.io/v1/", "index.docker.io", "docker.io", "registry-1.docker.io")
@@ -122,7 +123,7 @@ def _from_helper(helper: str, registry: str, path: Path, missing_ok: bool = Fals
     program = f"docker-credential-{helper}"
     server = "https://index.docker.io/v1/" if registry == "docker.io" else registry
     try:
-        result = subprocess.run([program, "get"], input=server, capture_output=True, text=True, timeout=60)
+        result = lifeline.run([program, "get"], input=server, timeout=60)  # dies with the build
     except FileNotFoundError:
         raise KilnError(f"{path}: credential helper {program} (for {registry}) is not on PATH") from None
     except subprocess.TimeoutExpired:
