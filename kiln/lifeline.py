@@ -58,7 +58,7 @@ _LAUNCHER = (
 
 _stop = threading.Event()  # set by the first SIGTERM/SIGINT of a command
 _children: set[subprocess.Popen] = set()
-_children_lock = threading.Lock()
+_children_lock = threading.RLock()  # reentrant: the handler may run while the main thread holds it
 _state = {"signum": 0, "depth": 0, "pending": 0}  # the signal received; deferral (main thread)
 
 
@@ -90,10 +90,6 @@ def check() -> None:
     """Raise ``Interrupted`` when the command was told to stop (for helper threads)."""
     if _stop.is_set():
         raise Interrupted(_state["signum"] or signal.SIGTERM)
-
-
-def interrupted() -> bool:
-    return _stop.is_set()
 
 
 def _kill_children() -> None:
@@ -130,12 +126,10 @@ def run(argv: list[str], input: str | None = None, env: dict[str, str] | None = 
                 child.kill()
             if started is not None:
                 started()
-            try:
-                out, err = child.communicate(input, timeout=timeout)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.communicate()
-                raise
+            out, err = child.communicate(input, timeout=timeout)
+        except BaseException:  # a timeout, Interrupted: the child does not go on alone
+            child.kill()
+            raise
         finally:
             with _children_lock:
                 _children.discard(child)
