@@ -156,16 +156,16 @@ def stop_on_signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _stop.clear()  # (a command run earlier in this process may have been interrupted)
+    _state.update(signum=0, depth=0, pending=0)
     previous = {signum: signal.getsignal(signum) for signum in _SIGNALS}
     for signum in _SIGNALS:
         signal.signal(signum, _handler)
     try:
         yield
-    finally:
+    finally:  # ``_stop`` stays set: a thread the command could not join still stops at its next check()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        _stop.clear()
-        _state.update(signum=0, depth=0, pending=0)
 
 
 @contextmanager

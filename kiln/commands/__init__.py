@@ -15,7 +15,10 @@ worker processes killed, its staging removed, nothing committed (``kiln.lifeline
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import sys
+from typing import NoReturn
 
 from kiln.commands import bench, build, patches, pin, plan, verify
 from kiln.commands.options import KilnParser, add_repo_options
@@ -50,6 +53,16 @@ def main(argv: list[str] | None = None, prog: str = "build.py") -> int:
         return 128 + signum
 
 
-def entry() -> None:
-    """The ``kiln`` console script: the same command line as ``python build.py``."""
-    raise SystemExit(main(prog="kiln"))
+def entry(prog: str = "kiln") -> NoReturn:
+    """The ``kiln`` console script (and ``build.py``): ``main``, then exit with its code.
+
+    After an interruption the build has already undone what it must (its ``finally`` blocks
+    ran, its children are dead): the process leaves at once, without tearing down the
+    interpreter's heap (a second or more after a large patching), so it is gone promptly.
+    """
+    code = main(prog=prog)
+    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)

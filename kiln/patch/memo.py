@@ -30,7 +30,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from kiln.cache import cache_root
-from kiln.lifeline import child_of
+from kiln.lifeline import child_of, uninterrupted
 from kiln.patch.catalog import Catalogue
 from kiln.patch.engine import Session, run_selection
 from kiln.patch.model import BuildTarget, Outcome, Verdict
@@ -234,7 +234,8 @@ def _run_groups(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, gro
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
                                initializer=child_of, initargs=(os.getpid(),))
     try:
-        futures = {i: pool.submit(_run_group, groups[i]) for i in by_size}
+        with uninterrupted():  # a signal inside submit could leave a worker the pool does not know
+            futures = {i: pool.submit(_run_group, groups[i]) for i in by_size}
         # (with "fork", the pool starts all its workers at the first submit, before its own thread)
         forked()
         results = [futures[i].result() for i in range(len(groups))]
