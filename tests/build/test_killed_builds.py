@@ -8,7 +8,8 @@ while those processes run, then signalled. kiln promises:
 - no process of that build is alive 2 s after the signal (``kiln/lifeline.py``: children die
   with the build);
 - SIGTERM stops it cleanly: exit 143, last line ``error: interrupted (SIGTERM)``, no output, no
-  stage beside it, no temporary cache entry, no tag;
+  stage beside it, no temporary cache entry, no tag; Ctrl-C (SIGINT to the process group) the
+  same with exit 130;
 - the next run completes and leaves no staging behind (cache ``.tmp-*``, ``.<out>.kiln-*``, the
   Triton sources staged under ``/tmp/kiln-triton`` by the killed build).
 
@@ -38,7 +39,9 @@ pytestmark = [pytest.mark.registry, pytest.mark.reliability]
 
 PIN, SM, IMAGE = "v0.20.1", 120, "e2e-kill"
 POINTS = ("pull", "patching", "kernels", "push", "commit")
-SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM}
+SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT}
+# every point with SIGKILL and SIGTERM; Ctrl-C (SIGINT to the whole process group) once
+CASES = [(point, signame) for point in POINTS for signame in ("SIGKILL", "SIGTERM")] + [("patching", "SIGINT")]
 GRACE = 2.0  # seconds after the signal by which every process of the build is gone
 
 
@@ -113,8 +116,7 @@ def workspace(tmp_path_factory, registry_plain) -> KillWorkspace:
     return KillWorkspace.create(tmp_path_factory.mktemp("killed") / "ws", registry_plain)
 
 
-@pytest.mark.parametrize("signame", SIGNALS)
-@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize(("point", "signame"), CASES, ids=[f"{p}-{s}" for p, s in CASES])
 def test_killed_build_leaves_no_process_and_the_next_run_no_staging(workspace, tmp_path, point, signame):
     signum = SIGNALS[signame]
     cache, out = tmp_path / "cache", tmp_path / "out"
@@ -127,7 +129,10 @@ def test_killed_build_leaves_no_process_and_the_next_run_no_staging(workspace, t
             assert len(running) >= 3, running
         if point == "kernels":  # a Triton kernel worker compiling (or its launcher, about to exec it)
             assert any("kiln/triton/worker.py" in line for line in running), running
-        build.send_signal(signum)
+        if signum == signal.SIGINT:
+            os.killpg(build.pid, signum)  # as a terminal's Ctrl-C: the build and its workers get it
+        else:
+            build.send_signal(signum)
         alive, elapsed = wait_until_gone(build, GRACE)
         assert alive == [], f"{len(alive)} process(es) of the build alive {elapsed:.1f} s after {signame}: " \
                             f"{[line[:200] for line in alive]}"
@@ -136,9 +141,9 @@ def test_killed_build_leaves_no_process_and_the_next_run_no_staging(workspace, t
             os.killpg(build.pid, signal.SIGKILL)  # (only when the test failed: clean up its processes)
     _, err = build.communicate(timeout=60)
 
-    if signum == signal.SIGTERM:  # stopped cleanly: one line, nothing committed, nothing staged
-        assert build.returncode == 143, err[-3000:]
-        assert err.strip().splitlines()[-1] == "error: interrupted (SIGTERM)", err[-3000:]
+    if signum != signal.SIGKILL:  # stopped cleanly: one line, nothing committed, nothing staged
+        assert build.returncode == 128 + signum, err[-3000:]
+        assert err.strip().splitlines()[-1] == f"error: interrupted ({signame})", err[-3000:]
         assert not out.exists()
         assert [p.name for p in tmp_path.iterdir() if ".kiln-" in p.name] == []
         assert [str(p.relative_to(cache)) for p in cache.rglob(".tmp-*")] == []
