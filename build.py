@@ -1,9 +1,7 @@
 #!/usr/bin/env python3
 """kiln's command line: `python build.py --help` (also installed as the `kiln` command)."""
 
-import sys
-
-from kiln.commands import main
+from kiln.commands import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry("build.py")

@@ -14,7 +14,9 @@ no live process.
 from __future__ import annotations
 
 import fcntl
+import glob
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -102,16 +104,46 @@ def file_lock(lock_path: Path) -> Iterator[None]:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
+def _remove_dead_fills(final: Path) -> None:
+    """Remove ``.tmp-<final name>-*`` beside ``final``: call only holding its lock (``install_dir``).
+
+    Whoever fills one holds that flock until it is renamed or removed, and the kernel drops the
+    lock when its holder dies: so while we hold it, every such directory belongs to a killed
+    process. This also cleans where ``claim_cache`` does not reach (a toolchain directory
+    shared through ``$KILN_TRITON_TOOLCHAINS``) or cannot (a cache another process uses).
+    """
+    dead = re.compile(rf"^\.tmp-{re.escape(final.name)}-[a-z0-9_]{{8}}$")  # mkdtemp's names
+    try:
+        entries = [e for e in os.scandir(final.parent) if dead.match(e.name)]
+    except OSError:
+        return
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            Path(entry.path).unlink(missing_ok=True)
+
+
 def install_dir(final: Path, fill: Callable[[Path], None]) -> Path:
     """Return ``final``, creating it with ``fill(tmpdir)`` first if absent.
 
     ``fill`` writes into an empty private directory; on success it is renamed to ``final``
-    in one step. On failure nothing is left behind.
+    in one step. On failure nothing is left behind; what a killed process was filling is
+    removed by the next call that takes the lock (``_remove_dead_fills``).
     """
+    lock_path = final.parent / f".{final.name}.lock"
     if final.is_dir():
+        if any(final.parent.glob(f".tmp-{glob.escape(final.name)}-*")):
+            with open(lock_path, "a+") as handle:  # only when nobody fills it now
+                try:
+                    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return final
+                _remove_dead_fills(final)
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(final.parent / f".{final.name}.lock"):
+    with file_lock(lock_path):
+        _remove_dead_fills(final)
         if final.is_dir():  # another process finished it while we waited
             return final
         tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{final.name}-"))

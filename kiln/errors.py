@@ -1,4 +1,6 @@
-"""The one error type kiln shows to users: a single line naming the culprit."""
+"""The one error type kiln shows to users (a single line naming the culprit), and ``Interrupted``."""
+
+import signal
 
 from kiln.secrets import scrub
 
@@ -11,3 +13,11 @@ class KilnError(Exception):
 
     def __init__(self, message: str):
         super().__init__(scrub(" ".join(message.split("\n"))))
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGINT told the command to stop (``kiln.lifeline``): unwinds like Ctrl-C."""
+
+    def __init__(self, signum: int):
+        self.signum = int(signum)
+        super().__init__(signal.Signals(self.signum).name)

@@ -12,7 +12,10 @@ values, the patched tree, ``pins.toml``, the verdict record, cache entries) goes
 - ``remove_dead_stages(parent)``: staging entries whose owner process is gone (a build killed
   mid-write) are removed by the next run that writes beside them.
 
-Staged entries are named ``.<dest name>.kiln-<pid>-<random>``: the pid says whose they are.
+Staged entries are named ``.<dest name>.kiln-<pid>.<start>-<random>``: the pid and the process's
+start time (clock ticks after boot, ``/proc/<pid>/stat``) say whose they are, so a pid reused by
+another process does not keep a dead build's stage alive (``.kiln-<pid>-<random>``, as older kiln
+wrote them and where ``/proc`` is missing, is judged by the pid alone).
 New files and directories follow the umask (``mkstemp``/``mkdtemp`` would make them private).
 """
 
@@ -27,7 +30,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-_STAGE = re.compile(r"^\..+\.kiln-(\d+)-[A-Za-z0-9_]+$")
+from kiln.lifeline import uninterrupted
+
+_STAGE = re.compile(r"^\..+\.kiln-(\d+)(?:\.(\d+))?-[A-Za-z0-9_]+$")
 _umask_lock = threading.Lock()
 
 
@@ -38,8 +43,20 @@ def umask() -> int:
     return mask
 
 
+def start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks after boot); None where ``/proc`` cannot tell."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    fields = stat.rpartition(b")")[2].split()  # the name before it may hold spaces and ")"
+    return fields[19].decode() if len(fields) > 19 else None
+
+
 def _stage_prefix(dest: Path) -> str:
-    return f".{dest.name}.kiln-{os.getpid()}-"
+    pid = os.getpid()
+    start = start_time(pid)
+    return f".{dest.name}.kiln-{pid}.{start}-" if start else f".{dest.name}.kiln-{pid}-"
 
 
 def stage_file(dest: Path) -> Path:
@@ -113,10 +130,13 @@ class Staged:
         if self.on_commit is not None:
             self._undo = self.on_commit()
         else:
-            if self.dest.exists() or self.dest.is_symlink():
-                self.replaced = stage_dir(self.dest) / "previous"
-                os.rename(self.dest, self.replaced)
-            os.rename(self.path, self.dest)
+            with uninterrupted():  # SIGTERM between the renames would lose what ``dest`` held
+                if self.dest.exists() or self.dest.is_symlink():
+                    self.replaced = stage_dir(self.dest) / "previous"
+                    os.rename(self.dest, self.replaced)
+                os.rename(self.path, self.dest)
+                self.committed = True
+            return self.dest
         self.committed = True
         return self.dest
 
@@ -124,15 +144,16 @@ class Staged:
         if not self.committed:
             self.discard()
             return
-        if self._undo is not None:
-            self._undo()
-        else:
-            _remove(self.dest)
-            if self.replaced is not None:
-                os.rename(self.replaced, self.dest)
-                shutil.rmtree(self.replaced.parent, ignore_errors=True)
-                self.replaced = None
-        self.committed = False
+        with uninterrupted():
+            if self._undo is not None:
+                self._undo()
+            else:
+                _remove(self.dest)
+                if self.replaced is not None:
+                    os.rename(self.replaced, self.dest)
+                    shutil.rmtree(self.replaced.parent, ignore_errors=True)
+                    self.replaced = None
+            self.committed = False
 
     def finish(self) -> None:
         if self.replaced is not None:
@@ -148,16 +169,16 @@ class Staged:
 def commit_all(stages: Iterable[Staged]) -> list[Path | None]:
     """Commit every stage in order; on any failure roll back those already committed."""
     stages = list(stages)
-    done: list[Staged] = []
     try:
         for stage in stages:
             stage.commit()
-            done.append(stage)
     except BaseException:
-        for stage in reversed(done):
-            stage.rollback()
-        for stage in stages:
-            stage.discard()
+        with uninterrupted():  # a signal now stops the build after the rollback, not inside it
+            for stage in reversed(stages):
+                if stage.committed:
+                    stage.rollback()
+            for stage in stages:
+                stage.discard()
         raise
     for stage in stages:
         stage.finish()
@@ -169,20 +190,24 @@ def discard_all(stages: Iterable[Staged]) -> None:
         stage.discard()
 
 
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
+def _alive(pid: int, start: str | None) -> bool:
+    """Whether the process that wrote ``.kiln-<pid>[.<start>]-`` still runs (not a reuse of its pid)."""
+    if pid != os.getpid():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass  # somebody else's live process: its start time still tells
+    if start is None:
         return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # somebody else's live process
-    return True
+    now = start_time(pid)
+    return now is None or now == start
 
 
 def remove_dead_stages(parent: Path) -> list[Path]:
-    """Remove the staging entries in ``parent`` whose owner process no longer runs."""
+    """Remove the staging entries in ``parent`` whose owner process no longer runs (safe at any
+    time: a live owner's entries are kept, whatever else runs)."""
     removed = []
     try:
         entries = list(os.scandir(parent))
@@ -190,7 +215,7 @@ def remove_dead_stages(parent: Path) -> list[Path]:
         return removed
     for entry in entries:
         match = _STAGE.match(entry.name)
-        if match and not _alive(int(match.group(1))):
+        if match and not _alive(int(match.group(1)), match.group(2)):
             path = Path(entry.path)
             _remove(path)
             removed.append(path)

@@ -30,6 +30,7 @@ from kiln.build.layers import audit_record, patched_contents
 from kiln.build.provenance import kiln_revision, kiln_source_url
 from kiln.cache import cache_root
 from kiln.errors import KilnError
+from kiln.lifeline import uninterrupted
 from kiln.oci.blobcache import BlobCache
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.image import RemoteImage
@@ -165,7 +166,8 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
 
     def start_kernels() -> None:
         if beside:  # reads only files no patch changes
-            early.append(pool.submit(kernel_layer, {}))
+            with uninterrupted():  # a signal inside submit could start a thread the pool never joins
+                early.append(pool.submit(kernel_layer, {}))
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         result = patched_selection(inputs.catalogue, tree, inputs.target(), list(definition.patches),

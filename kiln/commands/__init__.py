@@ -7,18 +7,24 @@ package never prints: progress reaches the user through the ``Reporter`` a comma
 
 Exit codes: 0 success; 1 a check failed (verdicts differ from the record, a preflight failed);
 2 an error (``KilnError``: one line naming the file, field, option or patch at fault, or a
-usage error); 130 interrupted.
+usage error); 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM (128 + the signal, as a shell
+reports it), with one line ``error: interrupted (SIGTERM)`` once the build stopped cleanly: its
+worker processes killed, its staging removed, nothing committed (``kiln.lifeline``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+from typing import NoReturn
 
 from kiln.commands import bench, build, patches, pin, plan, verify
 from kiln.commands.options import KilnParser, add_repo_options, command_inputs, progress_mode
 from kiln.commands.output import Output
-from kiln.errors import KilnError
+from kiln.errors import Interrupted, KilnError
+from kiln.lifeline import stop_on_signals
 from kiln.publish.destinations import check_stdout
 
 COMMANDS = (patches, verify, build, pin, plan, bench)
@@ -61,15 +67,27 @@ def main(argv: list[str] | None = None, prog: str = "build.py") -> int:
     out = Output(json_mode=bool(getattr(args, "json", False)), progress=progress)
     try:
         check_stdout(sys.stdout, command_inputs(args))  # `> pins.toml`: kiln never writes its output into an input
-        return args.run(args, out)
+        with stop_on_signals():
+            return args.run(args, out)
     except KilnError as err:
         out.error(str(err))
         return 2
-    except KeyboardInterrupt:
-        out.stderr.print("interrupted")
-        return 130
+    except KeyboardInterrupt as err:  # Interrupted (a signal the build stopped on), or Ctrl-C
+        signum = err.signum if isinstance(err, Interrupted) else signal.SIGINT
+        out.error(f"interrupted ({signal.Signals(signum).name})")
+        return 128 + signum
 
 
-def entry() -> None:
-    """The ``kiln`` console script: the same command line as ``python build.py``."""
-    raise SystemExit(main(prog="kiln"))
+def entry(prog: str = "kiln") -> NoReturn:
+    """The ``kiln`` console script (and ``build.py``): ``main``, then exit with its code.
+
+    After an interruption the build has already undone what it must (its ``finally`` blocks
+    ran, its children are dead): the process leaves at once, without tearing down the
+    interpreter's heap (a second or more after a large patching), so it is gone promptly.
+    """
+    code = main(prog=prog)
+    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)

@@ -28,6 +28,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln import lifeline
 from kiln.errors import KilnError
 from kiln.secrets import register_credentials
 
@@ -127,7 +128,7 @@ def _from_helper(helper: str, registry: str, path: Path, missing_ok: bool = Fals
     program = f"docker-credential-{helper}"
     server = "https://index.docker.io/v1/" if registry == "docker.io" else registry
     try:
-        result = subprocess.run([program, "get"], input=server, capture_output=True, text=True, timeout=60)
+        result = lifeline.run([program, "get"], input=server, timeout=60)  # dies with the build
     except FileNotFoundError:
         raise KilnError(f"{path}: credential helper {program} (for {registry}) is not on PATH") from None
     except subprocess.TimeoutExpired:

@@ -30,9 +30,11 @@ from importlib.metadata import version
 from pathlib import Path
 
 from kiln.cache import cache_root
+from kiln.lifeline import child_of, uninterrupted
 from kiln.patch.catalog import Catalogue
 from kiln.patch.engine import Session, run_selection
 from kiln.patch.model import BuildTarget, Outcome, Verdict
+from kiln.pausepoint import pause_point
 from kiln.source.tree import SourceTree
 from kiln.staging import write_atomic
 
@@ -207,6 +209,7 @@ _FORKED: tuple | None = None  # (catalogue, tree, target) for forked workers: pa
 
 def _run_group(group: list[str]) -> _Group:
     catalogue, tree, target = _FORKED
+    pause_point("patching")
     session = _ReadingSession(tree)
     result = run_selection(catalogue, session, target, group)
     return _Group(list(result.outcomes.values()), result.changed_text(), frozenset(session.reads))
@@ -226,11 +229,23 @@ def _run_groups(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, gro
         return sum((tree.package / rel).stat().st_size for rel in files if (tree.package / rel).is_file())
 
     by_size = sorted(range(len(groups)), key=lambda i: -size(groups[i]))
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        futures = {i: pool.submit(_run_group, groups[i]) for i in by_size}
+    others = set(multiprocessing.active_children())
+    # each worker dies with this process (a killed build leaves none behind: kiln.lifeline)
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                               initializer=child_of, initargs=(os.getpid(),))
+    try:
+        with uninterrupted():  # a signal inside submit could leave a worker the pool does not know
+            futures = {i: pool.submit(_run_group, groups[i]) for i in by_size}
         # (with "fork", the pool starts all its workers at the first submit, before its own thread)
         forked()
-        return [futures[i].result() for i in range(len(groups))]
+        results = [futures[i].result() for i in range(len(groups))]
+    except BaseException:  # an error, or Interrupted: the running groups are not waited for
+        for process in set(multiprocessing.active_children()) - others:
+            process.kill()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+    return results
 
 
 def _whole(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, ids: list[str],

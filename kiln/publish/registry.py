@@ -94,6 +94,7 @@ class RegistryPublisher(Publisher):
         self.report = report
 
         def put_manifests():
+            pause_point("commit")  # the local outputs are committed by now (this one is last)
             for tag in self.tags:
                 client.put_manifest(repository, tag, manifest.data, manifest.media_type)
             report.bytes_uploaded += len(manifest.data) * len(self.tags)

@@ -36,16 +36,16 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln import lifeline, staging
 from kiln.cache import install_dir
 from kiln.errors import KilnError
+from kiln.pausepoint import pause_point
 from kiln.triton import standin_torch
 from kiln.triton import worker as worker_module
 from kiln.triton.kernels import KERNELS, RUNTIME_CACHE_DIR, KernelPreset, launch_plan
@@ -122,7 +122,8 @@ def _stage_sources(preset: KernelPreset, sources: KernelSources) -> tuple[Path, 
     content = digest.hexdigest()
     final = stage_dir() / f"src-{content[:32]}"
     if not (final / ".complete").is_file():
-        tmp = Path(tempfile.mkdtemp(dir=stage_dir(), prefix=".tmp-src-"))
+        staging.remove_dead_stages(final.parent)  # what killed builds were staging here
+        tmp = staging.stage_dir(final)
         try:
             for rel, text in texts.items():
                 path = tmp / "vllm" / rel
@@ -160,8 +161,9 @@ def _run_worker(toolchain: Toolchain, job: dict, env: dict[str, str], workdir: P
     job_path = workdir / f"job-{job['mode']}.json"
     job = {**job, "report": str(workdir / f"report-{job['mode']}.json")}
     job_path.write_text(json.dumps(job))
-    result = subprocess.run([toolchain.python, str(_WORKER), str(job_path)], env=env, cwd=workdir,
-                            capture_output=True, text=True)
+    # (it dies with this process: a killed build leaves no compile running, kiln.lifeline)
+    result = lifeline.run([toolchain.python, str(_WORKER), str(job_path)], env=env, cwd=workdir,
+                          started=lambda: pause_point("kernels"))
     if result.returncode != 0:
         tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-6:])
         raise KilnError(f"sm_{sm}: the Triton kernel worker failed ({job['mode']}): {tail}")

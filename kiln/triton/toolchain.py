@@ -33,7 +33,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urlsplit
 
+from kiln import lifeline
 from kiln.cache import install_dir
 from kiln.errors import KilnError
 from kiln.report import SILENT, Reporter
@@ -141,7 +141,9 @@ def _fetch(version: str, image: str, into: Path, reporter: Reporter) -> None:
         record = _unpack(wheel, into)
         wheel.unlink()
         # bytecode for the interpreter that runs the worker, valid for SOURCE_MTIME sources
-        compileall.compile_dir(into / "triton", quiet=2, workers=1)
+        for source in sorted((into / "triton").rglob("*.py")):
+            lifeline.check()  # a build told to stop does not finish the fetch first
+            compileall.compile_file(source, quiet=2)
     (into / _MARKER).write_text(json.dumps({"version": version, "wheel": name, "wheel_sha256": sha256,
                                             "record_sha256": record, "python": sys.version.split()[0]},
                                            indent=1, sort_keys=True) + "\n")
@@ -151,10 +153,10 @@ def _choose_wheel(version: str, image: str) -> tuple[str, str]:
     """The URL and sha256 of the wheel pip would install here (its indexes, this Python)."""
     with tempfile.TemporaryDirectory(prefix="kiln-pip-") as tmp:
         report = Path(tmp) / "report.json"
-        result = subprocess.run(
+        result = lifeline.run(
             [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--disable-pip-version-check",
              "--ignore-installed", "--no-deps", "--only-binary=:all:", "--report", str(report),
-             f"triton=={version}"], capture_output=True, text=True)
+             f"triton=={version}"])
         if result.returncode != 0 or not report.is_file():
             tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
             raise KilnError(f"{image}: no triton=={version} wheel for this Python "
@@ -173,6 +175,7 @@ def _download(url: str, sha256: str, path: Path, label: str, reporter: Reporter)
         with reporter.task(f"copying {label}", source.stat().st_size) as task, \
                 source.open("rb") as src, path.open("wb") as dst:
             while chunk := src.read(1 << 20):
+                lifeline.check()
                 digest.update(chunk)
                 dst.write(chunk)
                 task.advance(len(chunk))
@@ -185,6 +188,7 @@ def _download(url: str, sha256: str, path: Path, label: str, reporter: Reporter)
                 total = int(response.headers.get("Content-Length") or 0) or None
                 with reporter.task(f"fetching {label}", total) as task, path.open("wb") as dst:
                     for chunk in response.iter_content(1 << 20):
+                        lifeline.check()
                         digest.update(chunk)
                         dst.write(chunk)
                         task.advance(len(chunk))
@@ -200,6 +204,7 @@ def _unpack(wheel: Path, into: Path) -> str:
     record = None
     with zipfile.ZipFile(wheel) as archive:
         for info in archive.infolist():
+            lifeline.check()
             name = info.filename
             parts = PurePosixPath(name).parts
             if name.startswith("/") or ".." in parts:
