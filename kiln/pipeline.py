@@ -3,7 +3,7 @@
 Public API:
     BuildResult      digests, tags, where each output went, bytes pulled/pushed, timings (``.to_json()``)
     run_build(inputs, publishers, registry_config=None, allow_unlocked=False, cache=None,
-              reporter=SILENT) -> BuildResult
+              reporter=SILENT, leave_out_unusable_kernels=False) -> BuildResult
 
 Every destination is checked before the first network request (``check_outputs``); a pin with
 no verdicts in the record is built with a warning (its verdicts land in the audit file); the pull,
@@ -67,7 +67,8 @@ class BuildResult:
 
 def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
               registry_config: RegistryConfig | None = None, allow_unlocked: bool = False,
-              cache: Path | None = None, reporter: Reporter = SILENT) -> BuildResult:
+              cache: Path | None = None, reporter: Reporter = SILENT,
+              leave_out_unusable_kernels: bool = False) -> BuildResult:
     """Build ``inputs`` and hand the image to every publisher; ``repository`` names it in the result."""
     check_outputs(publishers)
     config = registry_config or RegistryConfig.load()
@@ -78,7 +79,7 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
         # and fails closed on every verdict, and the audit file records them all.
         reporter.warn(f"pin {inputs.pin.name} has no recorded verdicts in {record}; this build's verdicts "
                       f"are in its {AUDIT_PATH} (review them: `verify --pin {inputs.pin.name} --accept`)")
-    prepared = prepare_build(inputs, config, allow_unlocked, cache, reporter)
+    prepared = prepare_build(inputs, config, allow_unlocked, cache, reporter, leave_out_unusable_kernels)
     clock = prepared.clock
     budget = prepared.client.budget  # the build's limits: its deadline is checked between steps
     budget.check_deadline("patch")

@@ -69,6 +69,19 @@ SITE = "usr/local/lib/python3.12/dist-packages"
 # triton-3.6.0-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl from PyPI, sha256
 # 74caf5e34b66d9f3a429af689c1c7128daba1d8208df60e81106b115c00d6fca.
 TRITON_CP312_RECORD = Path(__file__).with_name("triton-3.6.0-cp312.RECORD")
+# The same for every Triton the pins' images carry (torch 2.14.0 in vLLM 0.33.0 requires
+# triton~=3.8.0): 3.8.0's RECORD copied out of
+# triton-3.8.0-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl from PyPI, sha256
+# e91ffa46d095b252248297292dd22bcbacd53a125a0c2eefbbbf74925a320bc3.
+TRITON_CP312_RECORDS = {"3.6.0": TRITON_CP312_RECORD,
+                        "3.8.0": Path(__file__).with_name("triton-3.8.0-cp312.RECORD")}
+# And the RECORDs of the cp311 wheels of both (kiln on Python 3.11 compiles with those), copied out of
+# triton-3.6.0-cp311-cp311-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl, sha256
+# e8e323d608e3a9bfcc2d9efcc90ceefb764a82b99dea12a86d643c72539ad5d3, and
+# triton-3.8.0-cp311-cp311-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl, sha256
+# 68988ac85d5e7086baeda0ddc175af9667db7529b3c5e11a5c0601b8bef2200a.
+TRITON_CP311_RECORDS = {version: Path(__file__).with_name(f"triton-{version}-cp311.RECORD")
+                        for version in ("3.6.0", "3.8.0")}
 REPO = "vllm/vllm-openai"
 USER, PASSWORD = "testuser", "testpass"
 TOOLS = ("docker-registry", "skopeo", "umoci", "openssl", "htpasswd", "busybox", "tar")
