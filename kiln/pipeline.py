@@ -3,7 +3,7 @@
 Public API:
     BuildResult      digests, tags, where each output went, bytes pulled/pushed, timings (``.to_json()``)
     run_build(inputs, publishers, registry_config=None, allow_unlocked=False, cache=None,
-              reporter=SILENT) -> BuildResult
+              reporter=SILENT, leave_out_unusable_kernels=False) -> BuildResult
 
 Every destination is checked before the first network request (``check_outputs``: never an
 input the build reads, ``kiln.publish.destinations``); the deadline runs from the start; a pin with
@@ -70,7 +70,8 @@ class BuildResult:
 
 def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
               registry_config: RegistryConfig | None = None, allow_unlocked: bool = False,
-              cache: Path | None = None, reporter: Reporter = SILENT) -> BuildResult:
+              cache: Path | None = None, reporter: Reporter = SILENT,
+              leave_out_unusable_kernels: bool = False) -> BuildResult:
     """Build ``inputs`` and hand the image to every publisher; ``repository`` names it in the result."""
     config = registry_config or RegistryConfig.load()
     budget = Budget(config.limits)  # the deadline runs from here: it bounds the whole command
@@ -82,7 +83,8 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
         # and fails closed on every verdict, and the audit file records them all.
         reporter.warn(f"pin {inputs.pin.name} has no recorded verdicts in {record}; this build's verdicts "
                       f"are in its {AUDIT_PATH} (review them: `verify --pin {inputs.pin.name} --accept`)")
-    prepared = prepare_build(inputs, config, allow_unlocked, cache, reporter, budget)
+    prepared = prepare_build(inputs, config, allow_unlocked, cache, reporter, budget,
+                             leave_out_unusable_kernels=leave_out_unusable_kernels)
     clock = prepared.clock
     budget.check_deadline("patch")  # and between the steps after it
     work_root = cache / "build"

@@ -195,3 +195,13 @@ def test_every_build_py_command_parses(workflow, matrix_entry):
         # main pushes; a pull request builds without pushing
         assert args.push == (condition == "github.event_name != 'pull_request'"), condition
     assert sorted(a.push for _, _, a in builds) == [False, True]
+
+
+def test_builds_run_kiln_on_the_python_of_vllms_images(workflow):
+    """kiln compiles Triton kernels with the wheel for its own Python: the build job runs the
+    images' Python (``python3.12/dist-packages`` in vLLM's images, as in the test fixtures)."""
+    from tests.support.registry import SITE
+
+    image_python = re.search(r"python(\d+\.\d+)/", SITE).group(1)
+    [setup] = [s for s in workflow["jobs"]["build"]["steps"] if s.get("uses", "").startswith("actions/setup-python")]
+    assert str(setup["with"]["python-version"]) == image_python == "3.12"

@@ -3,7 +3,7 @@
 Public API:
     PreparedBuild      the resolved base, the verdicts, kiln's layers (``LayerContents``), labels
     prepare_build(inputs, registry_config=None, allow_unlocked=False, cache=None,
-                  reporter=SILENT) -> PreparedBuild
+                  reporter=SILENT, leave_out_unusable_kernels=False) -> PreparedBuild
     Clock              seconds spent per step, for ``--json`` and the benchmarks
 
 Steps: resolve the pin's base reference to a digest (one manifest HEAD) and check it against
@@ -121,7 +121,8 @@ def check_lock(pin: Pin, resolved: str, allow_unlocked: bool, reporter: Reporter
 
 def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = None,
                   allow_unlocked: bool = False, cache: Path | None = None,
-                  reporter: Reporter = SILENT, budget: Budget | None = None) -> PreparedBuild:
+                  reporter: Reporter = SILENT, budget: Budget | None = None,
+                  leave_out_unusable_kernels: bool = False) -> PreparedBuild:
     """Resolve and check the base, read its pristine vLLM, patch it, and decide kiln's layers.
 
     ``budget``: the command's limits (its deadline already running); a new one when None."""
@@ -157,7 +158,8 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
 
     def kernel_layer(changed: dict[str, str]):
         return triton_cache_layer(kernels, sm, found, changed, runtime_env, cache,
-                                  f"{definition.path}: model.kernels", definition.name, reporter)
+                                  f"{definition.path}: model.kernels", definition.name, reporter,
+                                  leave_out_unusable_kernels)
 
     selected = inputs.catalogue.closure(list(definition.patches))
     beside = bool(kernels) and not any(reads_source(kernels, rel) for pid in selected
@@ -199,8 +201,11 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
         if kernels:  # the ahead-of-time Triton kernel cache, one layer per SM
             # (when it compiled beside the patching, this lap is only the wait for it)
             done = early[0].result() if early else kernel_layer(changed)
-            layers.append(done.contents)
-            env, triton = done.env, {**done.summary, "beside_patching": beside}
+            if done is None:  # the image could not use it, and the build was told to leave it out
+                triton = {"sm": sm, "left_out": True, "keyed_for_image": False}
+            else:
+                layers.append(done.contents)
+                env, triton = done.env, {**done.summary, "beside_patching": beside}
             clock.lap("triton")
     labels = {
         L.BASE_NAME: str(base_ref),

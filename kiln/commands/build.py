@@ -52,6 +52,9 @@ def _image_command(sub, name: str, description: str, run):
     p = sub.add_parser(name, help=description)
     options.add_target_options(p)
     options.add_base_image_options(p)
+    p.add_argument("--without-unusable-kernels", action="store_true",
+                   help="leave out the Triton kernel layer when the image's Triton could not use it (its Triton is "
+                        "not the PyPI wheel kiln compiles with), instead of failing the build (docs/TRITON.md)")
     options.add_json_option(p)
     p.set_defaults(run=run)
     return p
@@ -74,7 +77,8 @@ def run_build_command(args, out) -> int:
         publishers.append(ValuesPublisher(args.values, name, args.chart, inputs.definition))
     if args.push:
         publishers.append(RegistryPublisher(name, [inputs.tag], config, reporter))
-    result = run_build(inputs, publishers, name.name, config, args.allow_unlocked, reporter=reporter)
+    result = run_build(inputs, publishers, name.name, config, args.allow_unlocked, reporter=reporter,
+                       leave_out_unusable_kernels=args.without_unusable_kernels)
     result.warnings = list(reporter.warnings)
     if args.json:
         out.json(result.to_json())
@@ -96,7 +100,8 @@ def run_context(args, out) -> int:
     inputs = load_build_inputs(options.repo_files(args), args.image, args.pin, args.sm)
     publisher = ContextPublisher(args.out, args.force)
     result = run_build(inputs, [publisher], destination(inputs.definition, purpose="local").name,
-                       options.registry_config(args), args.allow_unlocked, reporter=out.reporter())
+                       options.registry_config(args), args.allow_unlocked, reporter=out.reporter(),
+                       leave_out_unusable_kernels=args.without_unusable_kernels)
     record = publisher.record
     dest = publisher.path
     if args.json:

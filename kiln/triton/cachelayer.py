@@ -2,8 +2,9 @@
 
 Public API:
     TritonLayer(contents, env, summary)
-    triton_cache_layer(preset, sm, found, changed, runtime_env, cache, label, image_name, reporter=SILENT)
-        -> TritonLayer
+    triton_cache_layer(preset, sm, found, changed, runtime_env, cache, label, image_name, reporter=SILENT,
+                       leave_out_unusable=False) -> TritonLayer | None   (None: left out)
+    LEAVE_OUT_OPTION                 the build option that sets ``leave_out_unusable``
     image_env(config) -> dict       a base config's Env as a dict
 
 Called by ``kiln.build.prepare`` for images whose ``[model]`` declares ``kernels``:
@@ -14,6 +15,12 @@ run another Python than the image), and returns the layer's contents (the cache 
 ``RUNTIME_CACHE_DIR`` plus ``/opt/kiln/triton-kernels.json``) and the environment the image
 needs (``TRITON_CACHE_DIR``). Kernels that cannot be built for a known reason (bf16 fp8 store
 on sm < 89) are reported as a warning and listed in the audit file and the build summary.
+
+A layer the image's Triton would never read (``imagekey.py``: its Triton is not the wheel kiln
+compiles with, or cannot be checked) fails the build in one line, before anything is compiled:
+shipping it would only look like a kernel cache. With ``leave_out_unusable`` (the build's
+``--without-unusable-kernels``) the layer is left out instead, said so once, and the image gets
+neither the cache nor ``TRITON_CACHE_DIR``.
 """
 
 from __future__ import annotations
@@ -22,13 +29,17 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln.errors import KilnError
 from kiln.oci.layer import LayerContents
 from kiln.report import SILENT, Reporter
 from kiln.source.image import ImageVllm
 from kiln.triton.aot import KernelSources, compile_kernel_caches, kernel_cache_files
 from kiln.triton.imagekey import runtime_key
 from kiln.triton.kernels import RUNTIME_CACHE_DIR, KernelPreset, check_kernels
+from kiln.triton.keyfiles import read_key_sources
 from kiln.triton.toolchain import toolchain_for
+
+LEAVE_OUT_OPTION = "--without-unusable-kernels"
 
 
 @dataclass(frozen=True)
@@ -40,16 +51,21 @@ class TritonLayer:
 
 def triton_cache_layer(preset: KernelPreset, sm: int, found: ImageVllm, changed: dict[str, str],
                        runtime_env: dict[str, str], cache: Path, label: str, image_name: str,
-                       reporter: Reporter = SILENT) -> TritonLayer:
-    """``label`` names the preset in errors (``images/x.toml: model.kernels``); ``image_name`` the layer."""
+                       reporter: Reporter = SILENT, leave_out_unusable: bool = False) -> TritonLayer | None:
+    """``label`` names the preset in errors (``images/x.toml: model.kernels``); ``image_name`` the layer.
+    None: the image could not use the layer and ``leave_out_unusable`` left it out."""
     sources = KernelSources(changed, found.tree.root)
     check_kernels(preset, sources.read, label)
     toolchain = toolchain_for(found.triton_version, found.image, cache, reporter)
     python = _image_python(found.site_dir)
-    keyed = runtime_key(found.triton_record, toolchain.record, python, toolchain.wheel_python)
+    keyed = runtime_key(found.triton_record, toolchain.record, python, toolchain.wheel_python,
+                        read_key_sources(toolchain.site, toolchain.version))
     if keyed.problem:
-        reporter.warn(f"sm_{sm}: {keyed.problem}; the image will not find these kernels and compiles them "
-                      f"at first launch (docs/TRITON.md)")
+        unusable = f"{label}: sm_{sm}: {keyed.problem}, so the image's Triton would never read these kernels"
+        if not leave_out_unusable:
+            raise KilnError(f"{unusable} (docs/TRITON.md); pass {LEAVE_OUT_OPTION} to build without them")
+        reporter.warn(f"{unusable}: the kernel layer is left out ({LEAVE_OUT_OPTION})")
+        return None
     with reporter.status(f"compiling Triton kernels for sm_{sm} (Triton {toolchain.version})"):
         result = compile_kernel_caches(preset, [sm], sources, toolchain, cache, runtime_env=runtime_env,
                                        image_libtriton=keyed.libtriton_sha256)[sm]

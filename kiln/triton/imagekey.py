@@ -3,25 +3,30 @@
 Public API:
     RuntimeKey(libtriton_sha256, toolchain_libtriton_sha256, problem)
         ``.substitutes`` whether the worker keys entries with another libtriton.so than its own
-    runtime_key(image_record, toolchain_record, image_python, toolchain_python) -> RuntimeKey
+    runtime_key(image_record, toolchain_record, image_python, toolchain_python, sources) -> RuntimeKey
+    compared_files(sources, paths) -> set[str]  the Triton files that must be the toolchain's
     record_hashes(text) -> dict[str, str]      a dist-info RECORD: path -> sha256 (hex)
     LIBTRITON                                  "triton/_C/libtriton.so"
 
 Why: Triton finds a compiled kernel under a key that starts with ``triton_key()``: its version
-and the sha256 of its own Python files (``runtime/cache.py``, ``compiler/``, ``backends/``,
-``language/``) and of ``_C/libtriton.so``. The wheels of one Triton release for different
-Pythons hold the same Python files, the same ptxas and libdevice, but each its own
-libtriton.so and other extension modules (built against that Python's ABI; checked for 3.6.0's
-cp311 and cp312 wheels from their RECORDs). kiln compiles in its own interpreter, with the
-wheel for that Python; the image runs its Python (3.12 in vLLM's images). So the worker is
-given the image's libtriton.so hash, read from the RECORD of the Triton installed in the image,
-and keys every entry with it: the compiler is the same source, the key is the one the image's
-Triton computes.
+and the sha256 of the files it reads, decided from that version's own source
+(``keyfiles.py``: ``runtime/cache.py``, the modules under ``compiler/``, ``backends/`` and
+``language/``, ``_C/libtriton.so`` in 3.6.0 and 3.8.0). The wheels of one Triton release for
+different Pythons hold the same Python files, ptxas and libdevice, but each its own
+libtriton.so and other native libraries (built against that Python's ABI; 3.8.0's also differ in
+``plugins/`` and ``instrumentation/``, which ``triton_key()`` does not read). kiln compiles in
+its own interpreter, with the wheel for that Python; the image runs its Python (3.12 in vLLM's
+images). So the worker is given the image's libtriton.so hash, read from the RECORD of the
+Triton installed in the image, and keys every entry with it: the compiler is the same source,
+the key is the one the image's Triton computes.
 
-That holds only when every other file of the image's Triton is the wheel's: the image's RECORD
-is compared with the toolchain's, file by file (extension modules apart). A Triton built from
-source, a vendor build of the same version or a patched install differs: its kernels would be
-keyed differently and never found, so ``problem`` says why and the caller warns. An image
+That holds only when every other file the key is made of is the wheel's: the files
+``triton_key()`` reads, and the other files under the directories it walks (native libraries
+apart: the backend's hash runs its ``ptxas --version``, the options' hash hashes its libdevice,
+and they make the cubins). Those are compared with the toolchain's RECORD, file by file; files
+elsewhere may differ. A Triton built from source, a vendor build of the same version or a
+patched install differs there: its kernels would be keyed differently and never found, so
+``problem`` says why and the build stops (or leaves the layer out when told to). An image
 without Triton's RECORD cannot be checked at all (same outcome).
 """
 
@@ -30,12 +35,16 @@ from __future__ import annotations
 import base64
 import csv
 import io
+import posixpath
+import re
 from dataclasses import dataclass
 
 from kiln.errors import KilnError
+from kiln.triton.keyfiles import KeySources
 
 LIBTRITON = "triton/_C/libtriton.so"
 _SHOWN = 3  # differing files named in a problem
+_NATIVE = re.compile(r"\.so(\.[^/]*)?$")  # libcupti.so, libcupti.so.13
 
 
 @dataclass(frozen=True)
@@ -61,8 +70,16 @@ def record_hashes(text: str) -> dict[str, str]:
     return hashes
 
 
+def compared_files(sources: KeySources, paths: set[str]) -> set[str]:
+    """The files of ``paths`` that must be the toolchain's: what ``triton_key()`` reads, and the
+    rest of the directories it walks but native libraries (``*.so``, ``*.so.N``)."""
+    walked = {p for p in paths if any(p.startswith(root + "/") for root in sources.walked)
+              and not _NATIVE.search(posixpath.basename(p))}
+    return sources.files(paths) | walked
+
+
 def runtime_key(image_record: str | None, toolchain_record: str, image_python: str | None,
-                toolchain_python: str) -> RuntimeKey:
+                toolchain_python: str, sources: KeySources) -> RuntimeKey:
     """How to key kernels for the image's Triton, described by its RECORD (None: not found)."""
     ours = record_hashes(toolchain_record)
     own = ours.get(LIBTRITON)
@@ -74,9 +91,11 @@ def runtime_key(image_record: str | None, toolchain_record: str, image_python: s
         return RuntimeKey(None, own, f"the image's Triton has no RECORD, so the key its libtriton.so gives under "
                                      f"Python {image_python} is unknown (kiln runs Python {toolchain_python})")
     theirs = record_hashes(image_record)
+    if sources.extension != LIBTRITON:
+        raise KilnError(f"Triton's triton_key() hashes {sources.extension}; kiln keys for the image's {LIBTRITON} only")
     if LIBTRITON not in theirs:
         return RuntimeKey(None, own, f"the image's Triton RECORD lists no {LIBTRITON}")
-    paths = {p for p in set(ours) | set(theirs) if p.startswith("triton/") and not p.endswith(".so")}
+    paths = compared_files(sources, set(ours) | set(theirs)) - {sources.extension}
     differing = sorted(p for p in paths if ours.get(p) != theirs.get(p))
     if differing:
         shown = ", ".join(differing[:_SHOWN]) + (f" and {len(differing) - _SHOWN} more" if len(differing) > _SHOWN else "")

@@ -19,7 +19,7 @@ import pytest
 from kiln import commands
 from kiln.triton.imagekey import LIBTRITON, record_hashes
 from tests.support import TEST_IMAGES
-from tests.support.registry import TRITON_CP312_RECORD, VLLM_VERSION
+from tests.support.registry import TRITON_CP312_RECORD, TRITON_CP312_RECORDS, VLLM_VERSION
 
 pytestmark = pytest.mark.registry
 
@@ -88,7 +88,7 @@ def test_build_adds_a_checked_kernel_cache_layer(tmp_path, capsys, registry_plai
     assert first["triton"]["keyed_for_image"] is True
     assert first["triton"]["libtriton_sha256"] == image_libtriton
     assert audit["triton"]["keyed_for_libtriton_sha256"] == image_libtriton
-    assert "will not find these kernels" not in err, err
+    assert "would never read these kernels" not in err and "warning:" not in err, err
 
     # same inputs, same digests: a second build (kernel entries now from the kiln cache)
     code, second, err = _build(capsys, pins, registry_plain, 120, "--oci", str(tmp_path / "two"))
@@ -105,6 +105,44 @@ def test_sm86_bf16_build_warns_and_records_the_missing_store_kernel(tmp_path, ca
     [failure] = result["triton"]["not_built"]
     assert failure["kernel"] == "turboquant_store" and "float8e4b15" in failure["error"]
     assert "_tq_decode_stage1" in result["triton"]["kernel_names"]
+
+
+@pytest.mark.reliability
+def test_a_base_with_triton_3_8_0_gets_kernels_keyed_for_it(tmp_path, capsys, registry_plain):
+    """vLLM 0.33.0's Triton (the current pin): its cp311 and cp312 wheels differ in plugins/
+    files triton_key() never reads; the build keys the layer for the image's cp312 Triton."""
+    pins = _pins(tmp_path, registry_plain, "triton38")
+    code, result, err = _build(capsys, pins, registry_plain, 120, "--oci", str(tmp_path / "out"))
+    assert code == 0, err
+    assert "warning:" not in err, err
+    here = f"{sys.version_info.major}{sys.version_info.minor}"
+    assert result["triton"]["triton"] == "3.8.0" and result["triton"]["triton_wheel"].startswith(f"triton-3.8.0-cp{here}-")
+    assert result["triton"]["keyed_for_image"] is True and result["triton"]["kernels"] > 0
+    assert result["triton"]["libtriton_sha256"] == record_hashes(TRITON_CP312_RECORDS["3.8.0"].read_text())[LIBTRITON]
+    _, config = _image(tmp_path / "out")
+    assert "TRITON_CACHE_DIR=/opt/kiln/triton-cache" in config["config"]["Env"]
+
+
+@pytest.mark.reliability
+def test_a_kernel_layer_the_image_cannot_use_fails_the_build_or_is_left_out(tmp_path, capsys, registry_plain):
+    """Never "built", exit 0 and a layer the image never reads: one line, exit 2, nothing
+    written; with --without-unusable-kernels the image is built without the layer, said so."""
+    pins = _pins(tmp_path, registry_plain, "tritonvendor")
+    code, _, err = _build(capsys, pins, registry_plain, 120, "--oci", str(tmp_path / "out"))
+    assert code == 2 and not (tmp_path / "out").exists()
+    [line] = err.strip().splitlines()[-1:]
+    assert line.startswith(f"error: {IMAGES / IMAGE}.toml: model.kernels: sm_120: the image's Triton is not the PyPI "
+                           "wheel kiln compiles with: 1 file(s) differ (triton/language/core.py)"), err
+    assert line.endswith("pass --without-unusable-kernels to build without them") and "built" not in err
+
+    code, result, err = _build(capsys, pins, registry_plain, 120, "--oci", str(tmp_path / "out"),
+                               "--without-unusable-kernels")
+    assert code == 0, err
+    assert result["triton"] == {"sm": 120, "left_out": True, "keyed_for_image": False}
+    assert "the kernel layer is left out (--without-unusable-kernels)" in err
+    manifest, config = _image(tmp_path / "out")
+    assert not any(e.startswith("TRITON_CACHE_DIR=") for e in config["config"].get("Env") or [])
+    assert not any(h.get("created_by", "").startswith("kiln triton cache") for h in config["history"])
 
 
 def test_base_without_triton_fails_naming_the_image(tmp_path, capsys, registry_plain):

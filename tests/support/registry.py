@@ -25,6 +25,9 @@ Images, under the real Docker Hub name so a mirror ``docker.io=<host>`` stands i
     vllm/vllm-openai:v0.20.1-triton36 ``base`` + a layer replacing triton 3.5.0's dist-info with
                                       3.6.0's (the Triton the test toolchain runs), whose RECORD
                                       is the real cp312 wheel's (``TRITON_CP312_RECORD``)
+    vllm/vllm-openai:v0.20.1-triton38 the same with Triton 3.8.0's real cp312 dist-info (vLLM 0.33.0's)
+    vllm/vllm-openai:v0.20.1-tritonvendor  the same as triton36 with triton/language/core.py's hash
+                                      changed: a Triton that is not the PyPI wheel
     vllm/vllm-openai:v0.20.1-notriton ``base`` + a layer whiting out triton's dist-info
     vllm/vllm-openai:nightly-<sha>    nightly-shaped: ``base`` + a layer replacing vLLM's dist-info by
                                       one carrying the dev version ``NIGHTLY_VERSION`` (no wheel on
@@ -69,6 +72,19 @@ SITE = "usr/local/lib/python3.12/dist-packages"
 # triton-3.6.0-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl from PyPI, sha256
 # 74caf5e34b66d9f3a429af689c1c7128daba1d8208df60e81106b115c00d6fca.
 TRITON_CP312_RECORD = Path(__file__).with_name("triton-3.6.0-cp312.RECORD")
+# The same for every Triton the pins' images carry (torch 2.14.0 in vLLM 0.33.0 requires
+# triton~=3.8.0): 3.8.0's RECORD copied out of
+# triton-3.8.0-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl from PyPI, sha256
+# e91ffa46d095b252248297292dd22bcbacd53a125a0c2eefbbbf74925a320bc3.
+TRITON_CP312_RECORDS = {"3.6.0": TRITON_CP312_RECORD,
+                        "3.8.0": Path(__file__).with_name("triton-3.8.0-cp312.RECORD")}
+# And the RECORDs of the cp311 wheels of both (kiln on Python 3.11 compiles with those), copied out of
+# triton-3.6.0-cp311-cp311-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl, sha256
+# e8e323d608e3a9bfcc2d9efcc90ceefb764a82b99dea12a86d643c72539ad5d3, and
+# triton-3.8.0-cp311-cp311-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl, sha256
+# 68988ac85d5e7086baeda0ddc175af9667db7529b3c5e11a5c0601b8bef2200a.
+TRITON_CP311_RECORDS = {version: Path(__file__).with_name(f"triton-{version}-cp311.RECORD")
+                        for version in ("3.6.0", "3.8.0")}
 REPO = "vllm/vllm-openai"
 USER, PASSWORD = "testuser", "testpass"
 TOOLS = ("docker-registry", "skopeo", "umoci", "openssl", "htpasswd", "busybox", "tar")
@@ -444,8 +460,14 @@ def build_base_layout(work: Path, wheel: Path) -> BaseLayout:
     for role, tag in (("app", "base"), ("overlay", "overlay")):
         run("umoci", "raw", "add-layer", "--image", f"{layout}:stem", "--tag", tag,
             "--history.created_by", f"fixture {role}", _tar(trees[role], work / f"{role}.tar"))
-    # Triton variants of ``base`` (kernel-cache builds): 3.6.0's dist-info instead of 3.5.0's, or none.
-    for tag, triton in (("triton36", "3.6.0"), ("notriton", None)):
+    # Triton variants of ``base`` (kernel-cache builds): the real cp312 dist-info of 3.6.0 or of
+    # 3.8.0 (vLLM 0.33.0's) instead of 3.5.0's; 3.6.0's with one file triton_key() reads changed
+    # (a vendor build: no kernel layer the image can use); or none.
+    vendor = TRITON_CP312_RECORD.read_text().replace("triton/language/core.py,sha256=",
+                                                     "triton/language/core.py,sha256=AAAA", 1)
+    for tag, triton, record in (("triton36", "3.6.0", TRITON_CP312_RECORD.read_text()),
+                                ("triton38", "3.8.0", TRITON_CP312_RECORDS["3.8.0"].read_text()),
+                                ("tritonvendor", "3.6.0", vendor), ("notriton", None, None)):
         site = work / "trees" / tag / SITE
         site.mkdir(parents=True)
         (site / ".wh.triton-3.5.0.dist-info").write_bytes(b"")
@@ -453,7 +475,7 @@ def build_base_layout(work: Path, wheel: Path) -> BaseLayout:
             (site / f"triton-{triton}.dist-info").mkdir()
             (site / f"triton-{triton}.dist-info/METADATA").write_text(
                 f"Metadata-Version: 2.1\nName: triton\nVersion: {triton}\n")
-            shutil.copyfile(TRITON_CP312_RECORD, site / f"triton-{triton}.dist-info/RECORD")
+            (site / f"triton-{triton}.dist-info/RECORD").write_text(record)
         run("umoci", "raw", "add-layer", "--image", f"{layout}:base", "--tag", tag,
             "--history.created_by", f"fixture {tag}", _tar(work / "trees" / tag, work / f"{tag}.tar"))
     # a nightly-shaped image: the dist-info of a dev build (its RECORD and METADATA name the dev
@@ -544,7 +566,8 @@ def _push_all(server: RegistryServer, layout: BaseLayout, full: bool) -> None:
         server.push(layout.oci("base"), f"{REPO}:v{VLLM_VERSION}-docker", "--format", "v2s2")
         server.push(layout.oci("index"), f"{REPO}:v{VLLM_VERSION}-index", "--all")
         server.push(layout.oci("novllm"), "test/no-vllm:1")
-        server.push(layout.oci("triton36"), f"{REPO}:v{VLLM_VERSION}-triton36")
+        for variant in ("triton36", "triton38", "tritonvendor"):
+            server.push(layout.oci(variant), f"{REPO}:v{VLLM_VERSION}-{variant}")
         server.push(layout.oci("notriton"), f"{REPO}:v{VLLM_VERSION}-notriton")
         server.push(layout.oci("nightly"), f"{REPO}:{NIGHTLY_TAG}")
 
