@@ -170,3 +170,21 @@ def test_missing_token_is_one_line(checkout, fakes, monkeypatch):
     assert result.returncode == 2
     assert result.stderr.strip() == "error: $GITHUB_TOKEN is not set (the workflow provides it)"
     assert "kiln/pin-bump" not in _git("branch", "--list", cwd=checkout)
+
+
+def test_workflow_runs_the_script_on_a_schedule_with_write_permissions():
+    import shlex
+
+    import yaml
+
+    workflow = yaml.safe_load((paths.REPO / ".github" / "workflows" / "pin-bump.yml").read_text())
+    triggers = workflow[True]  # YAML 1.1 reads the key `on` as True
+    assert triggers["schedule"][0]["cron"] and "workflow_dispatch" in triggers
+    assert workflow["permissions"] == {"contents": "write", "pull-requests": "write"}
+    steps = workflow["jobs"]["bump"]["steps"]
+    step = next(s for s in steps if "ci/pin_bump_pr.py" in s.get("run", ""))
+    assert "secrets.GITHUB_TOKEN" in step["env"]["GITHUB_TOKEN"]
+    argv = shlex.split(step["run"].replace("${{ github.event.repository.default_branch }}", "main"))
+    assert argv[1] == "ci/pin_bump_pr.py"
+    help_run = subprocess.run([sys.executable, str(SCRIPT), *argv[2:], "--help"], capture_output=True, text=True)
+    assert help_run.returncode == 0, help_run.stderr  # every option the workflow passes exists
