@@ -23,6 +23,7 @@ vllm-stack`` writes the same facts in the shape of vLLM production-stack's chart
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from kiln import labels as L
@@ -36,6 +37,7 @@ from kiln.oci.reference import ImageReference
 from kiln.oci.registry import RegistryClient
 from kiln.pins import Pin
 from kiln.publish import Publisher
+from kiln.publish.destinations import Input
 from kiln.publish.vllm_stack import vllm_config, vllm_stack_values
 from kiln.staging import Staged, stage_bytes
 
@@ -97,8 +99,8 @@ class ValuesPublisher(Publisher):
         self.chart = chart
         self.definition = definition
 
-    def check(self) -> None:
-        super().check()
+    def check(self, inputs: Sequence[Input] = ()) -> None:
+        super().check(inputs)
         if self.definition is not None:
             check_chart(self.chart, self.definition)
 
