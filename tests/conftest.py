@@ -52,6 +52,9 @@ def isolated_registry_env(request, tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker-config"))
     monkeypatch.setenv("KILN_REGISTRIES", str(tmp_path / "registries.toml"))
+    containers_conf = tmp_path / "containers-registries.conf"  # not the machine's podman/skopeo mirrors
+    containers_conf.touch()
+    monkeypatch.setenv("CONTAINERS_REGISTRIES_CONF", str(containers_conf))
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "kiln-cache"))
     # the Triton toolchains (~190 MB each) are fetched once for all tests, not once per test
     monkeypatch.setenv("KILN_TRITON_TOOLCHAINS", str(TOOLCHAIN_CACHE / "triton" / "toolchains"))

@@ -13,6 +13,9 @@ A mirror lets a local registry stand in for another one: ``docker.io=127.0.0.1:5
 every ``docker.io/...`` pull there, keeping the repository path. Pushes never go to a mirror. Without a mirror
 ``docker.io`` is contacted as ``registry-1.docker.io`` (its API host).
 
+Below kiln's own file and options (which win), containers' ``registries.conf`` (podman's and
+skopeo's) adds mirrors and insecure hosts (``kiln.oci.containers_conf`` says which fields).
+
 TLS is verified unless a host is explicitly insecure: listed in ``--insecure-registry`` /
 ``insecure = [...]``, or a mirror written with ``http://``. An insecure host is contacted over
 plain HTTP; written as ``https://host`` it is contacted over HTTPS without certificate
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.errors import KilnError
+from kiln.oci.containers_conf import read_registries_conf, registries_conf_files
 from kiln.oci.limits import Limits
 from kiln.oci.reference import check_port
 from kiln.schema import check
@@ -63,6 +67,7 @@ class RegistryConfig:
     unverified_tls: set[str] = field(default_factory=set)  # hosts over HTTPS, certificate unchecked
     limits: Limits = field(default_factory=Limits.from_env)  # what every client and build is bounded by
     path: Path | None = None  # the config file read (or looked for): an input no output may replace
+    containers_files: list[Path] = field(default_factory=list)  # the registries.conf files read
 
     def endpoint(self, registry: str, push: bool = False) -> Endpoint:
         """Where ``registry`` is contacted. Mirrors serve pulls only (containerd's rule): a push
@@ -83,9 +88,14 @@ class RegistryConfig:
     @classmethod
     def load(cls, mirror_options: Iterable[str] = (), insecure_options: Iterable[str] = (),
              path: Path | None = None, limits: Limits | None = None) -> RegistryConfig:
-        """The config file (if present) overlaid with command-line options, which win."""
+        """containers' registries.conf (``kiln.oci.containers_conf``), overlaid with kiln's config
+        file (if present), overlaid with command-line options: the later wins."""
         path = path or default_config_path()
         config = cls(limits=limits or Limits.from_env(), path=path)
+        shared = read_registries_conf(registries_conf_files())  # podman's and skopeo's file, lowest
+        config.mirrors.update(shared.mirrors)
+        config.insecure.update(shared.insecure)
+        config.containers_files = shared.files
         if path.is_file():
             config._merge_file(path)
         for option in mirror_options:

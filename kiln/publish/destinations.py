@@ -34,6 +34,7 @@ from pathlib import Path
 from kiln import paths
 from kiln.cache import cache_dir
 from kiln.errors import KilnError
+from kiln.oci.containers_conf import registries_conf_files
 from kiln.oci.credentials import auth_file
 from kiln.oci.endpoints import default_config_path
 from kiln.staging import remove_dead_stages, stage_file
@@ -68,6 +69,7 @@ def command_inputs(files: paths.RepoFiles | None = None, registries: Path | None
     found += [Input(images, "the image definitions directory", True),
               Input(_resolved(files.patchsets), "the patch catalogue", True),
               Input(_resolved(registries or default_config_path()), "the registries file")]
+    found += [Input(_resolved(p), "containers' registries.conf") for p in registries_conf_files()]
     auth = auth_file()
     if auth is not None:
         found.append(Input(_resolved(auth), "the registry auth file"))

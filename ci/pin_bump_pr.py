@@ -1,0 +1,188 @@
+"""The scheduled pin bump: a new vLLM release on PyPI arrives as a pull request.
+
+    .venv/bin/python ci/pin_bump_pr.py [--repo DIR] [--base main] [--dry-run]
+
+Run by ``.github/workflows/pin-bump.yml`` (schedule and workflow_dispatch), like Renovate or
+Dependabot would:
+
+1. The current pin (``pins.toml``, role ``current``) and the newest final vLLM release on the
+   index (``$PYPI_JSON_URL``, default ``https://pypi.org/pypi``: ``GET {url}/vllm/json``; yanked
+   files and pre-releases are skipped). Nothing newer: one line, exit 0.
+2. An open pull request from the branch ``kiln/pin-bump-v<version>`` already exists: one line,
+   exit 0 (a scheduled run never opens the same bump twice).
+3. ``build.py pin bump --to <version> --json``: the preflight. Then the same with ``--write``,
+   plus ``--force`` when the preflight failed: the pull request carries the rotated pins and
+   record either way, and its title and body say whether it may be merged as is.
+4. The branch is committed and pushed to ``origin``; the pull request is opened with the GitHub
+   REST API (``POST {GITHUB_API_URL}/repos/{GITHUB_REPOSITORY}/pulls``, ``GITHUB_TOKEN``) as a
+   draft when the preflight failed. Its body: the verdict table, the failures, and the
+   reviewer's checklist (docs/PIN_BUMP.md, "A bump, step by step").
+
+Registry options for the preflight come from the kiln registries file and containers'
+registries.conf (docs/BUILDING.md), as for every command. ``--dry-run`` prints the body and
+changes nothing. Exit status: 0 done or nothing to do; 2 bad input or a failed step (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import requests
+from packaging.version import InvalidVersion, Version
+
+BUILD_PY = Path(__file__).resolve().parent.parent / "build.py"
+ACTIONS = {
+    "retire": "confirm vLLM's upstream fix is equivalent (for a `perf_critical` patch: with a benchmark)",
+    "re-anchor": "fix the patch's anchor (docs/AUTHORING_PATCHES.md), then `verify --vllm {to}`",
+    "blocked": "a patch it `requires` stopped applying: retire it too, or rewrite it standalone",
+    "gated": "check the gate is meant",
+    "new": "review its golden diff",
+}
+
+
+class Failed(Exception):
+    pass
+
+
+def newest_release(index: str, current: Version) -> Version | None:
+    response = requests.get(f"{index.rstrip('/')}/vllm/json", timeout=30)
+    if response.status_code != 200:
+        raise Failed(f"{response.url}: HTTP {response.status_code}")
+    releases = []
+    for text, files in response.json().get("releases", {}).items():
+        try:
+            version = Version(text)
+        except InvalidVersion:
+            continue
+        if version.is_prerelease or version.is_devrelease or not files or all(f.get("yanked") for f in files):
+            continue
+        releases.append(version)
+    newest = max(releases, default=None)
+    return newest if newest is not None and newest > current else None
+
+
+class GitHub:
+    def __init__(self, api: str, repository: str, token: str):
+        self.api, self.repository = api.rstrip("/"), repository
+        self.session = requests.Session()
+        self.session.headers.update({"Authorization": f"Bearer {token}", "Accept": "application/vnd.github+json",
+                                     "X-GitHub-Api-Version": "2022-11-28"})
+
+    def _call(self, method: str, path: str, **kwargs):
+        response = self.session.request(method, f"{self.api}/repos/{self.repository}{path}", timeout=30, **kwargs)
+        if response.status_code >= 300:
+            raise Failed(f"GitHub {method} {path}: HTTP {response.status_code} {response.text[:200]}")
+        return response.json()
+
+    def open_pull(self, branch: str) -> dict | None:
+        owner = self.repository.split("/")[0]
+        pulls = self._call("GET", "/pulls", params={"state": "open", "head": f"{owner}:{branch}"})
+        return pulls[0] if pulls else None
+
+    def create_pull(self, **fields) -> dict:
+        return self._call("POST", "/pulls", json=fields)
+
+
+def preflight(repo: Path, version: Version, *extra: str) -> tuple[int, dict]:
+    argv = [sys.executable, str(BUILD_PY), "--pins", str(repo / "pins.toml"),
+            "--record", str(repo / "patchsets" / "verdicts.toml"), "--images", str(repo / "images"),
+            "--patchsets", str(repo / "patchsets"), "pin", "bump", "--to", str(version), "--json", *extra]
+    result = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, KILN_PROGRESS="quiet"))
+    if result.returncode not in (0, 1):
+        raise Failed(f"pin bump --to {version}: {result.stderr.strip().splitlines()[-1:]}")
+    return result.returncode, json.loads(result.stdout)
+
+
+def body(report: dict, to: Version) -> str:
+    passed = report["ok"]
+    lines = [f"`build.py pin bump --to {to}`: {report['from']['pin']} -> {report['to']['name']} "
+             f"(vLLM {report['to']['vllm']}), preflight **{'passes' if passed else 'FAILS'}**.", ""]
+    if report.get("drops"):
+        lines.append(f"The rollback pin {report['drops']} is dropped.\n")
+    lines += ["| patch | verdict on the current pin | on the candidate | action |", "|---|---|---|---|"]
+    lines += [f"| {r['patch']} | {r['old']} | {r['new']} | {r['action']} |" for r in report["patches"]]
+    if report["failures"]:
+        lines += ["", "Failures (written with `--write --force`: not mergeable until resolved):", ""]
+        lines += [f"- {failure}" for failure in report["failures"]]
+    lines += ["", "Reviewer checklist (docs/PIN_BUMP.md):", ""]
+    for row in report["patches"]:
+        if row["action"] in ACTIONS:
+            lines.append(f"- [ ] {row['patch']} ({row['action']}): {ACTIONS[row['action']].format(to=to)}")
+    if not report["to"].get("digest"):
+        lines.append(f"- [ ] `build.py pin lock {report['to']['name']}`: {report['to'].get('digest_note', 'not locked')}")
+    lines += [f"- [ ] add {report['to']['name']} to the `pins` lists of the images that should build on it",
+              f"- [ ] `KILN_UPDATE_GOLDEN=1` the golden diffs of {report['to']['name']} and review them",
+              "- [ ] CI green: `build.py plan` rebuilds the new pin's images (docs/CI.md)"]
+    return "\n".join(lines) + "\n"
+
+
+def git(repo: Path, *argv: str) -> str:
+    result = subprocess.run(["git", "-C", str(repo), "-c", "user.name=kiln pin bump",
+                             "-c", "user.email=kiln-pin-bump@users.noreply.github.com", *argv],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise Failed(f"git {' '.join(argv)}: {result.stderr.strip()}")
+    return result.stdout
+
+
+def run(args: argparse.Namespace) -> int:
+    repo = args.repo.resolve()
+    pins = tomllib.loads((repo / "pins.toml").read_text()).get("pins", {})
+    current = next((p for p in pins.values() if p.get("role") == "current"), None)
+    if current is None:
+        raise Failed(f"{repo / 'pins.toml'}: no current pin")
+    to = newest_release(os.environ.get("PYPI_JSON_URL", "https://pypi.org/pypi"), Version(current["vllm"]))
+    if to is None:
+        print(f"pin bump: vLLM {current['vllm']} is the newest release; nothing to do")
+        return 0
+    branch = f"kiln/pin-bump-v{to}"
+    github = None if args.dry_run else GitHub(os.environ.get("GITHUB_API_URL", "https://api.github.com"),
+                                              _env("GITHUB_REPOSITORY"), _env("GITHUB_TOKEN"))
+    existing = github.open_pull(branch) if github else None
+    if existing:
+        print(f"pin bump: vLLM {to} already proposed in {existing['html_url']}; nothing to do")
+        return 0
+    code, report = preflight(repo, to)
+    text = body(report, to)
+    title = f"Pin bump: vLLM {to}" + ("" if code == 0 else " (preflight fails: review needed)")
+    if args.dry_run:
+        print(title + "\n\n" + text, end="")
+        return 0
+    git(repo, "checkout", "-B", branch)
+    preflight(repo, to, "--write", *(() if code == 0 else ("--force",)))
+    git(repo, "add", "-A", "pins.toml", "patchsets/verdicts.toml")
+    git(repo, "commit", "-m", title)
+    git(repo, "push", "--force", "origin", f"{branch}:{branch}")
+    pull = github.create_pull(title=title, head=branch, base=args.base, body=text, draft=code != 0)
+    print(f"pin bump: opened {pull['html_url']}")
+    return 0
+
+
+def _env(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        raise Failed(f"${name} is not set (the workflow provides it)")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repo", type=Path, default=Path.cwd(), help="the git work tree (default: here)")
+    parser.add_argument("--base", default="main", help="the pull request's base branch (default: main)")
+    parser.add_argument("--dry-run", action="store_true", help="print the pull request; change nothing")
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (Failed, OSError, requests.RequestException, tomllib.TOMLDecodeError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
