@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 
-from kiln.commands import bench, build, patches, pin, plan, verify
+from kiln.commands import bench, build, check, patches, pin, plan, verify
 from kiln.commands.options import KilnParser, add_repo_options
 from kiln.commands.output import Output
 from kiln.errors import KilnError
 
-COMMANDS = (patches, verify, build, pin, plan, bench)
+COMMANDS = (patches, verify, build, check, pin, plan, bench)
 
 
 def build_parser(prog: str = "build.py") -> argparse.ArgumentParser:

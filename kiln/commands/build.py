@@ -7,6 +7,7 @@ from pathlib import Path
 
 from rich.markup import escape
 
+from kiln.attest.dsse import load_signing_key
 from kiln.build.inputs import destination, load_build_inputs
 from kiln.commands import options
 from kiln.pipeline import run_build
@@ -26,6 +27,8 @@ def register(sub) -> None:
     p.add_argument("--values", type=Path, metavar="FILE", help="write the image's Helm values (JSON) to FILE")
     p.add_argument("--repository", help="destination repository instead of the image definition's")
     p.add_argument("--force", action="store_true", help="replace an existing --docker-archive file")
+    p.add_argument("--sign-key", type=Path, metavar="PEM",
+                   help="sign the provenance (DSSE) with this ECDSA P-256 or Ed25519 private key")
 
     p = _image_command(sub, "context", "write a build context for the Dockerfile (same files as build)", run_context)
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="the context directory to write")
@@ -50,6 +53,7 @@ def _image_command(sub, name: str, description: str, run):
 
 def run_build_command(args, out) -> int:
     inputs = load_build_inputs(options.repo_files(args), args.image, args.pin, args.sm)
+    sign_key = load_signing_key(args.sign_key) if args.sign_key else None
     config = options.registry_config(args)
     reporter = out.reporter()
     name = destination(inputs.definition, args.repository,
@@ -63,7 +67,8 @@ def run_build_command(args, out) -> int:
         publishers.append(ValuesPublisher(args.values, name))
     if args.push:
         publishers.append(RegistryPublisher(name, [inputs.tag], config, reporter))
-    result = run_build(inputs, publishers, name.name, config, args.allow_unlocked, reporter=reporter)
+    result = run_build(inputs, publishers, name.name, config, args.allow_unlocked, reporter=reporter,
+                       sign_key=sign_key)
     result.warnings = list(reporter.warnings)
     if args.json:
         out.json(result.to_json())
