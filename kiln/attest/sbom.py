@@ -33,6 +33,7 @@ from kiln import __version__
 from kiln.build.provenance import kiln_revision
 from kiln.errors import KilnError
 from kiln.oci.mutate import canonical_json
+from kiln.patch.model import Verdict
 
 SBOM_MEDIA_TYPE = "application/vnd.cyclonedx+json"
 _KILN_NS = uuid.UUID("6b696c6e-0000-5000-8000-736266f6d000")  # fixed: serial numbers derive from digests
@@ -81,7 +82,7 @@ def _patch_components(image) -> tuple[list[Component], list[Patch]]:
             hashes=_sha256(catalogue.digests[pid]), components=files,
             properties=_props(verdict=str(outcome.verdict), family=patch.family, upstream_refs=refs,
                               module=os.path.basename(patch.source_file))))
-        if str(outcome.verdict) == "applies":
+        if outcome.verdict is Verdict.APPLIES:
             pedigree.append(Patch(type=PatchClassification.BACKPORT if refs else PatchClassification.UNOFFICIAL,
                                   resolves=[IssueType(type=IssueClassification.DEFECT, id=ref, name=ref)
                                             for ref in patch.upstream_refs]))
@@ -117,7 +118,7 @@ def image_sbom(image) -> bytes:
     base = Component(type=ComponentType.CONTAINER, name=str(prepared.base_ref), bom_ref="base",
                      version=prepared.base_digest, hashes=_sha256(prepared.base_digest.split(":", 1)[1]))
     vllm = Component(type=ComponentType.FRAMEWORK, name="vllm", bom_ref="vllm",
-                     version=str(prepared.found.tree.vllm_version), modified=bool(pedigree),
+                     version=str(prepared.found.tree.vllm_version),
                      pedigree=Pedigree(patches=pedigree) if pedigree else None,
                      properties=_props(site_dir=f"/{prepared.found.site_dir}"))
     kiln = Component(type=ComponentType.APPLICATION, name="kiln", bom_ref="kiln", version=__version__,

@@ -10,6 +10,7 @@ from kiln.attest import Refused
 from kiln.attest.dsse import load_public_key
 from kiln.attest.recheck import check_image
 from kiln.commands import options
+from kiln.secrets import scrub
 
 
 def register(sub) -> None:
@@ -33,14 +34,14 @@ def run_check(args, out) -> int:
         if args.json:
             out.json({"reference": args.reference, "identical": False, "refused": str(err)})
         else:
-            out.stderr.print(escape(f"refused: {err}"))
+            out.stderr.print(f"[red]refused:[/] {escape(scrub(str(err)))}", soft_wrap=True)
         return 1
     if args.json:
         out.json({"reference": result.reference, "digest": result.digest, "signed_by": result.signed_by,
                   "identical": result.identical, "difference": result.difference})
     elif result.identical:
         signer = f"signed by key {result.signed_by[:16]}…" if result.signed_by else "signature not verified"
-        out.stdout.print(escape(f"identical: {result.reference} ({result.digest}), {signer}"))
+        out.stdout.print(escape(f"identical: {result.reference} ({result.digest}), {signer}"), soft_wrap=True)
     else:
-        out.stderr.print(escape(f"refused: {result.digest} {result.difference}"))
+        out.stderr.print(f"[red]refused:[/] {escape(scrub(f'{result.digest} {result.difference}'))}", soft_wrap=True)
     return 0 if result.identical else 1
