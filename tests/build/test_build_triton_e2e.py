@@ -51,7 +51,7 @@ def _blob(layout: Path, digest: str) -> bytes:
 
 
 def _image(layout: Path) -> tuple[dict, dict]:
-    [entry] = json.loads((layout / "index.json").read_text())["manifests"]
+    [entry] = [m for m in json.loads((layout / "index.json").read_text())["manifests"] if "artifactType" not in m]
     manifest = json.loads(_blob(layout, entry["digest"]))
     return manifest, json.loads(_blob(layout, manifest["config"]["digest"]))
 
