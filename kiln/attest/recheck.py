@@ -10,7 +10,7 @@ whose artifact ``subject`` is this digest; with a key, a provenance signature ve
 statement's subject is this digest; the SBOM is the one the provenance records; the local
 image definition, patch modules and kiln commit are the recorded ones. Then the image is
 rebuilt from the recorded pin (its locked base digest), SM and definition in a temporary
-cache, and compared: the same manifest digest (and the same SBOM and statement bytes) is
+cache (sharing only the user's Triton toolchains), and compared: the same manifest digest (and the same SBOM and statement bytes) is
 ``identical``; otherwise the difference names the first differing annotation, layer and file,
 or config field (``kiln.attest.treediff``).
 """
@@ -18,6 +18,7 @@ or config field (``kiln.attest.treediff``).
 from __future__ import annotations
 
 import hashlib
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ from kiln.build.image import bake
 from kiln.build.inputs import BuildInputs
 from kiln.build.prepare import prepare_build
 from kiln.build.provenance import kiln_revision
+from kiln.cache import cache_root
 from kiln.definitions import image_path, load_definition
 from kiln.errors import KilnError
 from kiln.oci.endpoints import RegistryConfig
@@ -49,6 +51,7 @@ from kiln.patch.catalog import load_catalogue
 from kiln.paths import RepoFiles
 from kiln.pins import Pin, load_pins
 from kiln.report import SILENT, Reporter
+from kiln.triton.toolchain import toolchains_dir
 
 _ATTESTATION_MAX = 16 << 20  # an SBOM or envelope larger than this is not one kiln wrote
 
@@ -127,6 +130,17 @@ def _local_inputs(files: RepoFiles, recorded: RecordedBuild) -> BuildInputs:
     return inputs
 
 
+def _share_toolchains(cache: Path) -> None:
+    """Triton toolchains (a wheel from PyPI each, checked when installed) are not what a rebuild
+    re-derives: the temporary cache reuses the user's, rather than fetch ~190 MB again."""
+    if os.environ.get("KILN_TRITON_TOOLCHAINS"):
+        return
+    mine = toolchains_dir(cache_root())
+    if mine.is_dir():
+        (cache / "triton").mkdir()
+        (cache / "triton" / "toolchains").symlink_to(mine, target_is_directory=True)
+
+
 def check_image(reference: str, files: RepoFiles, config: RegistryConfig, public_key=None,
                 reporter: Reporter = SILENT) -> CheckResult:
     ref = parse_reference(reference)
@@ -157,6 +171,7 @@ def check_image(reference: str, files: RepoFiles, config: RegistryConfig, public
     inputs = _local_inputs(files, recorded)
     with tempfile.TemporaryDirectory(prefix="kiln-check-") as tmp:
         cache = Path(tmp)
+        _share_toolchains(cache)
         prepared = prepare_build(inputs, config, cache=cache, reporter=reporter)
         (cache / "work").mkdir()
         image = bake(prepared, cache / "work", reporter)

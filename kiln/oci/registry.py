@@ -184,7 +184,7 @@ class RegistryClient:
         digest = sha256_digest(data)
         resp = self._request("PUT", self._url(repo, "manifests", ref), {push_scope(repo)},
                              headers={"Content-Type": media_type}, body=data, ok=(201,),
-                             what=f"{repo}:{ref} (manifest PUT)")
+                             what=f"{repo}{'@' if ref.startswith('sha256:') else ':'}{ref} (manifest PUT)")
         self.stats.bytes_up += len(data)
         returned = resp.headers.get("Docker-Content-Digest")
         if returned and returned != digest:

@@ -12,7 +12,14 @@ from securesystemslib.dsse import Envelope
 from securesystemslib.signer import SSlibKey
 
 from kiln.attest import Refused
-from kiln.attest.dsse import envelope, keyid_of, load_public_key, load_signing_key, pae, verify_envelope
+from kiln.attest.dsse import (
+    envelope,
+    keyid_of,
+    load_public_key,
+    load_signing_key,
+    pae,
+    verify_envelope,
+)
 from kiln.errors import KilnError
 
 

@@ -236,6 +236,7 @@ def test_oci_layout_holds_the_attestations_beside_the_image(signed):
     assert sorted(e["digest"] for e in pushed) == sorted(e["digest"] for e in artifacts)
 
 
+@pytest.mark.reliability
 def test_unsigned_rebuild_gives_the_same_sbom_and_statement_and_stays_valid(signed, capsys):
     raw = signed["raw"]
     argv = list(signed["argv"])
@@ -299,7 +300,8 @@ def _with_annotation(raw: Registry, repo: str) -> tuple[bytes, bytes]:
     return original, changed
 
 
-def test_a_changed_file_in_the_patch_layer_is_refused_and_named(signed, capsys):
+@pytest.mark.reliability
+def test_tamper_changed_file_in_the_patch_layer_is_refused_and_named(signed, capsys):
     raw, repo = signed["raw"], "test/tamper-file"
     raw.clone(signed["repo"], repo, TAG)
     original, _ = raw.manifest(repo, TAG)
@@ -342,7 +344,8 @@ def test_a_changed_file_in_the_patch_layer_is_refused_and_named(signed, capsys):
     assert "file /usr/local/lib/python3.12/dist-packages/vllm/v1/attention/backends/turboquant_attn.py differs (content)" in err
 
 
-def test_a_changed_annotation_with_the_original_attestations_is_refused(signed, capsys):
+@pytest.mark.reliability
+def test_tamper_changed_annotation_with_the_original_attestations_is_refused(signed, capsys):
     raw, repo = signed["raw"], "test/tamper-annotation"
     raw.clone(signed["repo"], repo, TAG)
     original, changed = _with_annotation(raw, repo)
@@ -351,7 +354,8 @@ def test_a_changed_annotation_with_the_original_attestations_is_refused(signed, 
     assert f"names subject {_sha(original)}, not this image" in err
 
 
-def test_a_provenance_for_another_digest_is_refused(signed, capsys):
+@pytest.mark.reliability
+def test_tamper_provenance_for_another_digest_is_refused(signed, capsys):
     raw, repo = signed["raw"], "test/tamper-subject"
     raw.clone(signed["repo"], repo, TAG)
     original, changed = _with_annotation(raw, repo)
@@ -363,7 +367,8 @@ def test_a_provenance_for_another_digest_is_refused(signed, capsys):
     assert f"the provenance is for {_sha(original)}, not this image" in err
 
 
-def test_a_swapped_sbom_is_refused(signed, capsys):
+@pytest.mark.reliability
+def test_tamper_swapped_sbom_is_refused(signed, capsys):
     raw, repo = signed["raw"], "test/tamper-sbom"
     digest = raw.clone(signed["repo"], repo, TAG)
     data, _ = raw.manifest(repo, TAG)
@@ -377,13 +382,15 @@ def test_a_swapped_sbom_is_refused(signed, capsys):
     assert "is not the one the provenance records" in err
 
 
-def test_another_key_is_refused(signed, capsys, tmp_path):
+@pytest.mark.reliability
+def test_tamper_another_key_is_refused(signed, capsys, tmp_path):
     _, other = _pem_pair(ec.generate_private_key(ec.SECP256R1()), tmp_path, "other")
     err = _refused(capsys, signed, f"{signed['raw'].host}/{signed['repo']}:{TAG}", "--key", str(other))
     assert "no signature verifies with the given key" in err
 
 
-def test_another_image_under_the_same_tag_is_refused(signed, capsys):
+@pytest.mark.reliability
+def test_tamper_another_image_under_the_same_tag_is_refused(signed, capsys):
     raw, repo = signed["raw"], "test/tamper-tag"
     raw.clone(signed["repo"], repo, TAG)
     base, kind = raw.manifest("vllm/vllm-openai", f"v{VLLM_VERSION}")
