@@ -6,7 +6,8 @@ Public API:
     attestations(image, key=None) -> list[Artifact]   the SBOM, then the DSSE-wrapped provenance
     referrers_tag(digest) -> str                 "sha256-<hex>": the referrers tag schema's tag
     merged_index(existing, artifacts) -> bytes   an OCI index of ``existing``'s entries and these
-    index_entries(index, subject=None) -> list[dict]   the artifact entries an index lists
+    index_entries(index) -> list[dict]          the artifact entries an index lists
+    SUBJECT_ANNOTATION                           names an artifact's image in a layout's index.json
 
 Each artifact is an OCI image manifest with ``artifactType``, the empty config
 (``application/vnd.oci.empty.v1+json``, ``{}``), one layer holding the document and
@@ -21,7 +22,6 @@ themselves; for the others (distribution 2.x) the client keeps the index under t
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 from kiln.attest.dsse import SigningKey, envelope
@@ -95,16 +95,11 @@ def referrers_tag(digest: str) -> str:
     return f"{algorithm}-{value}"[:128]
 
 
-def index_entries(index: Manifest | dict | None, subject: str | None = None) -> list[dict]:
-    """The artifact entries of a referrers index (or a layout's ``index.json``), optionally only
-    those naming ``subject`` (a layout lists each artifact's subject in ``subject_digest``)."""
+def index_entries(index: Manifest | None) -> list[dict]:
+    """The artifact entries (those with an ``artifactType``) of a referrers index."""
     if index is None:
         return []
-    value = index.json if isinstance(index, Manifest) else index
-    entries = [e for e in value.get("manifests") or [] if isinstance(e, dict) and e.get("artifactType")]
-    if subject is not None:
-        entries = [e for e in entries if (e.get("annotations") or {}).get(SUBJECT_ANNOTATION, subject) == subject]
-    return entries
+    return [e for e in index.json.get("manifests") or [] if isinstance(e, dict) and e.get("artifactType")]
 
 
 # A layout's index.json lists artifacts beside images; this names the image each one is about.
@@ -119,5 +114,3 @@ def merged_index(existing: Manifest | None, artifacts: list[Artifact]) -> bytes:
     return canonical_json({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": kept + new})
 
 
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()

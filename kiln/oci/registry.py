@@ -173,7 +173,7 @@ class RegistryClient:
         """The referrers API's index for ``digest``; None where the registry has no such API."""
         what = f"{repo} referrers of {digest}"
         resp = self._request("GET", self._url(repo, "referrers", check_digest(digest, what)), {pull_scope(repo)},
-                             headers={"Accept": OCI_INDEX}, ok=(200, 404, 405), what=what)
+                             headers={"Accept": OCI_INDEX}, ok=(200, 400, 404, 405), what=what)
         media_type = resp.headers.get("Content-Type", "").split(";")[0].strip()
         if resp.status_code != 200 or media_type != OCI_INDEX:
             return None
