@@ -181,8 +181,11 @@ def test_attestations_verify_with_independent_implementations(signed):
     digest = _sha(data)
     found = _attached(raw, repo, digest)
     sbom = found[SBOM_TYPE][1]
-    assert JsonStrictValidator(SchemaVersion.V1_6).validate_str(sbom.decode()) is None
+    validator = JsonStrictValidator(SchemaVersion.V1_6)
+    assert validator.validate_str(sbom.decode()) is None
     bom = json.loads(sbom)
+    broken = {**bom, "components": [{**bom["components"][0], "type": "not-a-type"}, *bom["components"][1:]]}
+    assert validator.validate_str(json.dumps(broken)) is not None  # the validator does look
     assert bom["specVersion"] == "1.6"
     assert bom["metadata"]["component"]["hashes"] == [{"alg": "SHA-256", "content": digest.split(":")[1]}]
     names = {c["name"]: c for c in bom["components"]}
