@@ -45,12 +45,12 @@ def keyid_of(public_key) -> str:
     return hashlib.sha256(der).hexdigest()
 
 
-def _check_kind(key, path: Path) -> None:
+def _check_kind(key, where: str) -> None:
     if isinstance(key, ec.EllipticCurvePrivateKey | ec.EllipticCurvePublicKey):
         if key.curve.name != "secp256r1":
-            raise KilnError(f"{path}: ECDSA key on {key.curve.name}; kiln signs with P-256 (secp256r1) or Ed25519")
+            raise KilnError(f"{where}: ECDSA key on {key.curve.name}; kiln signs with P-256 (secp256r1) or Ed25519")
     elif not isinstance(key, ed25519.Ed25519PrivateKey | ed25519.Ed25519PublicKey):
-        raise KilnError(f"{path}: {type(key).__name__.lstrip('_')} is not an ECDSA P-256 or Ed25519 key")
+        raise KilnError(f"{where}: {type(key).__name__.lstrip('_')} is not an ECDSA P-256 or Ed25519 key")
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def load_signing_key(path: Path) -> SigningKey:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as err:
         raise KilnError(f"--sign-key {path}: not an unencrypted PEM private key ({err})") from None
-    _check_kind(key, path)
+    _check_kind(key, f"--sign-key {path}")
     return SigningKey(key, Path(path))
 
 
@@ -93,7 +93,7 @@ def load_public_key(path: Path):
         key = serialization.load_pem_public_key(data)
     except (ValueError, TypeError) as err:
         raise KilnError(f"--key {path}: not a PEM public key ({err})") from None
-    _check_kind(key, path)
+    _check_kind(key, f"--key {path}")
     return key
 
 

@@ -75,3 +75,21 @@ def test_other_key_kinds_are_refused_in_one_line(tmp_path):
     (tmp_path / "junk.pem").write_text("nope")
     with pytest.raises(KilnError, match="junk.pem: not an unencrypted PEM private key"):
         load_signing_key(tmp_path / "junk.pem")
+
+
+@pytest.mark.isolated
+def test_a_bad_sign_key_is_refused_before_any_pull(tmp_path, capsys):
+    from kiln import commands
+    from tests.support import TEST_IMAGES
+
+    pins = tmp_path / "pins.toml"
+    pins.write_text('[pins."v0.20.1"]\nrole = "current"\nimage = "docker.io/vllm/vllm-openai:v0.20.1"\n'
+                    'vllm = "0.20.1"\ncuda = "cu130"\ndigest = "sha256:' + "0" * 64 + '"\n')
+    key_path, _ = _write(ec.generate_private_key(ec.SECP384R1()), tmp_path, "p384")
+    # the mirror is a closed port: any request would fail with a connection error instead
+    code = commands.main(["--pins", str(pins), "--images", str(TEST_IMAGES), "build", "--image", "e2e-p65",
+                          "--pin", "v0.20.1", "--sm", "120", "--mirror", "docker.io=http://127.0.0.1:9",
+                          "--oci", str(tmp_path / "out"), "--sign-key", str(key_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: --sign-key ") and "secp384r1" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
