@@ -172,7 +172,9 @@ def check_image(reference: str, files: RepoFiles, config: RegistryConfig, public
     with tempfile.TemporaryDirectory(prefix="kiln-check-") as tmp:
         cache = Path(tmp)
         _share_toolchains(cache)
-        prepared = prepare_build(inputs, config, cache=cache, reporter=reporter)
+        # an image built from an unlocked pin re-resolves its base tag (a moved tag shows as a base layer)
+        prepared = prepare_build(inputs, config, allow_unlocked=not inputs.pin.digest, cache=cache,
+                                 reporter=reporter)
         (cache / "work").mkdir()
         image = bake(prepared, cache / "work", reporter)
         if image.manifest.digest != digest:
