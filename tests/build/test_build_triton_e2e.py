@@ -89,6 +89,18 @@ def test_build_adds_a_checked_kernel_cache_layer(tmp_path, capsys, registry_plai
     assert first["triton"]["libtriton_sha256"] == image_libtriton
     assert audit["triton"]["keyed_for_libtriton_sha256"] == image_libtriton
     assert "will not find these kernels" not in err, err
+    # the SBOM beside the image lists each kernel with its SM and toolchain (docs/TRUST.md)
+    index = json.loads((tmp_path / "one/index.json").read_text())["manifests"]
+    [sbom_entry] = [m for m in index if m.get("artifactType") == "application/vnd.cyclonedx+json"]
+    sbom_manifest = json.loads(_blob(tmp_path / "one", sbom_entry["digest"]))
+    bom = json.loads(_blob(tmp_path / "one", sbom_manifest["layers"][0]["digest"]))
+    kernels = {c["name"]: {p["name"]: p["value"] for p in c["properties"]} for c in bom["components"]
+               if c["name"].startswith("triton kernel ")}
+    assert set(kernels) == {f"triton kernel {name}" for name in first["triton"]["kernel_names"]}
+    for props in kernels.values():
+        assert props["kiln:sm"] == "120" and props["kiln:triton"] == "3.6.0"
+        assert props["kiln:triton_wheel"] == first["triton"]["triton_wheel"]
+        assert len(props["kiln:triton_record_sha256"]) == 64
 
     # same inputs, same digests: a second build (kernel entries now from the kiln cache)
     code, second, err = _build(capsys, pins, registry_plain, 120, "--oci", str(tmp_path / "two"))
