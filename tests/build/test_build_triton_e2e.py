@@ -185,3 +185,17 @@ def test_kernels_compile_beside_the_patching_only_when_no_patch_touches_their_so
     assert shifted["triton"]["beside_patching"] is False  # compiled after, from the patched file
     assert shifted["triton"]["key"] != plain["triton"]["key"]
     assert shifted["triton"]["compiled"] > 0  # the shifted decode kernels are new kernels
+
+
+def test_an_image_with_a_kernel_layer_is_re_derived_identical_by_check(tmp_path, capsys, registry_plain):
+    """``check`` rebuilds the kernel cache layer too (docs/TRUST.md): same bytes, same digest."""
+    pins = _pins(tmp_path, registry_plain, "triton36")
+    repo = f"{registry_plain.host}/test/trust-triton"
+    code, built, err = _build(capsys, pins, registry_plain, 120, "--push", "--repository", repo)
+    assert code == 0, err
+    capsys.readouterr()
+    code = commands.main(["--pins", str(pins), "--images", str(IMAGES), "check", f"{repo}:{built['tag']}",
+                          "--mirror", registry_plain.mirror])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert out.out.startswith("identical:") and built["manifest_digest"] in out.out
