@@ -3,7 +3,7 @@
 Public API:
     BuildResult      digests, tags, where each output went, bytes pulled/pushed, timings (``.to_json()``)
     run_build(inputs, publishers, registry_config=None, allow_unlocked=False, cache=None,
-              reporter=SILENT, leave_out_unusable_kernels=False) -> BuildResult
+              reporter=SILENT, leave_out_unusable_kernels=False, sign_key=None) -> BuildResult
 
 Every destination is checked before the first network request (``check_outputs``: never an
 input the build reads, ``kiln.publish.destinations``); the deadline runs from the start; a pin with
@@ -19,6 +19,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kiln.attest.dsse import SigningKey
+from kiln.attest.referrers import attestations
 from kiln.build.image import bake
 from kiln.build.inputs import BuildInputs
 from kiln.build.layers import AUDIT_PATH
@@ -47,6 +49,8 @@ class BuildResult:
     base_manifest_digest: str  # the linux/amd64 manifest built on
     manifest_digest: str
     config_digest: str
+    attestations: dict[str, str]  # artifact type -> the artifact manifest's digest (SBOM, provenance)
+    signed: bool
     layer_digest: str  # the patched-source layer
     layer_diff_id: str
     layer_size: int
@@ -71,8 +75,11 @@ class BuildResult:
 def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
               registry_config: RegistryConfig | None = None, allow_unlocked: bool = False,
               cache: Path | None = None, reporter: Reporter = SILENT,
-              leave_out_unusable_kernels: bool = False) -> BuildResult:
-    """Build ``inputs`` and hand the image to every publisher; ``repository`` names it in the result."""
+              leave_out_unusable_kernels: bool = False, sign_key: SigningKey | None = None) -> BuildResult:
+    """Build ``inputs`` and hand the image to every publisher; ``repository`` names it in the result.
+
+    Every image gets its SBOM and provenance (signed with ``sign_key`` when given), which the
+    registry and layout publishers attach as referrers of its manifest."""
     config = registry_config or RegistryConfig.load()
     budget = Budget(config.limits)  # the deadline runs from here: it bounds the whole command
     check_outputs(publishers, command_inputs(inputs.files, config.path, cache))
@@ -92,6 +99,7 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
     workdir = Path(tempfile.mkdtemp(dir=work_root, prefix=".tmp-"))
     try:
         image = bake(prepared, workdir, reporter)
+        image.attestations = attestations(image, sign_key)
         clock.lap("bake", sum(layer.size for layer in image.layers))  # kiln's layers, compressed
         pause_point("bake")
         budget.check_deadline("bake")
@@ -107,7 +115,9 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
         image=inputs.definition.name, pin=inputs.pin.name, sm=inputs.sm, tag=inputs.tag, repository=repository,
         base=str(prepared.base_ref), base_digest=prepared.base_digest,
         base_manifest_digest=prepared.found.manifest_digest, manifest_digest=image.manifest.digest,
-        config_digest=image.config_digest, layer_digest=layer.digest, layer_diff_id=layer.diff_id,
+        config_digest=image.config_digest,
+        attestations={a.artifact_type: a.manifest.digest for a in image.attestations}, signed=sign_key is not None,
+        layer_digest=layer.digest, layer_diff_id=layer.diff_id,
         layer_size=layer.size, media_type=image.manifest.media_type,
         patches=[o.to_json() for o in prepared.outcomes.values()], files_changed=prepared.files_changed,
         outputs=written, helm_values=values, triton=prepared.triton, bytes_pulled=prepared.stats.bytes_down,

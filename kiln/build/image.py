@@ -2,7 +2,8 @@
 
 Public API:
     BuiltImage      prepared (the decisions), model (config + manifest), layers (kiln's, baked),
-                    blobs (every blob by digest, as verified local files)
+                    blobs (every blob by digest, as verified local files), attestations (the
+                    SBOM and provenance artifacts, set by the pipeline: ``kiln.attest``)
         .manifest, .config_digest, .tag
     bake(prepared, workdir, reporter=SILENT) -> BuiltImage   pure given ``prepared``: no clock, no network
 
@@ -13,7 +14,7 @@ same prepared build gives the same manifest digest on any machine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln import __version__
@@ -31,6 +32,7 @@ class BuiltImage:
     model: ImageModel
     layers: list[Layer]  # kiln's layers, bottom first (the patched source first)
     blobs: BlobStore
+    attestations: list = field(default_factory=list)  # kiln.attest.referrers.Artifact: SBOM, provenance
 
     @property
     def manifest(self) -> Manifest:

@@ -20,14 +20,14 @@ import signal
 import sys
 from typing import NoReturn
 
-from kiln.commands import bench, build, patches, pin, plan, verify
+from kiln.commands import bench, build, check, patches, pin, plan, verify
 from kiln.commands.options import KilnParser, add_repo_options, command_inputs, progress_mode
 from kiln.commands.output import Output
 from kiln.errors import Interrupted, KilnError
 from kiln.lifeline import stop_on_signals
 from kiln.publish.destinations import check_stdout
 
-COMMANDS = (patches, verify, build, pin, plan, bench)
+COMMANDS = (patches, verify, build, check, pin, plan, bench)
 
 
 class _Version(argparse.Action):

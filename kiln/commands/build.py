@@ -7,6 +7,7 @@ from pathlib import Path
 
 from rich.markup import escape
 
+from kiln.attest.dsse import load_signing_key
 from kiln.build.inputs import destination, load_build_inputs
 from kiln.commands import options
 from kiln.errors import KilnError
@@ -28,6 +29,8 @@ def register(sub) -> None:
     add_chart_option(p)
     p.add_argument("--repository", help="destination repository instead of the image definition's")
     p.add_argument("--force", action="store_true", help="replace an existing --docker-archive file")
+    p.add_argument("--sign-key", type=Path, metavar="PEM",
+                   help="sign the provenance (DSSE) with this ECDSA P-256 or Ed25519 private key")
 
     p = _image_command(sub, "context", "write a build context for the Dockerfile (same files as build)", run_context)
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="the context directory to write")
@@ -64,6 +67,7 @@ def run_build_command(args, out) -> int:
     if args.chart != "kiln" and not args.values:
         raise KilnError(f"--chart {args.chart}: chooses the shape of --values FILE, which is not given")
     inputs = load_build_inputs(options.repo_files(args), args.image, args.pin, args.sm)
+    sign_key = load_signing_key(args.sign_key) if args.sign_key else None
     config = options.registry_config(args)
     reporter = out.reporter()
     name = destination(inputs.definition, args.repository,
@@ -78,7 +82,7 @@ def run_build_command(args, out) -> int:
     if args.push:
         publishers.append(RegistryPublisher(name, [inputs.tag], config, reporter))
     result = run_build(inputs, publishers, name.name, config, args.allow_unlocked, reporter=reporter,
-                       leave_out_unusable_kernels=args.without_unusable_kernels)
+                       leave_out_unusable_kernels=args.without_unusable_kernels, sign_key=sign_key)
     result.warnings = list(reporter.warnings)
     if args.json:
         out.json(result.to_json())

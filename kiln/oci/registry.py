@@ -12,6 +12,8 @@ Public API:
                 ``config.limits`` unless one is passed)
         .resolve(repo, ref) -> str                      digest by HEAD (GET when no header)
         .get_manifest(repo, ref) -> Manifest            verified bytes, media type from Content-Type
+        .find_manifest(repo, ref) -> Manifest | None    the same, None for a 404
+        .referrers(repo, digest) -> Manifest | None     the referrers API's index; None without the API
         .blob_exists(repo, digest) -> bool
         .blob_stream(repo, digest) -> ctx[readable]     raw bytes, NOT verified (for the blob cache);
                                                         resumed with ``Range`` when the connection breaks
@@ -53,7 +55,7 @@ from kiln.oci.endpoints import Endpoint, RegistryConfig
 from kiln.oci.failures import connection_problem, describe_failure, tls_failure
 from kiln.oci.limits import Budget
 from kiln.oci.manifest import Manifest
-from kiln.oci.mediatypes import IMAGE_MANIFEST_TYPES, INDEX_TYPES, MANIFEST_ACCEPT
+from kiln.oci.mediatypes import IMAGE_MANIFEST_TYPES, INDEX_TYPES, MANIFEST_ACCEPT, OCI_INDEX
 from kiln.oci.resumable import ResumableBlob
 from kiln.oci.retry import BROKEN_CONNECTION, RETRY_STATUS, RetryPolicy, TransferError, retry_after
 
@@ -161,11 +163,28 @@ class RegistryClient:
             raise KilnError(f"{self.name}/{what}: unsupported manifest media type {media_type!r}")
         return Manifest(data, media_type, digest)
 
+    def find_manifest(self, repo: str, ref: str) -> Manifest | None:
+        """``get_manifest``, or None when the registry has no such manifest (404)."""
+        resp = self._request("HEAD", self._url(repo, "manifests", ref), {pull_scope(repo)},
+                             headers={"Accept": MANIFEST_ACCEPT}, ok=(200, 404), what=f"{repo}:{ref}")
+        return self.get_manifest(repo, ref) if resp.status_code == 200 else None
+
+    def referrers(self, repo: str, digest: str) -> Manifest | None:
+        """The referrers API's index for ``digest``; None where the registry has no such API."""
+        what = f"{repo} referrers of {digest}"
+        resp = self._request("GET", self._url(repo, "referrers", check_digest(digest, what)), {pull_scope(repo)},
+                             headers={"Accept": OCI_INDEX}, ok=(200, 400, 404, 405), what=what)
+        media_type = resp.headers.get("Content-Type", "").split(";")[0].strip()
+        if resp.status_code != 200 or media_type != OCI_INDEX:
+            return None
+        self.stats.bytes_down += len(resp.content)
+        return Manifest(resp.content, OCI_INDEX, sha256_digest(resp.content))
+
     def put_manifest(self, repo: str, ref: str, data: bytes, media_type: str) -> str:
         digest = sha256_digest(data)
         resp = self._request("PUT", self._url(repo, "manifests", ref), {push_scope(repo)},
                              headers={"Content-Type": media_type}, body=data, ok=(201,),
-                             what=f"{repo}:{ref} (manifest PUT)")
+                             what=f"{repo}{'@' if ref.startswith('sha256:') else ':'}{ref} (manifest PUT)")
         self.stats.bytes_up += len(data)
         returned = resp.headers.get("Docker-Content-Digest")
         if returned and returned != digest:

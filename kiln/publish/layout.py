@@ -16,6 +16,10 @@ index entry without a valid digest, a ``blobs`` that is a file), is refused befo
 Staging writes the complete layout beside the destination (blobs hard-linked where possible);
 the commit moves it into place (new layout) or moves its missing blobs into the existing one
 and rewrites ``index.json`` atomically. Rolling back restores the previous index entry.
+
+The image's attestations (SBOM, provenance) join the layout as artifact manifests listed in
+``index.json`` with their ``artifactType`` and an ``io.kiln.subject`` annotation naming the
+image's manifest digest (each artifact's own ``subject`` says the same).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from kiln.attest.referrers import SUBJECT_ANNOTATION
 from kiln.errors import KilnError
 from kiln.labels import REF_NAME
 from kiln.oci.limits import Budget
@@ -179,23 +184,31 @@ class LayoutPublisher(Publisher):
                 if not target.exists():
                     _place(image.blobs.path(descriptor), target)
             (blob_dir / manifest.digest.split(":", 1)[1]).write_bytes(manifest.data)
+            extra = []  # the attestations: artifacts beside the image, each naming it as subject
+            for artifact in image.attestations:
+                for digest, data in {**artifact.blobs, artifact.manifest.digest: artifact.manifest.data}.items():
+                    (blob_dir / digest.split(":", 1)[1]).write_bytes(data)
+                found = artifact.entry()
+                found["annotations"] = {**found.get("annotations", {}), SUBJECT_ANNOTATION: manifest.digest}
+                extra.append(found)
             (staged / LAYOUT_MARKER).write_bytes(canonical_json({"imageLayoutVersion": "1.0.0"}))
             entry = Descriptor(manifest.media_type, manifest.digest, len(manifest.data),
                                annotations={REF_NAME: self.ref_name}).to_json()
+            entries = [entry, *extra]
             (staged / "index.json").write_bytes(canonical_json(
-                {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [entry]}))
+                {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": entries}))
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
             raise
-        return Staged(staged, dest, on_commit=lambda: self._commit(staged, dest, entry))
+        return Staged(staged, dest, on_commit=lambda: self._commit(staged, dest, entries))
 
-    def _commit(self, staged: Path, dest: Path, entry: dict) -> Callable[[], None]:
+    def _commit(self, staged: Path, dest: Path, entries: list[dict]) -> Callable[[], None]:
         with _locked(dest.parent, self.budget):
             if not dest.exists() or (dest.is_dir() and not any(dest.iterdir())):
                 if dest.exists():
                     dest.rmdir()
                 os.rename(staged, dest)
-                return lambda: self._undo_new(dest, entry)
+                return lambda: self._undo_new(dest, entries)
             if not is_layout(dest):
                 raise KilnError(f"--oci {dest}: is no longer an OCI layout; not writing there")
             check_layout(dest)  # as it is now, under the lock: another writer may have changed it
@@ -207,26 +220,27 @@ class LayoutPublisher(Publisher):
             index = layout_index(dest)
             manifests = index.get("manifests", [])
             previous = [m for m in manifests if (m.get("annotations") or {}).get(REF_NAME) == self.ref_name]
-            index["manifests"] = [m for m in manifests if m not in previous] + [entry]
+            added = [e for e in entries if e not in manifests or e in previous]
+            index["manifests"] = [m for m in manifests if m not in previous and m not in added] + added
             write_atomic(dest / "index.json", canonical_json(index))
-            return lambda: self._undo_merge(dest, entry, previous)
+            return lambda: self._undo_merge(dest, added, previous)
 
-    def _undo_new(self, dest: Path, entry: dict) -> None:
+    def _undo_new(self, dest: Path, entries: list[dict]) -> None:
         """Remove the layout this build created, unless another build has added to it since."""
         with _locked(dest.parent):
             if not is_layout(dest):
                 return
-            others = [m for m in layout_index(dest).get("manifests", []) if m != entry]
+            others = [m for m in layout_index(dest).get("manifests", []) if m not in entries]
             if not others:
                 shutil.rmtree(dest, ignore_errors=True)
                 return
-        self._undo_merge(dest, entry, [])
+        self._undo_merge(dest, entries, [])
 
-    def _undo_merge(self, dest: Path, entry: dict, previous: list[dict]) -> None:
+    def _undo_merge(self, dest: Path, entries: list[dict], previous: list[dict]) -> None:
         """The index as it was for this name; blobs added stay (another entry may use them)."""
         with _locked(dest.parent):
             index = layout_index(dest)
-            index["manifests"] = [m for m in index.get("manifests", []) if m != entry] + previous
+            index["manifests"] = [m for m in index.get("manifests", []) if m not in entries] + previous
             write_atomic(dest / "index.json", canonical_json(index))
 
     def where(self, image) -> str:

@@ -4,7 +4,10 @@ Public API:
     RegistryPublisher(destination, tags, config, reporter=SILENT)
     PushReport        what a push did (uploaded / mounted / present blobs, bytes)
 
-Staging uploads (or mounts, or finds) every blob; committing PUTs the manifest once per tag,
+Staging uploads (or mounts, or finds) every blob, the attestations' too; committing PUTs the
+image manifest by digest, its attestations (OCI 1.1 artifacts whose ``subject`` is it: through
+the referrers API, or the ``sha256-<hex>`` referrers tag where the registry has none), then the
+manifest once per tag,
 byte-exact, and ``publish`` does that after every local output is committed: no tag can name
 an incomplete image, or an image whose other outputs failed. The push goes to the registry the
 destination names, never to a pull mirror standing in for it; the reported place names the
@@ -15,8 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kiln.attest.referrers import merged_index, referrers_tag
 from kiln.errors import KilnError
 from kiln.oci.endpoints import RegistryConfig
+from kiln.oci.mediatypes import OCI_INDEX
 from kiln.oci.reference import ImageReference
 from kiln.oci.registry import RegistryClient, TransferStats
 from kiln.pausepoint import pause_point
@@ -89,18 +94,38 @@ class RegistryPublisher(Publisher):
                     report.uploaded.append(digest)
                     report.bytes_uploaded += descriptor.size
                 task.advance(descriptor.size)
+        for artifact in image.attestations:  # the SBOM and provenance: small, uploaded unless present
+            for descriptor in artifact.descriptors():
+                if not client.blob_exists(repository, descriptor.digest):
+                    client.upload_blob(repository, descriptor.digest, artifact.blobs[descriptor.digest])
+                    report.uploaded.append(descriptor.digest)
+                    report.bytes_uploaded += descriptor.size
         # Every blob is now confirmed (HEAD 200, mount 201 or upload 201): tags may name it.
         pause_point("push")
         self.report = report
 
         def put_manifests():
             pause_point("commit")  # the local outputs are committed by now (this one is last)
+            if image.attestations:  # the image by digest, its referrers, then the tags
+                client.put_manifest(repository, manifest.digest, manifest.data, manifest.media_type)
+                self._attach(client, repository, manifest.digest, image.attestations)
             for tag in self.tags:
                 client.put_manifest(repository, tag, manifest.data, manifest.media_type)
             report.bytes_uploaded += len(manifest.data) * len(self.tags)
             return lambda: None  # a tag cannot be taken back; it is committed last for that reason
 
         return Staged(None, None, on_commit=put_manifests)
+
+    @staticmethod
+    def _attach(client: RegistryClient, repository: str, digest: str, artifacts: list) -> None:
+        """PUT each artifact by digest; without a referrers API, add them to the ``sha256-<hex>`` index."""
+        for artifact in artifacts:
+            client.put_manifest(repository, artifact.manifest.digest, artifact.manifest.data,
+                                artifact.manifest.media_type)
+        if client.referrers(repository, digest) is None:
+            tag = referrers_tag(digest)
+            index = merged_index(client.find_manifest(repository, tag), artifacts)
+            client.put_manifest(repository, tag, index, OCI_INDEX)
 
     def where(self, image) -> str:
         host = self.client.endpoint.host if self.client else self.destination.registry

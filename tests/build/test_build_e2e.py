@@ -87,7 +87,7 @@ def _check_layout(layout: Path, tag: str) -> dict:
     """Every blob present and matching its digest; every diff_id = sha256 of the uncompressed layer."""
     index = json.loads((layout / "index.json").read_text())
     assert json.loads((layout / "oci-layout").read_text()) == {"imageLayoutVersion": "1.0.0"}
-    [entry] = index["manifests"]
+    [entry] = [m for m in index["manifests"] if "artifactType" not in m]  # the rest: SBOM, provenance
     assert entry["annotations"]["org.opencontainers.image.ref.name"] == tag
 
     def blob(digest: str) -> bytes:
@@ -168,8 +168,9 @@ def test_build_oci_layout_is_complete_and_reproducible(project, capsys, tmp_path
 def test_build_reads_only_the_vllm_layers_for_push(project, capsys, base_layout):
     code, result, err = project.build(capsys, "--push", "--repository", f"{project.registry.host}/{project.dest}")
     assert code == 0, err
-    # same registry: every base blob is mounted, only the new layer and config are uploaded
-    assert result["blobs_mounted"] == 5 and result["blobs_uploaded"] == 2
+    # same registry: every base blob is mounted, only the new layer and config are uploaded, and
+    # the attestations' blobs (the empty config, the SBOM, the provenance envelope)
+    assert result["blobs_mounted"] == 5 and result["blobs_uploaded"] == 2 + 3
     # only the layers holding vLLM (the app layer on top, then the vllm layer) were downloaded;
     # the fillers (incompressible, 3 MiB each) never were
     needed = base_layout.layer_sizes["vllm"] + base_layout.layer_sizes["app"]
@@ -190,7 +191,7 @@ def test_build_push_to_another_registry_uploads(project, capsys, start_registry,
     code, result, err = project.build(capsys, "--push", "--repository", f"{other.host}/{project.dest}",
                                       "--insecure-registry", other.host)
     assert code == 0, err
-    assert result["blobs_mounted"] == 0 and result["blobs_uploaded"] == 7
+    assert result["blobs_mounted"] == 0 and result["blobs_uploaded"] == 7 + 3  # + the attestations' 3
     assert result["bytes_pushed"] > sum(base_layout.layer_sizes[r] for r in ("filler-cuda", "filler-torch"))
     assert other.digest_of(f"{project.dest}:{TAG}") == result["manifest_digest"]
 

@@ -51,7 +51,7 @@ def _blob(layout: Path, digest: str) -> bytes:
 
 
 def _image(layout: Path) -> tuple[dict, dict]:
-    [entry] = json.loads((layout / "index.json").read_text())["manifests"]
+    [entry] = [m for m in json.loads((layout / "index.json").read_text())["manifests"] if "artifactType" not in m]
     manifest = json.loads(_blob(layout, entry["digest"]))
     return manifest, json.loads(_blob(layout, manifest["config"]["digest"]))
 
@@ -89,6 +89,18 @@ def test_build_adds_a_checked_kernel_cache_layer(tmp_path, capsys, registry_plai
     assert first["triton"]["libtriton_sha256"] == image_libtriton
     assert audit["triton"]["keyed_for_libtriton_sha256"] == image_libtriton
     assert "would never read these kernels" not in err and "warning:" not in err, err
+    # the SBOM beside the image lists each kernel with its SM and toolchain (docs/TRUST.md)
+    index = json.loads((tmp_path / "one/index.json").read_text())["manifests"]
+    [sbom_entry] = [m for m in index if m.get("artifactType") == "application/vnd.cyclonedx+json"]
+    sbom_manifest = json.loads(_blob(tmp_path / "one", sbom_entry["digest"]))
+    bom = json.loads(_blob(tmp_path / "one", sbom_manifest["layers"][0]["digest"]))
+    kernels = {c["name"]: {p["name"]: p["value"] for p in c["properties"]} for c in bom["components"]
+               if c["name"].startswith("triton kernel ")}
+    assert set(kernels) == {f"triton kernel {name}" for name in first["triton"]["kernel_names"]}
+    for props in kernels.values():
+        assert props["kiln:sm"] == "120" and props["kiln:triton"] == "3.6.0"
+        assert props["kiln:triton_wheel"] == first["triton"]["triton_wheel"]
+        assert len(props["kiln:triton_record_sha256"]) == 64
 
     # same inputs, same digests: a second build (kernel entries now from the kiln cache)
     code, second, err = _build(capsys, pins, registry_plain, 120, "--oci", str(tmp_path / "two"))
@@ -211,3 +223,17 @@ def test_kernels_compile_beside_the_patching_only_when_no_patch_touches_their_so
     assert shifted["triton"]["beside_patching"] is False  # compiled after, from the patched file
     assert shifted["triton"]["key"] != plain["triton"]["key"]
     assert shifted["triton"]["compiled"] > 0  # the shifted decode kernels are new kernels
+
+
+def test_an_image_with_a_kernel_layer_is_re_derived_identical_by_check(tmp_path, capsys, registry_plain):
+    """``check`` rebuilds the kernel cache layer too (docs/TRUST.md): same bytes, same digest."""
+    pins = _pins(tmp_path, registry_plain, "triton36")
+    repo = f"{registry_plain.host}/test/trust-triton"
+    code, built, err = _build(capsys, pins, registry_plain, 120, "--push", "--repository", repo)
+    assert code == 0, err
+    capsys.readouterr()
+    code = commands.main(["--pins", str(pins), "--images", str(IMAGES), "check", f"{repo}:{built['tag']}",
+                          "--mirror", registry_plain.mirror])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert out.out.startswith("identical:") and built["manifest_digest"] in out.out

@@ -74,7 +74,7 @@ def _other_venv(root: Path) -> str:
 
 
 def _layers(layout: Path) -> list[str]:
-    [entry] = json.loads((layout / "index.json").read_text())["manifests"]
+    [entry] = [m for m in json.loads((layout / "index.json").read_text())["manifests"] if "artifactType" not in m]
     manifest = json.loads((layout / "blobs/sha256" / entry["digest"].split(":")[1]).read_bytes())
     return [layer["digest"] for layer in manifest["layers"]]
 

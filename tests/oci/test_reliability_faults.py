@@ -248,11 +248,13 @@ def test_reliability_upload_that_keeps_failing_leaves_no_tag(rig):
     assert rig.proxy.requests("PUT", r"/manifests/") == []  # no manifest was ever sent
 
 
-def test_reliability_manifest_put_that_keeps_failing_leaves_no_tag(rig):
+def test_reliability_manifest_put_that_keeps_failing_leaves_no_tag(rig, clean_digest):
     rig.proxy.add(Fault("PUT", r"/manifests/", "status", status=503, times=None))
-    line = rig.assert_failed_cleanly(rig.build(), "HTTP 503", f"{rig.dest}:{TAG}")
-    # named by the --repository host, although the base came from the same host as docker.io's mirror
-    assert line.startswith(f"error: {rig.proxy.host}/{rig.dest}:{TAG} (manifest PUT): HTTP 503") and "docker.io" not in line
+    line = rig.assert_failed_cleanly(rig.build(), "HTTP 503", f"{rig.dest}@{clean_digest}")
+    # named by the --repository host, although the base came from the same host as docker.io's mirror;
+    # the first manifest PUT is the image by digest (its attestations, then the tag, follow it)
+    assert line.startswith(f"error: {rig.proxy.host}/{rig.dest}@{clean_digest} (manifest PUT): HTTP 503") \
+        and "docker.io" not in line
     assert len(rig.proxy.requests("PUT", r"/manifests/")) == 4  # bounded: 1 + 3 retries
 
 

@@ -209,7 +209,7 @@ def test_dockerfile_image_with_triton_cache_matches_daemonless(capsys, tmp_path,
 
     # the context's rootfs holds exactly the files of the daemonless image's two kiln layers
     layout = tmp_path / "daemonless"
-    [entry] = json.loads((layout / "index.json").read_text())["manifests"]
+    [entry] = [m for m in json.loads((layout / "index.json").read_text())["manifests"] if "artifactType" not in m]
     manifest = json.loads((layout / "blobs/sha256" / entry["digest"].split(":")[1]).read_bytes())
     config = json.loads((layout / "blobs/sha256" / manifest["config"]["digest"].split(":")[1]).read_bytes())
     layer_files: dict[str, bytes] = {}

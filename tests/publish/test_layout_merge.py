@@ -121,6 +121,8 @@ class _Blobs:
 class _FakeImage:
     """What ``LayoutPublisher.stage`` reads of a built image: one config blob and a manifest."""
 
+    attestations: list = []  # none here: tests/attest/ covers the artifacts a layout gets
+
     def __init__(self, root: Path, name: str):
         from kiln.oci.manifest import Descriptor, Manifest
         from kiln.oci.mediatypes import OCI_CONFIG, OCI_MANIFEST

@@ -1,0 +1,137 @@
+"""The image's SBOM: CycloneDX 1.6 JSON, built with ``cyclonedx-python-lib``, reproducible.
+
+Public API:
+    SBOM_MEDIA_TYPE                 "application/vnd.cyclonedx+json"
+    build_time(image) -> datetime   ``SOURCE_DATE_EPOCH``, else the base config's ``created``, else 1970
+    image_sbom(image) -> bytes      canonical JSON
+
+The SBOM describes the image by manifest digest and lists: the base (name, digest); vLLM (its
+version, each applied patch as a ``pedigree`` patch resolving its upstream references); each
+selected patch's module (sha256, verdict, upstream refs, the files it changed with their sha256
+before and after); every file kiln's layers bake in (sha256); the Triton kernels (name, SM,
+toolchain version and the sha256 of its wheel's RECORD); kiln (version, commit). It is derived
+only from the ``BuiltImage``: the serial number is a UUID5 of the manifest digest, the
+timestamp is ``build_time``, so the same inputs give the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+import warnings
+from datetime import UTC, datetime
+
+from cyclonedx.model import HashAlgorithm, HashType, Property
+from cyclonedx.model.bom import Bom, BomMetaData
+from cyclonedx.model.component import Component, ComponentType, Patch, PatchClassification, Pedigree
+from cyclonedx.model.issue import IssueClassification, IssueType
+from cyclonedx.output.json import JsonV1Dot6
+
+from kiln import __version__
+from kiln.build.provenance import kiln_revision
+from kiln.errors import KilnError
+from kiln.oci.mutate import canonical_json
+from kiln.patch.model import Verdict
+
+SBOM_MEDIA_TYPE = "application/vnd.cyclonedx+json"
+_KILN_NS = uuid.UUID("6b696c6e-0000-5000-8000-736266f6d000")  # fixed: serial numbers derive from digests
+
+
+def build_time(image) -> datetime:
+    """The time attestations record: reproducible, never the clock."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
+    if epoch:
+        try:
+            return datetime.fromtimestamp(int(epoch), UTC)
+        except (ValueError, OverflowError):
+            raise KilnError(f"SOURCE_DATE_EPOCH={epoch!r}: not a whole number of seconds") from None
+    created = image.prepared.base_model.config.get("created")
+    if isinstance(created, str) and created:
+        try:
+            return datetime.fromisoformat(created.replace("Z", "+00:00")).astimezone(UTC).replace(microsecond=0)
+        except ValueError:
+            pass
+    return datetime.fromtimestamp(0, UTC)
+
+
+def _sha256(hexdigest: str | None) -> list[HashType]:
+    return [HashType(alg=HashAlgorithm.SHA_256, content=hexdigest)] if hexdigest else []
+
+
+def _props(**values) -> list[Property]:
+    return [Property(name=f"kiln:{k}", value=str(v)) for k, v in sorted(values.items()) if v not in (None, "")]
+
+
+def _patch_components(image) -> tuple[list[Component], list[Patch]]:
+    prepared = image.prepared
+    catalogue = prepared.inputs.catalogue
+    site = prepared.found.site_dir
+    components, pedigree = [], []
+    for pid, outcome in sorted(prepared.outcomes.items()):
+        patch = catalogue.get(pid)
+        files = []
+        for rel, (before, after) in sorted((outcome.files or {}).items()):
+            files.append(Component(type=ComponentType.FILE, name=f"/{site}/vllm/{rel}",
+                                   bom_ref=f"patch:{pid}:file:{rel}", hashes=_sha256(after),
+                                   properties=_props(before_sha256=before or "absent", after_sha256=after)))
+        refs = ",".join(patch.upstream_refs)
+        components.append(Component(
+            type=ComponentType.FILE, name=f"patch {pid}", bom_ref=f"patch:{pid}", description=patch.title,
+            hashes=_sha256(catalogue.digests[pid]), components=files,
+            properties=_props(verdict=str(outcome.verdict), family=patch.family, upstream_refs=refs,
+                              module=os.path.basename(patch.source_file))))
+        if outcome.verdict is Verdict.APPLIES:
+            pedigree.append(Patch(type=PatchClassification.BACKPORT if refs else PatchClassification.UNOFFICIAL,
+                                  resolves=[IssueType(type=IssueClassification.DEFECT, id=ref, name=ref)
+                                            for ref in patch.upstream_refs]))
+    return components, pedigree
+
+
+def _baked_files(image) -> list[Component]:
+    out = []
+    for index, contents in enumerate(image.prepared.layers):
+        layer = image.layers[index]
+        for path, data in sorted(contents.files.items()):
+            out.append(Component(type=ComponentType.FILE, name=f"/{path}", bom_ref=f"layer:{index}:{path}",
+                                 hashes=_sha256(hashlib.sha256(data).hexdigest()),
+                                 properties=_props(layer=layer.digest)))
+    return out
+
+
+def _kernels(image) -> list[Component]:
+    triton = image.prepared.triton or {}
+    return [Component(type=ComponentType.FILE, name=f"triton kernel {name}", bom_ref=f"kernel:{name}",
+                      properties=_props(sm=triton.get("sm"), triton=triton.get("triton"),
+                                        triton_wheel=triton.get("triton_wheel"),
+                                        triton_record_sha256=triton.get("toolchain_record_sha256")))
+            for name in triton.get("kernel_names", [])]
+
+
+def image_sbom(image) -> bytes:
+    """The CycloneDX 1.6 SBOM of ``image`` (a ``BuiltImage``), canonical JSON."""
+    prepared = image.prepared
+    digest = image.manifest.digest
+    commit, dirty = kiln_revision()
+    patches, pedigree = _patch_components(image)
+    base = Component(type=ComponentType.CONTAINER, name=str(prepared.base_ref), bom_ref="base",
+                     version=prepared.base_digest, hashes=_sha256(prepared.base_digest.split(":", 1)[1]))
+    vllm = Component(type=ComponentType.FRAMEWORK, name="vllm", bom_ref="vllm",
+                     version=str(prepared.found.tree.vllm_version),
+                     pedigree=Pedigree(patches=pedigree) if pedigree else None,
+                     properties=_props(site_dir=f"/{prepared.found.site_dir}"))
+    kiln = Component(type=ComponentType.APPLICATION, name="kiln", bom_ref="kiln", version=__version__,
+                     properties=_props(commit=commit, dirty=str(dirty).lower()))
+    subject = Component(type=ComponentType.CONTAINER, name=prepared.inputs.definition.name, bom_ref="image",
+                        version=prepared.tag, hashes=_sha256(digest.split(":", 1)[1]),
+                        properties=_props(manifest_digest=digest, pin=prepared.inputs.pin.name,
+                                          sm=prepared.inputs.sm))
+    others = [base, vllm, kiln, *patches, *_baked_files(image), *_kernels(image)]
+    bom = Bom(serial_number=uuid.uuid5(_KILN_NS, digest), version=1, components=others,
+              metadata=BomMetaData(timestamp=build_time(image), component=subject))
+    bom.register_dependency(subject, others)
+    with warnings.catch_warnings():  # the library warns through ``warnings``; kiln's library code stays silent
+        warnings.simplefilter("ignore")
+        text = JsonV1Dot6(bom).output_as_string()
+    return canonical_json(json.loads(text))
