@@ -44,7 +44,7 @@ os.environ["KILN_PROGRESS"] = "quiet"
 
 
 @pytest.fixture(autouse=True)
-def isolated_registry_env(request, tmp_path, monkeypatch):
+def isolated_registry_env(request, tmp_path, tmp_path_factory, monkeypatch):
     """No registry test may read the developer's credentials, mirrors or cache."""
     if request.node.get_closest_marker("registry") is None and request.node.get_closest_marker("isolated") is None:
         return
@@ -52,7 +52,9 @@ def isolated_registry_env(request, tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker-config"))
     monkeypatch.setenv("KILN_REGISTRIES", str(tmp_path / "registries.toml"))
-    containers_conf = tmp_path / "containers-registries.conf"  # not the machine's podman/skopeo mirrors
+    # not the machine's podman/skopeo mirrors (an empty file outside the test's own tmp_path, which
+    # some tests list)
+    containers_conf = tmp_path_factory.getbasetemp() / "empty-containers-registries.conf"
     containers_conf.touch()
     monkeypatch.setenv("CONTAINERS_REGISTRIES_CONF", str(containers_conf))
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "kiln-cache"))
