@@ -13,10 +13,12 @@ values) and ``Mid_o[..., D]`` (its log-sum-exp); empty splits are left untouched
 upstream's stage 2 skips them. The splits are upstream's (``cdiv(seq_len, NUM_KV_SPLITS)``
 tokens each), so upstream's stage 2 merges the result unchanged.
 
-Precision (``tl.dot`` takes 16-bit operands, accumulates in float32):
-- FP8 keys: the query stays in its dtype (fp16 or bf16) and the keys are converted to it,
-  which is exact (every e4m3/e4b15 value is an fp16 and a bf16 value): the scores are
-  upstream's up to float32 summation order.
+Precision (``tl.dot`` takes fp16 operands and accumulates in float32):
+- FP8 keys: the query (fp16, or bf16 whose 8-bit mantissa fp16 holds) and the keys (every
+  e4m3/e4b15 value is an fp16 value) convert exactly, so the scores are upstream's up to
+  float32 summation order. A bf16 query element beyond fp16's range (65504) would overflow
+  where upstream's float32 scoring would not; such a query is far outside what attention
+  layers produce.
 - MSE keys: the rotated query (float32) and the centroid codes are rounded to fp16 (relative
   2**-11 each); the per-token norm and the scale are applied in float32 after the dot, as
   upstream does.
@@ -38,8 +40,8 @@ def grouped_decode_supports(kv_group_size: int, head_dim: int, key_fp8: int, que
     """Whether this kernel takes the launch (host-side ints and dtypes only: never syncs).
 
     A group of one gains nothing from grouping; ``tl.dot`` needs 16 or more elements per row.
-    FP8 keys are scored in the query's dtype, so that must be a 16-bit float; MSE keys use the
-    float32 rotated query.
+    With FP8 keys the query itself is scored, and only a 16-bit one converts to fp16 exactly
+    (a float32 model keeps upstream's kernel); MSE keys score the float32 rotated query.
     """
     if kv_group_size < 2 or head_dim < 16:
         return False
@@ -124,12 +126,7 @@ def _tq_grouped_decode_stage1(
         Q_rot_ptr + bid * stride_qb + head[:, None] * stride_qh + d_offs[None, :],
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
-    )
-    if KEY_FP8:
-        dot_dtype = Q_rot_ptr.dtype.element_ty
-    else:
-        dot_dtype = tl.float16
-    q = q.to(dot_dtype)
+    ).to(tl.float32).to(tl.float16)
 
     m_prev = tl.full([BLOCK_H], -float("inf"), tl.float32)
     l_prev = tl.zeros([BLOCK_H], tl.float32)
@@ -152,7 +149,7 @@ def _tq_grouped_decode_stage1(
                 keys = raw.to(tl.float8e4b15, bitcast=True).to(tl.float32)
             else:
                 keys = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            scores = tl.dot(q, tl.trans(keys.to(dot_dtype))) * ATTN_SCALE
+            scores = tl.dot(q, tl.trans(keys.to(tl.float16))) * ATTN_SCALE
         else:
             codes = _unpack_codes(KV_cache_ptr, slot_bases, d_offs, tile_mask, MSE_BITS)
             centroids = tl.load(Centroids_ptr + codes, mask=tile_mask, other=0.0)
