@@ -26,6 +26,7 @@ OPS = "v1/attention/ops"
 CENTROIDS = "model_executor/layers/quantization/turboquant/centroids.py"
 OP_MODULES = (
     "triton_decode_attention",
+    "triton_turboquant_grouped_decode",  # added by PN119, imported by the patched decode module
     "triton_turboquant_decode",
     "triton_turboquant_store",
     "triton_turboquant_spec_verify",  # added by P67; loaded when present
