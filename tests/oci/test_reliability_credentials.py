@@ -35,7 +35,7 @@ from kiln.oci.endpoints import Endpoint
 from kiln.oci.registry import RegistryClient, registry_session
 from tests.support import TEST_IMAGES
 from tests.support.faultproxy import Fault, FaultProxy
-from tests.support.registry import USER, VLLM_VERSION, RegistryServer, free_port, run
+from tests.support.registry import USER, VLLM_VERSION, RegistryServer, dies_with_us, free_port, run
 from tests.support.reliability_checks import assert_cache_verified, tag_state
 
 pytestmark = [pytest.mark.registry, pytest.mark.reliability]
@@ -358,7 +358,7 @@ def tls_registry(tmp_path_factory, base_layout):
         f"http:\n  addr: 127.0.0.1:{port}\n  tls:\n    certificate: {root}/cert.pem\n    key: {root}/key.pem\n")
     with open(root / "log.txt", "wb") as log:
         process = subprocess.Popen(["docker-registry", "serve", str(root / "config.yml")],
-                                   stdout=log, stderr=subprocess.STDOUT)
+                                   stdout=log, stderr=subprocess.STDOUT, preexec_fn=dies_with_us())
     server = RegistryServer("tls", f"127.0.0.1:{port}", root, process.pid)
     try:
         for _ in range(150):

@@ -39,6 +39,7 @@ registry_basic and registry_token hold only ``vllm/vllm-openai:v0.20.1``.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import os
@@ -61,6 +62,7 @@ import pytest
 import requests
 
 from kiln.cache import cache_root
+from kiln.lifeline import child_of
 
 VLLM_VERSION = "0.20.1"
 # A nightly build's version, as vLLM's nightly images carry one (0.20.1's files under it).
@@ -300,7 +302,7 @@ def start_registry_process(root: Path, flavour: str = "plain", copy_from: Regist
     )
     with open(root / "log.txt", "wb") as log:
         process = subprocess.Popen(["docker-registry", "serve", str(root / "config.yml")],
-                                   stdout=log, stderr=subprocess.STDOUT)
+                                   stdout=log, stderr=subprocess.STDOUT, preexec_fn=dies_with_us())
     server = RegistryServer(flavour, f"127.0.0.1:{port}", root, process.pid, token_server, user,
                             password if user else None)
     deadline = time.monotonic() + 15
@@ -314,6 +316,13 @@ def start_registry_process(root: Path, flavour: str = "plain", copy_from: Regist
             time.sleep(0.05)
     server.stop()
     raise RuntimeError(f"docker-registry did not answer on {server.host}: {server.log()[-2000:]}")
+
+
+def dies_with_us():
+    """A ``preexec_fn``: the server is killed when this test process dies, even by SIGKILL (a
+    pytest run that is killed leaves no registry behind; ``kiln.lifeline`` does the same for
+    kiln's own children)."""
+    return functools.partial(child_of, os.getpid())
 
 
 # -- the base image -----------------------------------------------------------------------------
