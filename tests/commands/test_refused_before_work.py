@@ -10,7 +10,6 @@ import pytest
 
 from kiln.commands import main
 from tests.support import TEST_IMAGES
-from tests.support.faultproxy import FaultProxy
 from tests.support.reliability_checks import CliRun, assert_one_line_error, run_cli
 
 pytestmark = [pytest.mark.reliability, pytest.mark.isolated]
@@ -21,14 +20,6 @@ DIGEST = "sha256:" + "ab" * 32
 def _pins(name: str = "v0.20.1") -> str:
     return (f'[pins."{name}"]\nrole = "current"\nimage = "docker.io/vllm/vllm-openai:v0.20.1"\n'
             f'vllm = "0.20.1"\ncuda = "cu130"\ndigest = "{DIGEST}"\n')
-
-
-@pytest.fixture
-def hub():
-    """Docker Hub as far as kiln knows: a listener that records every request (none expected)."""
-    proxy = FaultProxy("127.0.0.1:9")  # would forward to the discard port; nothing should arrive
-    yield proxy
-    proxy.stop()
 
 
 @pytest.fixture
