@@ -16,6 +16,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from cyclonedx.schema import SchemaVersion
+from cyclonedx.validation.json import JsonStrictValidator
 
 from kiln import commands
 from kiln.triton.imagekey import LIBTRITON, record_hashes
@@ -95,7 +97,9 @@ def test_build_adds_a_checked_kernel_cache_layer(tmp_path, capsys, registry_plai
     index = json.loads((tmp_path / "one/index.json").read_text())["manifests"]
     [sbom_entry] = [m for m in index if m.get("artifactType") == "application/vnd.cyclonedx+json"]
     sbom_manifest = json.loads(_blob(tmp_path / "one", sbom_entry["digest"]))
-    bom = json.loads(_blob(tmp_path / "one", sbom_manifest["layers"][0]["digest"]))
+    sbom = _blob(tmp_path / "one", sbom_manifest["layers"][0]["digest"])
+    assert JsonStrictValidator(SchemaVersion.V1_6).validate_str(sbom.decode()) is None
+    bom = json.loads(sbom)
     kernels = {c["name"]: {p["name"]: p["value"] for p in c["properties"]} for c in bom["components"]
                if c["name"].startswith("triton kernel ")}
     assert set(kernels) == {f"triton kernel {name}" for name in first["triton"]["kernel_names"]}
