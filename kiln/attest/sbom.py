@@ -4,14 +4,15 @@ Public API:
     SBOM_MEDIA_TYPE                 "application/vnd.cyclonedx+json"
     build_time(image) -> datetime   ``SOURCE_DATE_EPOCH``, else the base config's ``created``, else 1970
     image_sbom(image) -> bytes      canonical JSON
+    triton_purl(triton) -> PackageURL   the toolchain wheel's ``pkg:pypi`` purl (the provenance uses it too)
 
 The SBOM describes the image by manifest digest and lists: the base (name, digest); vLLM (its
 version, each applied patch as a ``pedigree`` patch resolving its upstream references); each
 selected patch's module (sha256, verdict, upstream refs, the files it changed with their sha256
 before and after); every file kiln's layers bake in (sha256); the Triton kernels (name, SM,
 toolchain version, its wheel's file name and sha256 and the sha256 of the wheel's RECORD) and the
-Triton toolchain wheel itself (a library component hashed with the wheel's sha256); kiln (version, commit). It is derived
-only from the ``BuiltImage``: the serial number is a UUID5 of the manifest digest, the
+Triton toolchain wheel itself (a library component hashed with the wheel's sha256); kiln
+(version, commit). It is derived only from the ``BuiltImage``: the serial number is a UUID5 of the manifest digest, the
 timestamp is ``build_time``, so the same inputs give the same bytes.
 """
 
