@@ -4,13 +4,15 @@ Public API:
     SBOM_MEDIA_TYPE                 "application/vnd.cyclonedx+json"
     build_time(image) -> datetime   ``SOURCE_DATE_EPOCH``, else the base config's ``created``, else 1970
     image_sbom(image) -> bytes      canonical JSON
+    triton_purl(triton) -> PackageURL   the toolchain wheel's ``pkg:pypi`` purl (the provenance uses it too)
 
 The SBOM describes the image by manifest digest and lists: the base (name, digest); vLLM (its
 version, each applied patch as a ``pedigree`` patch resolving its upstream references); each
 selected patch's module (sha256, verdict, upstream refs, the files it changed with their sha256
 before and after); every file kiln's layers bake in (sha256); the Triton kernels (name, SM,
-toolchain version and the sha256 of its wheel's RECORD); kiln (version, commit). It is derived
-only from the ``BuiltImage``: the serial number is a UUID5 of the manifest digest, the
+toolchain version, its wheel's file name and sha256 and the sha256 of the wheel's RECORD) and the
+Triton toolchain wheel itself (a library component hashed with the wheel's sha256); kiln
+(version, commit). It is derived only from the ``BuiltImage``: the serial number is a UUID5 of the manifest digest, the
 timestamp is ``build_time``, so the same inputs give the same bytes.
 """
 
@@ -28,6 +30,7 @@ from cyclonedx.model.bom import Bom, BomMetaData
 from cyclonedx.model.component import Component, ComponentType, Patch, PatchClassification, Pedigree
 from cyclonedx.model.issue import IssueClassification, IssueType
 from cyclonedx.output.json import JsonV1Dot6
+from packageurl import PackageURL
 
 from kiln import __version__
 from kiln.build.provenance import kiln_revision
@@ -102,11 +105,26 @@ def _baked_files(image) -> list[Component]:
 
 def _kernels(image) -> list[Component]:
     triton = image.prepared.triton or {}
-    return [Component(type=ComponentType.FILE, name=f"triton kernel {name}", bom_ref=f"kernel:{name}",
-                      properties=_props(sm=triton.get("sm"), triton=triton.get("triton"),
-                                        triton_wheel=triton.get("triton_wheel"),
-                                        triton_record_sha256=triton.get("toolchain_record_sha256")))
-            for name in triton.get("kernel_names", [])]
+    kernels = [Component(type=ComponentType.FILE, name=f"triton kernel {name}", bom_ref=f"kernel:{name}",
+                         properties=_props(sm=triton.get("sm"), triton=triton.get("triton"),
+                                           triton_wheel=triton.get("triton_wheel"),
+                                           triton_wheel_sha256=triton.get("triton_wheel_sha256"),
+                                           triton_record_sha256=triton.get("toolchain_record_sha256")))
+               for name in triton.get("kernel_names", [])]
+    if not triton.get("triton_wheel"):
+        return kernels
+    toolchain = Component(type=ComponentType.LIBRARY, name="triton", bom_ref="triton-toolchain",
+                          version=triton.get("triton"), purl=triton_purl(triton),
+                          hashes=_sha256(triton.get("triton_wheel_sha256")),
+                          properties=_props(wheel=triton["triton_wheel"], role="kernel compiler",
+                                            record_sha256=triton.get("toolchain_record_sha256")))
+    return [toolchain, *kernels]
+
+
+def triton_purl(triton: dict) -> PackageURL:
+    """``pkg:pypi/triton@3.6.0?file_name=<wheel>``: the wheel on PyPI, whatever index served it."""
+    return PackageURL(type="pypi", name="triton", version=triton.get("triton"),
+                      qualifiers={"file_name": triton["triton_wheel"]})
 
 
 def image_sbom(image) -> bytes:

@@ -9,7 +9,8 @@ Public API:
 ``buildDefinition.externalParameters`` holds what a rebuild needs and nothing a rebuild would
 have to guess: the image definition (name, sha256 of its file), the pin (as locked), the SM,
 the tag, and each selected patch module's digest. ``resolvedDependencies`` lists the base
-manifest and layers, the patch modules and, for a kernel layer, the Triton toolchain.
+manifest and layers, the patch modules and, for a kernel layer, the Triton toolchain wheel
+(a ``pkg:pypi`` purl naming the wheel file, with its sha256).
 ``runDetails`` names the builder (kiln's repository), kiln's commit, the SBOM (as a byproduct,
 by digest: a swapped SBOM does not match) and start/finish times from ``build_time`` (both the
 same, reproducible instant: a build's wall clock would make the bytes differ every time).
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 from kiln import __version__
 from kiln.attest import Refused
-from kiln.attest.sbom import SBOM_MEDIA_TYPE, build_time
+from kiln.attest.sbom import SBOM_MEDIA_TYPE, build_time, triton_purl
 from kiln.build.provenance import kiln_revision, kiln_source_url
 from kiln.oci.mutate import canonical_json
 
@@ -59,8 +60,13 @@ def provenance_statement(image, sbom: bytes) -> bytes:
                              "digest": {"sha256": digest}})
     triton = prepared.triton or {}
     if triton.get("triton_wheel"):
-        dependencies.append({"name": "triton toolchain", "uri": f"pypi:{triton['triton_wheel']}",
-                             "annotations": {"record_sha256": triton.get("toolchain_record_sha256")}})
+        # a purl, not the download URL: a mirror or a local index would make the bytes differ
+        wheel = {"name": "triton toolchain", "uri": triton_purl(triton).to_string(),
+                 "annotations": {"wheel": triton["triton_wheel"],
+                                 "record_sha256": triton.get("toolchain_record_sha256")}}
+        if triton.get("triton_wheel_sha256"):
+            wheel["digest"] = {"sha256": triton["triton_wheel_sha256"]}
+        dependencies.append(wheel)
     definition = inputs.definition
     statement = {
         "_type": STATEMENT_TYPE,

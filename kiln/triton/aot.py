@@ -397,7 +397,7 @@ def kernel_cache_files(sm_cache: SmCache, toolchain: Toolchain, preset: KernelPr
         "schema": 1,
         "sm": sm_cache.sm,
         "triton": {"version": toolchain.version, "record_sha256": toolchain.fingerprint, "wheel": toolchain.wheel,
-                   "keyed_for_libtriton_sha256": sm_cache.libtriton},
+                   "wheel_sha256": toolchain.wheel_sha256, "keyed_for_libtriton_sha256": sm_cache.libtriton},
         "cache_dir": runtime_dir,
         "key": sm_cache.key,
         "preset": preset.to_json(),

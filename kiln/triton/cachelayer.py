@@ -77,6 +77,7 @@ def triton_cache_layer(preset: KernelPreset, sm: int, found: ImageVllm, changed:
     files = kernel_cache_files(result, toolchain, preset)
     kernels = sorted({k["name"] for launch in result.launches for k in launch["kernels"]})
     summary = {"sm": sm, "triton": toolchain.version, "triton_wheel": toolchain.wheel,
+               "triton_wheel_sha256": toolchain.wheel_sha256,
                "toolchain_record_sha256": toolchain.fingerprint, "image_python": python,
                "keyed_for_image": keyed.problem is None, "libtriton_sha256": result.libtriton,
                "cache_dir": RUNTIME_CACHE_DIR, "key": result.key,

@@ -1,7 +1,7 @@
 """The Triton that compiles an image's kernels: the version its base image carries, from PyPI.
 
 Public API:
-    Toolchain(version, site, fingerprint, wheel)   ``.record`` its wheel's RECORD text,
+    Toolchain(version, site, fingerprint, wheel, wheel_sha256)   ``.record`` its wheel's RECORD text,
                               ``.libtriton_sha256``, ``.wheel_python`` ("3.11", from the wheel's tags)
     toolchain_for(version, image, cache, reporter=SILENT) -> Toolchain
     toolchains_dir(cache) -> Path     where toolchains live (``$KILN_TRITON_TOOLCHAINS`` to share one)
@@ -24,6 +24,12 @@ the current time as mtime and a venv path into RECORD (script shebangs). So ever
 file in it), and the worker sees Triton and the vLLM sources under ``STAGE`` through symlinks
 named by content: the same wheel and sources give the same cubins in any directory, on any
 machine.
+
+The entry keeps the sha256 of the wheel file kiln downloaded (``wheel_sha256`` in
+``kiln-toolchain.json``, checked against the index's when it gives one) for the SBOM and the
+provenance. The wheel itself is not kept, so an entry whose marker lacks that hash (one an index
+without hashes filled) is completed by fetching the wheel again: its RECORD must match the
+entry's fingerprint, then the marker is replaced atomically.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from kiln import lifeline
 from kiln.cache import install_dir
 from kiln.errors import KilnError
 from kiln.report import SILENT, Reporter
+from kiln.staging import write_atomic
 from kiln.triton.imagekey import LIBTRITON, record_hashes
 
 STAGE = Path("/tmp/kiln-triton")
@@ -58,6 +65,7 @@ class Toolchain:
     site: Path  # a directory holding the ``triton`` package (first on the worker's sys.path)
     fingerprint: str  # sha256 of the wheel's RECORD (every file's hash, as the wheel lists it)
     wheel: str  # the wheel's file name (its tags say which Python and platform it is for)
+    wheel_sha256: str  # sha256 of the wheel file as downloaded (the index's, when it gives one)
 
     @property
     def python(self) -> str:
@@ -119,11 +127,44 @@ def toolchain_for(version: str | None, image: str, cache: Path, reporter: Report
                         "cannot compile its kernel cache")
     final = toolchains_dir(cache) / f"triton-{version}"
     install_dir(final, lambda tmp: _fetch(version, image, tmp, reporter))
+    marker = _read_marker(final)
+    if not marker.get("wheel_sha256"):
+        marker = _complete_wheel_sha256(final, version, marker, image, reporter)
+    return Toolchain(version, final, marker["record_sha256"], marker["wheel"], marker["wheel_sha256"])
+
+
+def _read_marker(entry: Path) -> dict:
+    """The entry's ``kiln-toolchain.json``: version, wheel, wheel_sha256, record_sha256, python."""
     try:
-        marker = json.loads((final / _MARKER).read_text())
+        marker = json.loads((entry / _MARKER).read_text())
+        if not isinstance(marker, dict) or not marker.get("record_sha256") or not marker.get("wheel"):
+            raise ValueError
     except (OSError, ValueError):
-        raise KilnError(f"{final}: not a toolchain kiln installed (no readable {_MARKER}); remove it") from None
-    return Toolchain(version, final, marker["record_sha256"], marker["wheel"])
+        raise KilnError(f"{entry}: not a toolchain kiln installed (no readable {_MARKER}); remove it") from None
+    return marker
+
+
+def _write_marker(entry: Path, marker: dict) -> None:
+    write_atomic(entry / _MARKER, (json.dumps(marker, indent=1, sort_keys=True) + "\n").encode())
+
+
+def _complete_wheel_sha256(entry: Path, version: str, marker: dict, image: str, reporter: Reporter) -> dict:
+    """An entry without the wheel's sha256 (its index gave none, and kiln kept only the index's
+    then): the wheel is not kept, so fetch it again and check it is the one the entry holds."""
+    url, index_sha256 = _choose_wheel(version, image)
+    name = unquote(PurePosixPath(urlsplit(url).path).name)
+    if name != marker["wheel"]:
+        raise KilnError(f"{entry}: installed from {marker['wheel']} but the index now offers {name}; "
+                        "remove the entry to fetch it again")
+    with tempfile.TemporaryDirectory(prefix="kiln-triton-wheel-") as tmp:
+        wheel = Path(tmp) / name
+        sha256 = _download(url, index_sha256, wheel, f"Triton {version} ({name.split('-')[2]})", reporter)
+        if _record_sha256(wheel) != marker["record_sha256"]:
+            raise KilnError(f"{entry}: the index's {name} is not the wheel this entry holds (RECORD differs); "
+                            "remove the entry to fetch it again")
+    marker = {**marker, "wheel_sha256": sha256}
+    _write_marker(entry, marker)
+    return marker
 
 
 def toolchains_dir(cache: Path) -> Path:
@@ -136,7 +177,7 @@ def _fetch(version: str, image: str, into: Path, reporter: Reporter) -> None:
     url, sha256 = _choose_wheel(version, image)
     name = unquote(PurePosixPath(urlsplit(url).path).name)
     wheel = into / name
-    _download(url, sha256, wheel, f"Triton {version} ({name.split('-')[2]})", reporter)
+    sha256 = _download(url, sha256, wheel, f"Triton {version} ({name.split('-')[2]})", reporter)
     with reporter.status(f"unpacking Triton {version}"):
         record = _unpack(wheel, into)
         wheel.unlink()
@@ -144,9 +185,8 @@ def _fetch(version: str, image: str, into: Path, reporter: Reporter) -> None:
         for source in sorted((into / "triton").rglob("*.py")):
             lifeline.check()  # a build told to stop does not finish the fetch first
             compileall.compile_file(source, quiet=2)
-    (into / _MARKER).write_text(json.dumps({"version": version, "wheel": name, "wheel_sha256": sha256,
-                                            "record_sha256": record, "python": sys.version.split()[0]},
-                                           indent=1, sort_keys=True) + "\n")
+    _write_marker(into, {"version": version, "wheel": name, "wheel_sha256": sha256,
+                         "record_sha256": record, "python": sys.version.split()[0]})
 
 
 def _choose_wheel(version: str, image: str) -> tuple[str, str]:
@@ -167,7 +207,8 @@ def _choose_wheel(version: str, image: str) -> tuple[str, str]:
     return info["url"], sha256
 
 
-def _download(url: str, sha256: str, path: Path, label: str, reporter: Reporter) -> None:
+def _download(url: str, sha256: str, path: Path, label: str, reporter: Reporter) -> str:
+    """Download ``url`` to ``path``; its sha256, which must be ``sha256`` when that is given."""
     digest = hashlib.sha256()
     parts = urlsplit(url)
     if parts.scheme == "file":
@@ -197,6 +238,17 @@ def _download(url: str, sha256: str, path: Path, label: str, reporter: Reporter)
                             f"wheel: {err}") from None
     if sha256 and digest.hexdigest() != sha256:
         raise KilnError(f"{path.name}: sha256 {digest.hexdigest()} differs from the index's {sha256}")
+    return digest.hexdigest()
+
+
+def _record_sha256(wheel: Path) -> str | None:
+    """sha256 of the RECORD inside ``wheel`` (what ``_unpack`` returns), without unpacking it."""
+    with zipfile.ZipFile(wheel) as archive:
+        for name in archive.namelist():
+            parts = PurePosixPath(name).parts
+            if len(parts) == 2 and parts[0].endswith(".dist-info") and parts[1] == "RECORD":
+                return hashlib.sha256(archive.read(name)).hexdigest()
+    return None
 
 
 def _unpack(wheel: Path, into: Path) -> str:

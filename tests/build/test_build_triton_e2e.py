@@ -7,6 +7,7 @@ and adds the cache as one more layer at ``/opt/kiln/triton-cache`` with ``TRITON
 
 from __future__ import annotations
 
+import base64
 import gzip
 import hashlib
 import json
@@ -15,9 +16,12 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from cyclonedx.schema import SchemaVersion
+from cyclonedx.validation.json import JsonStrictValidator
 
 from kiln import commands
 from kiln.triton.imagekey import LIBTRITON, record_hashes
+from kiln.triton.toolchain import _choose_wheel
 from tests.support import TEST_IMAGES
 from tests.support.registry import TRITON_CP312_RECORD, TRITON_CP312_RECORDS, VLLM_VERSION
 
@@ -93,14 +97,32 @@ def test_build_adds_a_checked_kernel_cache_layer(tmp_path, capsys, registry_plai
     index = json.loads((tmp_path / "one/index.json").read_text())["manifests"]
     [sbom_entry] = [m for m in index if m.get("artifactType") == "application/vnd.cyclonedx+json"]
     sbom_manifest = json.loads(_blob(tmp_path / "one", sbom_entry["digest"]))
-    bom = json.loads(_blob(tmp_path / "one", sbom_manifest["layers"][0]["digest"]))
+    sbom = _blob(tmp_path / "one", sbom_manifest["layers"][0]["digest"])
+    assert JsonStrictValidator(SchemaVersion.V1_6).validate_str(sbom.decode()) is None
+    bom = json.loads(sbom)
     kernels = {c["name"]: {p["name"]: p["value"] for p in c["properties"]} for c in bom["components"]
                if c["name"].startswith("triton kernel ")}
     assert set(kernels) == {f"triton kernel {name}" for name in first["triton"]["kernel_names"]}
+    # the wheel's sha256 is the one PyPI states for the file it serves (asked here, not kiln's record)
+    _, served_sha256 = _choose_wheel("3.6.0", "test")
+    assert len(served_sha256) == 64 and first["triton"]["triton_wheel_sha256"] == served_sha256
+    assert audit["triton"]["wheel_sha256"] == served_sha256
     for props in kernels.values():
         assert props["kiln:sm"] == "120" and props["kiln:triton"] == "3.6.0"
         assert props["kiln:triton_wheel"] == first["triton"]["triton_wheel"]
+        assert props["kiln:triton_wheel_sha256"] == served_sha256
         assert len(props["kiln:triton_record_sha256"]) == 64
+    [toolchain] = [c for c in bom["components"] if c["bom-ref"] == "triton-toolchain"]
+    assert toolchain["hashes"] == [{"alg": "SHA-256", "content": served_sha256}]
+    assert toolchain["purl"] == f"pkg:pypi/triton@3.6.0?file_name={first['triton']['triton_wheel']}"
+    # and the provenance (an unsigned DSSE envelope here) lists the wheel by that digest
+    [dsse_entry] = [m for m in index if m.get("artifactType") == "application/vnd.dsse.envelope.v1+json"]
+    dsse_manifest = json.loads(_blob(tmp_path / "one", dsse_entry["digest"]))
+    envelope = json.loads(_blob(tmp_path / "one", dsse_manifest["layers"][0]["digest"]))
+    statement = json.loads(base64.b64decode(envelope["payload"]))
+    deps = {d["name"]: d for d in statement["predicate"]["buildDefinition"]["resolvedDependencies"]}
+    assert deps["triton toolchain"]["digest"] == {"sha256": served_sha256}
+    assert deps["triton toolchain"]["uri"] == toolchain["purl"]
 
     # same inputs, same digests: a second build (kernel entries now from the kiln cache)
     code, second, err = _build(capsys, pins, registry_plain, 120, "--oci", str(tmp_path / "two"))

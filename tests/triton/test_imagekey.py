@@ -285,7 +285,7 @@ def test_a_toolchain_record_without_libtriton_is_a_one_line_error(tmp_path):
     info = tmp_path / "triton-9.9.9.dist-info"
     info.mkdir()
     (info / "RECORD").write_text("triton/__init__.py,sha256=AAAA,1\n")
-    toolchain = Toolchain("9.9.9", tmp_path, "f" * 64, "triton-9.9.9-cp311-cp311-linux_x86_64.whl")
+    toolchain = Toolchain("9.9.9", tmp_path, "f" * 64, "triton-9.9.9-cp311-cp311-linux_x86_64.whl", "e" * 64)
     with pytest.raises(KilnError, match=r"RECORD lists no triton/_C/libtriton.so") as caught:
         _ = toolchain.libtriton_sha256
     assert "\n" not in str(caught.value) and str(tmp_path) in str(caught.value)

@@ -8,6 +8,7 @@ is checked in ``test_triton_aot.py``.
 from __future__ import annotations
 
 import hashlib
+import json
 import zipfile
 from pathlib import Path
 
@@ -84,8 +85,61 @@ def test_fetched_once_then_reused_with_its_recorded_fingerprint(tmp_path, monkey
     assert calls == ["9.9.9"] and first == again
     assert first.site == tmp_path / "cache/triton/toolchains/triton-9.9.9"
     assert first.fingerprint == hashlib.sha256(RECORD).hexdigest() and first.wheel == wheel.name
+    assert first.wheel_sha256 == hashlib.sha256(wheel.read_bytes()).hexdigest()
     assert recorder.tasks == ["copying Triton 9.9.9 (cp311)"] and recorder.statuses == ["unpacking Triton 9.9.9"]
     assert not (first.site / wheel.name).exists()  # the wheel itself is not kept
+
+
+def test_the_wheel_sha256_is_kept_even_when_the_index_gives_none(tmp_path, monkeypatch):
+    """The marker round trip: the sha256 of the bytes kiln downloaded, written into the entry
+    when it is filled and read back by the next build."""
+    monkeypatch.delenv("KILN_TRITON_TOOLCHAINS", raising=False)
+    wheel = _wheel(tmp_path / "triton-9.9.9-cp311-cp311-linux_x86_64.whl")
+    monkeypatch.setattr(tc, "_choose_wheel", lambda version, image: (wheel.as_uri(), ""))
+    first = tc.toolchain_for("9.9.9", "img", tmp_path / "cache")
+    served = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    marker = json.loads((first.site / "kiln-toolchain.json").read_text())
+    assert marker["wheel_sha256"] == served == first.wheel_sha256
+    assert marker["record_sha256"] == first.fingerprint and marker["wheel"] == wheel.name
+    monkeypatch.setattr(tc, "_choose_wheel", lambda version, image: pytest.fail("fetched again"))
+    assert tc.toolchain_for("9.9.9", "img", tmp_path / "cache") == first
+
+
+def _entry_without_wheel_sha256(tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """A toolchain entry as kiln left it when it kept only the index's (absent) hash."""
+    monkeypatch.delenv("KILN_TRITON_TOOLCHAINS", raising=False)
+    wheel = _wheel(tmp_path / "triton-9.9.9-cp311-cp311-linux_x86_64.whl")
+    monkeypatch.setattr(tc, "_choose_wheel", lambda version, image: (wheel.as_uri(), ""))
+    site = tc.toolchain_for("9.9.9", "img", tmp_path / "cache").site
+    marker = json.loads((site / "kiln-toolchain.json").read_text())
+    marker["wheel_sha256"] = ""
+    (site / "kiln-toolchain.json").write_text(json.dumps(marker))
+    return site, wheel
+
+
+def test_an_entry_without_the_wheel_sha256_fetches_the_wheel_again_to_learn_it(tmp_path, monkeypatch):
+    site, wheel = _entry_without_wheel_sha256(tmp_path, monkeypatch)
+    recorder = Recorder()
+    again = tc.toolchain_for("9.9.9", "img", tmp_path / "cache", recorder)
+    served = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    assert again.wheel_sha256 == served and recorder.tasks == ["copying Triton 9.9.9 (cp311)"]
+    assert json.loads((site / "kiln-toolchain.json").read_text())["wheel_sha256"] == served
+    assert not (site / wheel.name).exists() and recorder.statuses == []  # the entry is not unpacked again
+
+
+def test_an_entry_the_index_wheel_does_not_match_is_refused_and_left_as_it_was(tmp_path, monkeypatch):
+    site, wheel = _entry_without_wheel_sha256(tmp_path, monkeypatch)
+    before = (site / "kiln-toolchain.json").read_bytes()
+    other = tmp_path / "other"
+    other.mkdir()
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(other / wheel.name, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            dst.writestr(info, data + b"x" if info.filename.endswith("RECORD") else data)
+    monkeypatch.setattr(tc, "_choose_wheel", lambda version, image: ((other / wheel.name).as_uri(), ""))
+    with pytest.raises(KilnError, match=r"triton-9\.9\.9: the index's .* is not the wheel this entry holds"):
+        tc.toolchain_for("9.9.9", "img", tmp_path / "cache")
+    assert (site / "kiln-toolchain.json").read_bytes() == before
 
 
 def test_shared_directory_wins_over_the_cache(tmp_path, monkeypatch):
