@@ -235,9 +235,13 @@ def test_workflow_runs_the_script_on_a_schedule_with_write_permissions():
     assert triggers["schedule"][0]["cron"] and "workflow_dispatch" in triggers
     assert workflow["permissions"] == {"contents": "write", "pull-requests": "write"}
     steps = workflow["jobs"]["bump"]["steps"]
-    step = next(s for s in steps if "ci/pin_bump_pr.py" in s.get("run", ""))
-    assert "secrets.GITHUB_TOKEN" in step["env"]["GITHUB_TOKEN"]
-    argv = shlex.split(step["run"].replace("${{ github.event.repository.default_branch }}", "main"))
-    assert argv[1] == "ci/pin_bump_pr.py"
-    help_run = subprocess.run([sys.executable, str(SCRIPT), *argv[2:], "--help"], capture_output=True, text=True)
-    assert help_run.returncode == 0, help_run.stderr  # every option the workflow passes exists
+    runs = [s for s in steps if "ci/pin_bump_pr.py" in s.get("run", "")]
+    assert len(runs) == 2  # the release, then the nightly (a failed release step does not skip it)
+    assert "--nightly" not in runs[0]["run"] and "!cancelled()" in runs[1]["if"]
+    for step in runs:
+        assert "secrets.GITHUB_TOKEN" in step["env"]["GITHUB_TOKEN"]
+        argv = shlex.split(step["run"].replace("${{ github.event.repository.default_branch }}", "main"))
+        assert argv[1] == "ci/pin_bump_pr.py"
+        help_run = subprocess.run([sys.executable, str(SCRIPT), *argv[2:], "--help"], capture_output=True, text=True)
+        assert help_run.returncode == 0, help_run.stderr  # every option the workflow passes exists
+    assert shlex.split(runs[1]["run"])[-2:] == ["--nightly", "docker.io/vllm/vllm-openai"]
