@@ -1,6 +1,6 @@
-"""The scheduled pin bump: a new vLLM release on PyPI arrives as a pull request.
+"""The scheduled pin bump: a new vLLM release on PyPI, or nightly image, arrives as a pull request.
 
-    .venv/bin/python ci/pin_bump_pr.py [--repo DIR] [--base main] [--dry-run]
+    .venv/bin/python ci/pin_bump_pr.py [--repo DIR] [--base main] [--dry-run] [--nightly REPOSITORY]
 
 Run by ``.github/workflows/pin-bump.yml`` (schedule and workflow_dispatch), like Renovate or
 Dependabot would:
@@ -8,15 +8,20 @@ Dependabot would:
 1. The current pin (``pins.toml``, role ``current``) and the newest final vLLM release on the
    index (``$PYPI_JSON_URL``, default ``https://pypi.org/pypi``: ``GET {url}/vllm/json``; yanked
    files and pre-releases are skipped). Nothing newer: one line, exit 0.
-2. An open pull request from the branch ``kiln/pin-bump-v<version>`` already exists: one line,
-   exit 0 (a scheduled run never opens the same bump twice).
-3. ``build.py pin bump --to <version> --json``: the preflight. Then the same with ``--write``,
+   With ``--nightly REPOSITORY`` (``docker.io/vllm/vllm-openai``) instead: the digest of the
+   moving tag ``nightly`` and, from the registry's tag list (``kiln.oci.registry``), the
+   ``nightly-<sha>`` tag with that digest (tag names do not order; digests match). A pin whose
+   image already has that digest: one line, exit 0.
+2. An open pull request from the branch ``kiln/pin-bump-v<version>`` (``kiln/pin-bump-nightly-<sha>``)
+   already exists: one line, exit 0 (a scheduled run never opens the same bump twice).
+3. ``build.py pin bump --to <version or REPOSITORY:nightly-<sha>> --json``: the preflight. Then the same with ``--write``,
    plus ``--force`` when the preflight failed: the pull request carries the rotated pins and
    record either way, and its title and body say whether it may be merged as is.
 4. The branch is committed and pushed to ``origin``; the pull request is opened with the GitHub
    REST API (``POST {GITHUB_API_URL}/repos/{GITHUB_REPOSITORY}/pulls``, ``GITHUB_TOKEN``) as a
    draft when the preflight failed. Its body: the verdict table, the failures, and the
-   reviewer's checklist (docs/PIN_BUMP.md, "A bump, step by step").
+   reviewer's checklist (docs/PIN_BUMP.md, "A bump, step by step"). The work tree goes back to
+   the branch it was on, so the release and the nightly run one after the other.
 
 Registry options for the preflight come from the kiln registries file and containers'
 registries.conf (docs/BUILDING.md), as for every command. ``--dry-run`` prints the body and
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -36,14 +42,23 @@ from pathlib import Path
 import requests
 from packaging.version import InvalidVersion, Version
 
+from kiln.errors import KilnError
+from kiln.oci.endpoints import RegistryConfig
+from kiln.oci.reference import parse_reference
+from kiln.oci.registry import RegistryClient
+
 BUILD_PY = Path(__file__).resolve().parent.parent / "build.py"
 ACTIONS = {
     "retire": "confirm vLLM's upstream fix is equivalent (for a `perf_critical` patch: with a benchmark)",
-    "re-anchor": "fix the patch's anchor (docs/AUTHORING_PATCHES.md), then `verify --vllm {to}`",
+    "re-anchor": "fix the patch's anchor (docs/AUTHORING_PATCHES.md), then `verify --pin {pin}`",
     "blocked": "a patch it `requires` stopped applying: retire it too, or rewrite it standalone",
     "gated": "check the gate is meant",
     "new": "review its golden diff",
 }
+
+
+NIGHTLY_TAG = re.compile(r"nightly-[0-9a-f]{7,40}")
+MAX_NIGHTLY_LOOKUPS = 1000  # HEADs (not rate-limited on Docker Hub) to find the tag `nightly` points at
 
 
 class Failed(Exception):
@@ -65,6 +80,26 @@ def newest_release(index: str, current: Version) -> Version | None:
         releases.append(version)
     newest = max(releases, default=None)
     return newest if newest is not None and newest > current else None
+
+
+def newest_nightly(repository: str, pins: dict) -> tuple[str, str | None]:
+    """The digest of ``repository:nightly`` and the ``REPOSITORY:nightly-<sha>`` with that digest;
+    None for the second when a pin already has it."""
+    ref = parse_reference(repository)
+    if "@" in repository or ":" in repository.rsplit("/", 1)[-1]:
+        raise Failed(f"--nightly {repository}: a repository, without tag or digest")
+    client = RegistryClient.for_registry(ref.registry, RegistryConfig.load())
+    moving = client.resolve(ref.repository, "nightly")
+    for pin in pins.values():
+        pinned = parse_reference(pin["image"])
+        if pinned.name == ref.name and moving == (pin.get("digest") or client.resolve(ref.repository, pinned.ref)):
+            return moving, None
+    candidates = sorted((t for t in client.list_tags(ref.repository) if NIGHTLY_TAG.fullmatch(t)), reverse=True)
+    for tag in candidates[:MAX_NIGHTLY_LOOKUPS]:
+        if client.resolve(ref.repository, tag) == moving:
+            return moving, f"{ref.name}:{tag}"
+    raise Failed(f"{ref.name}:nightly ({moving}): no nightly-<sha> tag with that digest "
+                 f"(among {min(len(candidates), MAX_NIGHTLY_LOOKUPS)} checked)")
 
 
 class GitHub:
@@ -89,7 +124,7 @@ class GitHub:
         return self._call("POST", "/pulls", json=fields)
 
 
-def preflight(repo: Path, version: Version, *extra: str) -> tuple[int, dict]:
+def preflight(repo: Path, version: Version | str, *extra: str) -> tuple[int, dict]:
     argv = [sys.executable, str(BUILD_PY), "--pins", str(repo / "pins.toml"),
             "--record", str(repo / "patchsets" / "verdicts.toml"), "--images", str(repo / "images"),
             "--patchsets", str(repo / "patchsets"), "pin", "bump", "--to", str(version), "--json", *extra]
@@ -99,7 +134,7 @@ def preflight(repo: Path, version: Version, *extra: str) -> tuple[int, dict]:
     return result.returncode, json.loads(result.stdout)
 
 
-def body(report: dict, to: Version) -> str:
+def body(report: dict, to: Version | str) -> str:
     passed = report["ok"]
     lines = [f"`build.py pin bump --to {to}`: {report['from']['pin']} -> {report['to']['name']} "
              f"(vLLM {report['to']['vllm']}), preflight **{'passes' if passed else 'FAILS'}**.", ""]
@@ -113,7 +148,7 @@ def body(report: dict, to: Version) -> str:
     lines += ["", "Reviewer checklist (docs/PIN_BUMP.md):", ""]
     for row in report["patches"]:
         if row["action"] in ACTIONS:
-            lines.append(f"- [ ] {row['patch']} ({row['action']}): {ACTIONS[row['action']].format(to=to)}")
+            lines.append(f"- [ ] {row['patch']} ({row['action']}): {ACTIONS[row['action']].format(pin=report['to']['name'])}")
     if not report["to"].get("digest"):
         lines.append(f"- [ ] `build.py pin lock {report['to']['name']}`: {report['to'].get('digest_note', 'not locked')}")
     lines += [f"- [ ] add {report['to']['name']} to the `pins` lists of the images that should build on it",
@@ -137,28 +172,37 @@ def run(args: argparse.Namespace) -> int:
     current = next((p for p in pins.values() if p.get("role") == "current"), None)
     if current is None:
         raise Failed(f"{repo / 'pins.toml'}: no current pin")
-    to = newest_release(os.environ.get("PYPI_JSON_URL", "https://pypi.org/pypi"), Version(current["vllm"]))
-    if to is None:
-        print(f"pin bump: vLLM {current['vllm']} is the newest release; nothing to do")
-        return 0
-    branch = f"kiln/pin-bump-v{to}"
+    if args.nightly:
+        digest, to = newest_nightly(args.nightly, pins)
+        if to is None:
+            print(f"pin bump: {args.nightly}:nightly ({digest}) is already pinned; nothing to do")
+            return 0
+        what, branch = f"vLLM {to.rsplit(':', 1)[1]}", f"kiln/pin-bump-{to.rsplit(':', 1)[1]}"
+    else:
+        to = newest_release(os.environ.get("PYPI_JSON_URL", "https://pypi.org/pypi"), Version(current["vllm"]))
+        if to is None:
+            print(f"pin bump: vLLM {current['vllm']} is the newest release; nothing to do")
+            return 0
+        what, branch = f"vLLM {to}", f"kiln/pin-bump-v{to}"
     github = None if args.dry_run else GitHub(os.environ.get("GITHUB_API_URL", "https://api.github.com"),
                                               _env("GITHUB_REPOSITORY"), _env("GITHUB_TOKEN"))
     existing = github.open_pull(branch) if github else None
     if existing:
-        print(f"pin bump: vLLM {to} already proposed in {existing['html_url']}; nothing to do")
+        print(f"pin bump: {what} already proposed in {existing['html_url']}; nothing to do")
         return 0
     code, report = preflight(repo, to)
     text = body(report, to)
-    title = f"Pin bump: vLLM {to}" + ("" if code == 0 else " (preflight fails: review needed)")
+    title = f"Pin bump: {what}" + ("" if code == 0 else " (preflight fails: review needed)")
     if args.dry_run:
         print(title + "\n\n" + text, end="")
         return 0
+    started_on = git(repo, "rev-parse", "--abbrev-ref", "HEAD").strip()
     git(repo, "checkout", "-B", branch)
     preflight(repo, to, "--write", *(() if code == 0 else ("--force",)))
     git(repo, "add", "-A", "pins.toml", "patchsets/verdicts.toml")
     git(repo, "commit", "-m", title)
     git(repo, "push", "--force", "origin", f"{branch}:{branch}")
+    git(repo, "checkout", started_on)
     pull = github.create_pull(title=title, head=branch, base=args.base, body=text, draft=code != 0)
     print(f"pin bump: opened {pull['html_url']}")
     return 0
@@ -176,10 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repo", type=Path, default=Path.cwd(), help="the git work tree (default: here)")
     parser.add_argument("--base", default="main", help="the pull request's base branch (default: main)")
     parser.add_argument("--dry-run", action="store_true", help="print the pull request; change nothing")
+    parser.add_argument("--nightly", metavar="REPOSITORY",
+                        help="propose the image REPOSITORY:nightly points at (e.g. docker.io/vllm/vllm-openai), "
+                             "not a PyPI release")
     args = parser.parse_args(argv)
     try:
         return run(args)
-    except (Failed, OSError, requests.RequestException, tomllib.TOMLDecodeError, ValueError) as err:
+    except (Failed, KilnError, OSError, requests.RequestException, tomllib.TOMLDecodeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

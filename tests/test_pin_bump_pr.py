@@ -23,6 +23,7 @@ import pytest
 
 from kiln import paths
 from tests.pins.test_pin_bump import IMAGE_TEXT
+from tests.support.registry import NIGHTLY_TAG, NIGHTLY_VERSION, REPO
 
 SCRIPT = paths.REPO / "ci" / "pin_bump_pr.py"
 PINS = ('[pins."v0.20.1"]\nrole = "current"\nimage = "docker.io/vllm/vllm-openai:v0.20.1"\n'
@@ -172,6 +173,58 @@ def test_missing_token_is_one_line(checkout, fakes, monkeypatch):
     assert "kiln/pin-bump" not in _git("branch", "--list", cwd=checkout)
 
 
+@pytest.mark.registry
+def test_new_nightly_opens_one_pull_request(checkout, fakes, start_registry, base_layout, tmp_path, monkeypatch):
+    """A real registry standing in for Docker Hub: the moving `nightly` tag and the nightly-shaped
+    image under its `nightly-<sha>` tag, beside decoy `nightly-<sha>` tags with other digests."""
+    registry = start_registry("plain")
+    registry.push(base_layout.oci("base"), f"{REPO}:v0.20.1")
+    registry.push(base_layout.oci("nightly"), f"{REPO}:{NIGHTLY_TAG}")
+    registry.push(base_layout.oci("nightly"), f"{REPO}:nightly")
+    for decoy in ("f" * 40, "0" * 40):  # sorted around the real one; digests differ
+        registry.push(base_layout.oci("base"), f"{REPO}:nightly-{decoy}")
+    (tmp_path / "registries.toml").write_text(f'[mirrors]\n"docker.io" = "http://{registry.host}"\n')
+    nightly = f"docker.io/{REPO}:{NIGHTLY_TAG}"
+    digest = registry.digest_of(f"{REPO}:nightly")
+
+    result = _script(checkout, "--nightly", f"docker.io/{REPO}")
+    assert result.returncode == 0, result.stderr
+    posts = [r for r in fakes.requests if r[0] == "POST"]
+    assert len(posts) == 1
+    pull = posts[0][3]
+    # 0.20.1's files under a dev version: every verdict as before, the preflight passes
+    assert pull["head"] == f"kiln/pin-bump-{NIGHTLY_TAG}" and pull["draft"] is False
+    assert pull["title"] == f"Pin bump: vLLM {NIGHTLY_TAG}"
+    assert f"`build.py pin bump --to {nightly}`: v0.20.1 -> dev424 (vLLM {NIGHTLY_VERSION})" in pull["body"]
+    assert "| P65 | APPLIES | APPLIES | keep |" in pull["body"]
+    assert "pin lock" not in pull["body"]  # the digest was locked from the registry
+    origin = checkout.parent / "origin.git"
+    pushed = tomllib.loads(_git("show", f"kiln/pin-bump-{NIGHTLY_TAG}:pins.toml", cwd=origin))["pins"]
+    assert pushed["dev424"] == {"role": "current", "image": nightly, "vllm": NIGHTLY_VERSION, "cuda": "cu130",
+                                "digest": digest}
+    assert _git("rev-parse", "--abbrev-ref", "HEAD", cwd=checkout).strip() == "main"  # back where it started
+
+    again = _script(checkout, "--nightly", f"docker.io/{REPO}")
+    assert again.returncode == 0, again.stderr
+    assert f"vLLM {NIGHTLY_TAG} already proposed in https://github.test/acme/kiln/pull/1" in again.stdout
+
+    # once the bump is merged, the same nightly is pinned: nothing to do, no pull request asked for
+    _git("checkout", "-q", f"kiln/pin-bump-{NIGHTLY_TAG}", cwd=checkout)
+    asked = len(fakes.requests)
+    merged = _script(checkout, "--nightly", f"docker.io/{REPO}")
+    assert merged.returncode == 0, merged.stderr
+    assert merged.stdout == f"pin bump: docker.io/{REPO}:nightly ({digest}) is already pinned; nothing to do\n"
+    assert len(fakes.requests) == asked
+
+    # the moving tag on an image no nightly-<sha> tag names: one line, exit 2
+    _git("checkout", "-q", "main", cwd=checkout)
+    registry.push(base_layout.oci("overlay"), f"{REPO}:nightly")
+    lost = _script(checkout, "--nightly", f"docker.io/{REPO}")
+    assert lost.returncode == 2
+    assert lost.stderr.startswith(f"error: docker.io/{REPO}:nightly (sha256:")
+    assert "no nightly-<sha> tag with that digest (among 3 checked)" in lost.stderr
+
+
 def test_workflow_runs_the_script_on_a_schedule_with_write_permissions():
     import shlex
 
@@ -182,9 +235,13 @@ def test_workflow_runs_the_script_on_a_schedule_with_write_permissions():
     assert triggers["schedule"][0]["cron"] and "workflow_dispatch" in triggers
     assert workflow["permissions"] == {"contents": "write", "pull-requests": "write"}
     steps = workflow["jobs"]["bump"]["steps"]
-    step = next(s for s in steps if "ci/pin_bump_pr.py" in s.get("run", ""))
-    assert "secrets.GITHUB_TOKEN" in step["env"]["GITHUB_TOKEN"]
-    argv = shlex.split(step["run"].replace("${{ github.event.repository.default_branch }}", "main"))
-    assert argv[1] == "ci/pin_bump_pr.py"
-    help_run = subprocess.run([sys.executable, str(SCRIPT), *argv[2:], "--help"], capture_output=True, text=True)
-    assert help_run.returncode == 0, help_run.stderr  # every option the workflow passes exists
+    runs = [s for s in steps if "ci/pin_bump_pr.py" in s.get("run", "")]
+    assert len(runs) == 2  # the release, then the nightly (a failed release step does not skip it)
+    assert "--nightly" not in runs[0]["run"] and "!cancelled()" in runs[1]["if"]
+    for step in runs:
+        assert "secrets.GITHUB_TOKEN" in step["env"]["GITHUB_TOKEN"]
+        argv = shlex.split(step["run"].replace("${{ github.event.repository.default_branch }}", "main"))
+        assert argv[1] == "ci/pin_bump_pr.py"
+        help_run = subprocess.run([sys.executable, str(SCRIPT), *argv[2:], "--help"], capture_output=True, text=True)
+        assert help_run.returncode == 0, help_run.stderr  # every option the workflow passes exists
+    assert shlex.split(runs[1]["run"])[-2:] == ["--nightly", "docker.io/vllm/vllm-openai"]

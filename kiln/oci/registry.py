@@ -14,6 +14,7 @@ Public API:
         .get_manifest(repo, ref) -> Manifest            verified bytes, media type from Content-Type
         .find_manifest(repo, ref) -> Manifest | None    the same, None for a 404
         .referrers(repo, digest) -> Manifest | None     the referrers API's index; None without the API
+        .list_tags(repo, page_size, max_pages, max_tags, max_body) -> list[str]   every page, bounded
         .blob_exists(repo, digest) -> bool
         .blob_stream(repo, digest) -> ctx[readable]     raw bytes, NOT verified (for the blob cache);
                                                         resumed with ``Range`` when the connection breaks
@@ -40,11 +41,12 @@ credentials or upload-session state.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import quote, urljoin
+from urllib.parse import quote, urljoin, urlsplit
 
 import requests
 
@@ -179,6 +181,44 @@ class RegistryClient:
             return None
         self.stats.bytes_down += len(resp.content)
         return Manifest(resp.content, OCI_INDEX, sha256_digest(resp.content))
+
+    def list_tags(self, repo: str, page_size: int = 1000, max_pages: int = 100, max_tags: int = 50_000,
+                  max_body: int = 4 << 20) -> list[str]:
+        """``GET /v2/<repo>/tags/list`` page by page: the registry's ``Link: <..>; rel="next"``, else
+        ``?n=&last=`` while a page comes back full. Bounded: a registry cannot make this loop or fill memory."""
+        what, seen = f"{repo} tag list", {}  # a dict: tags in the order first listed
+        url = f"{self._base()}/v2/{repo}/tags/list?n={page_size}"
+        for _ in range(max_pages):
+            resp = self._request("GET", url, {pull_scope(repo)}, ok=(200,), what=what, stream=True)
+            try:
+                body = bytearray()
+                for chunk in resp.iter_content(64 << 10):
+                    body += chunk
+                    if len(body) > max_body:
+                        raise KilnError(f"{self.name}/{what}: a page larger than {max_body} bytes")
+                link = resp.links.get("next", {}).get("url")
+            finally:
+                resp.close()
+            self.stats.bytes_down += len(body)
+            try:
+                page = json.loads(body).get("tags") or []
+            except (ValueError, AttributeError):
+                raise KilnError(f"{self.name}/{what}: not a JSON tag list") from None
+            if not isinstance(page, list) or not all(isinstance(tag, str) for tag in page):
+                raise KilnError(f"{self.name}/{what}: \"tags\" is not a list of strings")
+            fresh = [tag for tag in dict.fromkeys(page) if tag not in seen]  # a registry ignoring `last` repeats
+            if len(seen) + len(fresh) > max_tags:
+                raise KilnError(f"{self.name}/{what}: more than {max_tags} tags")
+            seen.update(dict.fromkeys(fresh))
+            if link and fresh:
+                url = self._absolute(link)
+                if urlsplit(url).netloc != self.endpoint.host:  # never send credentials elsewhere
+                    raise KilnError(f"{self.name}/{what}: next page on another host ({urlsplit(url).netloc})")
+            elif len(page) >= page_size and fresh:
+                url = f"{self._base()}/v2/{repo}/tags/list?n={page_size}&last={quote(page[-1])}"
+            else:
+                return list(seen)
+        raise KilnError(f"{self.name}/{what}: more than {max_pages} pages")
 
     def put_manifest(self, repo: str, ref: str, data: bytes, media_type: str) -> str:
         digest = sha256_digest(data)

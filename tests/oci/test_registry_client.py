@@ -158,3 +158,97 @@ def test_upload_with_wrong_digest_is_refused(registry_plain):
     c = client(registry_plain)
     with pytest.raises(KilnError, match="DIGEST_INVALID|HTTP 400"):
         c.upload_blob("test/bad", "sha256:" + "0" * 64, b"not matching")
+
+
+
+def _skopeo_tags(server) -> list[str]:
+    creds = [f"--creds={server.username}:{server.password}"] if server.username else []
+    out = subprocess.run(["skopeo", "list-tags", "--tls-verify=false", *creds, f"docker://{server.host}/{REPO}"],
+                         capture_output=True, check=True, text=True).stdout
+    return json.loads(out)["Tags"]
+
+
+def test_tag_list_is_every_tag_once_and_bounded(registry_plain):
+    expected = _skopeo_tags(registry_plain)
+    assert len(expected) > 5  # the fixture images: a release, its variants and a nightly
+    c = client(registry_plain)
+    assert sorted(c.list_tags(REPO)) == sorted(expected)
+    # docker-registry 2.8 ignores `n` and `last` and sends no Link: the full page asks for the next
+    # (`?n=2&last=`), which repeats the same tags, and the listing stops there
+    before = c.stats.requests
+    assert sorted(c.list_tags(REPO, page_size=2)) == sorted(expected)
+    assert c.stats.requests - before == 2
+    with pytest.raises(KilnError, match=rf"{REPO} tag list: more than 3 tags"):
+        c.list_tags(REPO, max_tags=3)
+    with pytest.raises(KilnError, match="a page larger than 20 bytes"):
+        c.list_tags(REPO, max_body=20)
+    with pytest.raises(KilnError, match="nobody/nothing"):
+        c.list_tags("nobody/nothing")
+
+
+def test_tag_list_through_token_auth(registry_token):
+    c = client(registry_token)
+    assert c.list_tags(REPO) == _skopeo_tags(registry_token)
+    assert registry_token.token_server.requests_seen[-1]["scopes"] == [f"repository:{REPO}:pull"]
+
+
+class _PagedTags:
+    """The pagination docker-registry 2.8 does not do (distribution 3, Docker Hub): ``n`` and
+    ``last`` honoured, a ``Link: <...>; rel="next"`` while more tags follow."""
+
+    def __init__(self, tags: list[str], link_host: str | None = None):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from threading import Thread
+        from urllib.parse import parse_qs, urlsplit
+
+        self.paths = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):  # noqa: N802
+                outer.paths.append(self.path)
+                query = parse_qs(urlsplit(self.path).query)
+                n, last = int(query["n"][0]), query.get("last", [""])[0]
+                rest = [t for t in tags if t > last]
+                page = rest[:n]
+                data = json.dumps({"name": REPO, "tags": page}).encode()
+                self.send_response(200)
+                if len(rest) > n:
+                    target = f"http://{link_host}" if link_host else ""
+                    self.send_header("Link", f'<{target}/v2/{REPO}/tags/list?n={n}&last={page[-1]}>; rel="next"')
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.host = f"127.0.0.1:{self.server.server_address[1]}"
+        Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_tag_list_follows_next_links_and_stays_on_the_registry():
+    tags = sorted(f"nightly-{i:040x}" for i in range(7))
+    server = _PagedTags(tags)
+    try:
+        c = RegistryClient.for_registry(server.host, RegistryConfig(insecure={server.host}))
+        assert c.list_tags(REPO, page_size=3) == tags
+        assert server.paths == [f"/v2/{REPO}/tags/list?n=3", f"/v2/{REPO}/tags/list?n=3&last={tags[2]}",
+                                f"/v2/{REPO}/tags/list?n=3&last={tags[5]}"]
+        with pytest.raises(KilnError, match="tag list: more than 2 pages"):
+            c.list_tags(REPO, page_size=3, max_pages=2)
+    finally:
+        server.close()
+    elsewhere = _PagedTags(tags, link_host="127.0.0.2:1")
+    try:
+        c = RegistryClient.for_registry(elsewhere.host, RegistryConfig(insecure={elsewhere.host}))
+        with pytest.raises(KilnError, match=r"next page on another host \(127.0.0.2:1\)"):
+            c.list_tags(REPO, page_size=3)
+        assert len(elsewhere.paths) == 1
+    finally:
+        elsewhere.close()
