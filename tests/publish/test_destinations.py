@@ -51,7 +51,7 @@ def _cases(ws: Path, tmp: Path) -> dict[str, tuple[list[str], tuple[str, ...]]]:
         "--values the registries file given by --registries": (
             ["--values", "regs.toml", "--registries", f"{ws}/regs.toml"], ("--values regs.toml", "registries file")),
         "--docker-archive containers' registries.conf, --force": (  # $CONTAINERS_REGISTRIES_CONF (isolating fixture)
-            ["--docker-archive", str(tmp / "containers-registries.conf"), "--force"],
+            ["--docker-archive", os.environ.get("CONTAINERS_REGISTRIES_CONF", ""), "--force"],
             ("is containers' registries.conf (an input)",)),
         "--values the registry auth file": (["--values", str(auth)], ("is the registry auth file (an input)",)),
         "--oci inside the cache": (["--oci", f"{cache}/layout"], (f"is inside kiln's cache {cache} (an input)",)),
