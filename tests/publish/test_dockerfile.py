@@ -95,15 +95,22 @@ class Podman:
         self.env = {k: v for k, v in os.environ.items() if k != "DOCKER_CONFIG"}
         self.env["CONTAINERS_REGISTRIES_CONF"] = str(conf)
 
-    def __call__(self, *args: str) -> subprocess.CompletedProcess:
+    def __call__(self, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
         cmd = ["podman", "--root", str(self.store / "root"), "--runroot", str(self.store / "run"),
                "--runtime", "runc", *args]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=self.env)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=self.env, cwd=cwd)
 
-    def ok(self, *args: str) -> str:
-        done = self(*args)
+    def ok(self, *args: str, cwd: Path | None = None) -> str:
+        done = self(*args, cwd=cwd)
         assert done.returncode == 0, f"podman {' '.join(args)}:\n{done.stderr[-2000:]}"
         return done.stdout
+
+    def pull_layout(self, layout: Path, tag: str) -> str:
+        """Pull an OCI layout's tagged image; its image id. podman names the image after the
+        layout's path, which must be lowercase: pulled by a relative name (the layout's own,
+        lowercase) so that a temporary directory with capitals above it does not matter."""
+        assert layout.name == layout.name.lower(), layout
+        return self.ok("pull", "--quiet", f"oci:{layout.name}:{tag}", cwd=layout.parent).split()[-1]
 
     def sh(self, image: str, script: str) -> str:
         return self.ok("run", *RUN_FLAGS, image, "sh", "-c", script)
@@ -166,7 +173,7 @@ def test_dockerfile_image_matches_daemonless(capsys, tmp_path, registry_plain, s
     # podman builds the Dockerfile over the base (pulled by digest through the mirror)
     podman.ok("build", "--identity-label=false", *_build_args(context),
               "-t", f"localhost/kiln-dockerfile:{TAG}", str(context))
-    daemonless_image = podman.ok("pull", "--quiet", f"oci:{tmp_path / 'daemonless'}:{TAG}").split()[-1]
+    daemonless_image = podman.pull_layout(tmp_path / "daemonless", TAG)
     dockerfile_image = f"localhost/kiln-dockerfile:{TAG}"
 
     # every file kiln wrote (from the audit file), the audit file itself, the bytecode
@@ -227,7 +234,7 @@ def test_dockerfile_image_with_triton_cache_matches_daemonless(capsys, tmp_path,
     assert "KILN_ENV=triton" in args and f"KILN_TRITON_CACHE_DIR={cache_dir}" in args
 
     podman.ok("build", "--identity-label=false", *_build_args(context), "-t", "localhost/kiln-triton:ctx", str(context))
-    daemonless_image = podman.ok("pull", "--quiet", f"oci:{layout}:{built['tag']}").split()[-1]
+    daemonless_image = podman.pull_layout(layout, built["tag"])
     assert podman.config_env("localhost/kiln-triton:ctx") == podman.config_env(daemonless_image) == config["config"]["Env"]
     watched = sorted(f"/{name}" for name in rootfs)
     assert _read_back(podman, "localhost/kiln-triton:ctx", watched) == _read_back(podman, daemonless_image, watched)
