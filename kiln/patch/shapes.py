@@ -13,7 +13,7 @@ import textwrap
 import libcst as cst
 import libcst.matchers as m
 
-from kiln.patch.anchor import Anchor, line_of, reach
+from kiln.patch.anchor import Anchor, find, line_of, reach
 
 
 def marker_text(patch_id: str, why: str) -> str:
@@ -32,6 +32,15 @@ def marked(patch_id: str) -> list:
         m.EmptyLine(comment=m.Comment(m.MatchIfTrue(lambda text: text.startswith(prefix)))),
         m.ZeroOrMore(),
     ]
+
+
+def kiln_marked(node: cst.CSTNode, patch_id: str | None = None) -> bool:
+    """The node was written by a kiln patch (``patch_id``'s, or any when None): its leading
+    lines carry a marker. For ``upstream_fix`` recognisers: kiln's own rewrite of a shape, met
+    again on a re-run or after another patch of the selection, is not vLLM's fix."""
+    prefix = f"# kiln {patch_id}:" if patch_id else "# kiln "
+    return any(line.comment is not None and line.comment.value.startswith(prefix)
+               for line in getattr(node, "leading_lines", ()))
 
 
 def unmarked(patch_id: str) -> list:
@@ -111,3 +120,53 @@ def place_of(rel: str, module: cst.Module | None, anchor: Anchor) -> str | None:
         return None
     nodes = reach(module, anchor)
     return place(rel, module, nodes[0]) if nodes else None
+
+
+# -- upstream recognisers several patches share ---------------------------------------------
+# A patch module may not import another's (each patch's verdict memo covers only its own
+# module; this file is part of every key), so a recogniser two patches need lives here once.
+
+HYBRID_PLATFORM = "platforms/interface.py"
+UNIFY_PAGE_SIZE = "unify_kv_cache_spec_page_size"
+UNIFY_FILES = ("v1/core/kv_cache_planning.py", "v1/core/kv_cache_utils.py")  # from 0.33.0; before
+_ALIGN_HYBRID = (cls("Platform"), func("_align_hybrid_block_size"))
+_TQ_CACHE_DTYPE = m.Call(
+    func=m.Attribute(attr=m.Name("startswith")), args=[m.Arg(value=m.SimpleString('"turboquant_"'))]
+)
+_PADS_TO_PAGE = m.Call(
+    func=m.Name("replace"),
+    args=[m.ZeroOrMore(), m.Arg(keyword=m.Name("page_size_padded")), m.ZeroOrMore()],
+)
+
+
+def _isinstance_of(spec: str) -> m.Call:
+    return m.Call(func=m.Name("isinstance"), args=[m.Arg(), m.Arg(value=m.Name(spec))])
+
+
+def platform_sizes_turboquant_pages(module_of) -> str | None:
+    """``file:line`` of the branch of ``Platform._align_hybrid_block_size`` that sizes the
+    per-token attention page of a ``turboquant_*`` cache from its packed layout (vllm#39931)."""
+    module = module_of(HYBRID_PLATFORM)
+    if module is None:
+        return None
+    for branch in reach(module, (*_ALIGN_HYBRID, m.If())):
+        if m.findall(branch.test, _TQ_CACHE_DTYPE) and find(branch.body, assign_to("attn_page_size_1_token")):
+            return place(HYBRID_PLATFORM, module, branch)
+    return None
+
+
+def unify_pads_pages(module_of, *specs: str) -> str | None:
+    """``file:line`` of vLLM's own ``unify_kv_cache_spec_page_size`` where it pads the pages of
+    every spec in ``specs`` (e.g. ``MambaSpec``) to the largest page instead of raising or
+    scaling their block size (vllm#45207 and its predecessors); kiln's own rewrites (marked) do
+    not count."""
+    for rel in UNIFY_FILES:
+        module = module_of(rel)
+        if module is None:
+            continue
+        for fn in find(module, func(UNIFY_PAGE_SIZE)):
+            if kiln_marked(fn):
+                continue
+            if m.findall(fn, _PADS_TO_PAGE) and all(m.findall(fn, _isinstance_of(spec)) for spec in specs):
+                return place(rel, module, fn)
+    return None

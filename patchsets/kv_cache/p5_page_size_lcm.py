@@ -51,14 +51,17 @@ Verdicts across releases (``patchsets/release-train.toml``, reviewed on every re
   detail lists every place found (the platform branch, and ``unify`` from 0.26.0).
 """
 
-import libcst as cst
-import libcst.matchers as m
-
-from kiln.patch.anchor import find, reach
 from kiln.patch.model import Codemod, Patch
-from kiln.patch.shapes import assign_to, cls, func, marked, place, statements, with_marker
+from kiln.patch.shapes import (
+    UNIFY_PAGE_SIZE,
+    func,
+    marked,
+    platform_sizes_turboquant_pages,
+    statements,
+    unify_pads_pages,
+    with_marker,
+)
 
-UNIFY = "unify_kv_cache_spec_page_size"
 WHY = "unify hybrid pages at a common multiple of the attention pages; pad Mamba pages up to it"
 
 NEW_FUNCTION = '''
@@ -126,8 +129,8 @@ class UnifyPagesAtAttentionLcm(Codemod):
     """Replace ``unify_kv_cache_spec_page_size`` with the LCM pad-up version."""
 
     target = "v1/core/kv_cache_utils.py"
-    anchor = (func(UNIFY),)
-    patched = (func(UNIFY, leading_lines=marked("P5")),)
+    anchor = (func(UNIFY_PAGE_SIZE),)
+    patched = (func(UNIFY_PAGE_SIZE, leading_lines=marked("P5")),)
 
     def rewrite(self, node):
         (new,) = statements(NEW_FUNCTION)
@@ -140,52 +143,7 @@ class UnifyPagesAtAttentionLcm(Codemod):
 # to the page the TurboQuant layers really have; and ``unify_kv_cache_spec_page_size`` pads
 # Mamba pages itself instead of scaling their block size.
 
-PLATFORM = "platforms/interface.py"
-PLANNING = "v1/core/kv_cache_planning.py"  # where unify lives from 0.33.0
-UTILS = "v1/core/kv_cache_utils.py"  # where it lived before
-ALIGN = (cls("Platform"), func("_align_hybrid_block_size"))
-TQ_CACHE_DTYPE = m.Call(
-    func=m.Attribute(attr=m.Name("startswith")), args=[m.Arg(value=m.SimpleString('"turboquant_"'))]
-)
-PAGE_PER_TOKEN = assign_to("attn_page_size_1_token")
-
-PADS_TO_PAGE = m.Call(
-    func=m.Name("replace"),
-    args=[m.ZeroOrMore(), m.Arg(keyword=m.Name("page_size_padded")), m.ZeroOrMore()],
-)
-MAMBA_BRANCH = m.Call(func=m.Name("isinstance"), args=[m.Arg(), m.Arg(value=m.Name("MambaSpec"))])
-
-
-def _kiln_marked(node: cst.FunctionDef) -> bool:
-    return any(line.comment is not None and line.comment.value.startswith("# kiln ") for line in node.leading_lines)
-
-
-def platform_sizes_turboquant_pages(module_of) -> str | None:
-    """``file:line`` of the branch of ``Platform._align_hybrid_block_size`` that sizes the
-    per-token attention page of a ``turboquant_*`` cache from its packed layout (vllm#39931)."""
-    module = module_of(PLATFORM)
-    if module is None:
-        return None
-    for branch in reach(module, (*ALIGN, m.If())):
-        if m.findall(branch.test, TQ_CACHE_DTYPE) and find(branch.body, PAGE_PER_TOKEN):
-            return place(PLATFORM, module, branch)
-    return None
-
-
-def unify_pads_mamba(module_of) -> str | None:
-    """``file:line`` of vLLM's own ``unify_kv_cache_spec_page_size`` where it pads Mamba pages
-    to the largest page instead of scaling their block size (vllm#45207); kiln's own rewrites
-    (marked) do not count."""
-    for rel in (PLANNING, UTILS):
-        module = module_of(rel)
-        if module is None:
-            continue
-        for fn in find(module, func(UNIFY)):
-            if _kiln_marked(fn):
-                continue
-            if m.findall(fn, PADS_TO_PAGE) and m.findall(fn, MAMBA_BRANCH):
-                return place(rel, module, fn)
-    return None
+# Both recognisers are shared with P5b (kiln/patch/shapes.py).
 
 
 class P5(Patch):
@@ -209,7 +167,7 @@ class P5(Patch):
                 "TurboQuant's packed layout, so Mamba pages are padded to the real TurboQuant page "
                 "(vllm#39931)"
             )
-        unify = unify_pads_mamba(module_of)
+        unify = unify_pads_pages(module_of, "MambaSpec")
         if unify:
-            found.append(f"{unify}: {UNIFY} pads Mamba pages to the largest page instead of raising (vllm#45207)")
+            found.append(f"{unify}: {UNIFY_PAGE_SIZE} pads Mamba pages to the largest page instead of raising (vllm#45207)")
         return "; ".join(found) or None

@@ -65,11 +65,20 @@ Verdicts across releases (``patchsets/release-train.toml``, reviewed on every re
 import libcst as cst
 import libcst.matchers as m
 
-from kiln.patch.anchor import find, reach
 from kiln.patch.model import Codemod, Patch
-from kiln.patch.shapes import assign_to, cls, func, marked, place, place_of, statements, with_marker
+from kiln.patch.shapes import (
+    UNIFY_PAGE_SIZE,
+    assign_to,
+    cls,
+    func,
+    marked,
+    place_of,
+    platform_sizes_turboquant_pages,
+    statements,
+    unify_pads_pages,
+    with_marker,
+)
 
-UNIFY = "unify_kv_cache_spec_page_size"
 WHY_UNIFY = "pad Mamba pages and TurboQuant pages that do not divide the largest page up to it"
 WHY_STRIDE = "a padded page holds several kernel blocks: spread the padding so one stride addresses them"
 WHY_STORE = "pass the (possibly padded, strided) cache itself: the kernel addresses it through its strides"
@@ -131,8 +140,8 @@ class UnifyPagesPadToMax(Codemod):
     """Replace ``unify_kv_cache_spec_page_size`` with the pad-smaller-to-max version."""
 
     target = "v1/core/kv_cache_utils.py"
-    anchor = (func(UNIFY),)
-    patched = (func(UNIFY, leading_lines=marked("P5b")),)
+    anchor = (func(UNIFY_PAGE_SIZE),)
+    patched = (func(UNIFY_PAGE_SIZE, leading_lines=marked("P5b")),)
 
     def rewrite(self, node):
         (new,) = statements(NEW_FUNCTION)
@@ -212,55 +221,9 @@ class StoreMseTakesStridedCache(_PassStridedCache):
 
 
 # -- upstream detection ------------------------------------------------------------------------
-# The places upstream prevents the failure (see "Verdicts across releases" above). This module
-# cannot import P5's (each patch's verdict memo covers only its own module), so the platform
-# recogniser is repeated here.
+# The places upstream prevents the failure (see "Verdicts across releases" above); the
+# recognisers are shared with P5 (kiln/patch/shapes.py).
 
-PLATFORM = "platforms/interface.py"
-PLANNING = "v1/core/kv_cache_planning.py"  # where unify lives from 0.33.0
-UTILS = "v1/core/kv_cache_utils.py"  # where it lived before
-ALIGN = (cls("Platform"), func("_align_hybrid_block_size"))
-TQ_CACHE_DTYPE = m.Call(
-    func=m.Attribute(attr=m.Name("startswith")), args=[m.Arg(value=m.SimpleString('"turboquant_"'))]
-)
-PAGE_PER_TOKEN = assign_to("attn_page_size_1_token")
-PADS_TO_PAGE = m.Call(
-    func=m.Name("replace"),
-    args=[m.ZeroOrMore(), m.Arg(keyword=m.Name("page_size_padded")), m.ZeroOrMore()],
-)
-MAMBA_BRANCH = m.Call(func=m.Name("isinstance"), args=[m.Arg(), m.Arg(value=m.Name("MambaSpec"))])
-ATTENTION_BRANCH = m.Call(func=m.Name("isinstance"), args=[m.Arg(), m.Arg(value=m.Name("AttentionSpec"))])
-
-
-def _kiln_marked(node: cst.FunctionDef) -> bool:
-    return any(line.comment is not None and line.comment.value.startswith("# kiln ") for line in node.leading_lines)
-
-
-def platform_sizes_turboquant_pages(module_of) -> str | None:
-    """``file:line`` of the branch of ``Platform._align_hybrid_block_size`` that sizes the
-    per-token attention page of a ``turboquant_*`` cache from its packed layout (vllm#39931)."""
-    module = module_of(PLATFORM)
-    if module is None:
-        return None
-    for branch in reach(module, (*ALIGN, m.If())):
-        if m.findall(branch.test, TQ_CACHE_DTYPE) and find(branch.body, PAGE_PER_TOKEN):
-            return place(PLATFORM, module, branch)
-    return None
-
-
-def unify_pads_smaller_pages(module_of) -> str | None:
-    """``file:line`` of vLLM's own ``unify_kv_cache_spec_page_size`` where it pads Mamba pages and
-    attention pages that do not divide the largest page (vllm#45207 and its predecessors)."""
-    for rel in (PLANNING, UTILS):
-        module = module_of(rel)
-        if module is None:
-            continue
-        for fn in find(module, func(UNIFY)):
-            if _kiln_marked(fn):
-                continue
-            if m.findall(fn, PADS_TO_PAGE) and m.findall(fn, MAMBA_BRANCH) and m.findall(fn, ATTENTION_BRANCH):
-                return place(rel, module, fn)
-    return None
 
 
 class P5b(Patch):
@@ -293,13 +256,13 @@ class P5b(Patch):
                 "TurboQuant's packed layout, so the TurboQuant and Mamba pages come out equal and "
                 "no TurboQuant page is padded (vllm#39931)"
             )
-        unify = unify_pads_smaller_pages(module_of)
+        unify = unify_pads_pages(module_of, "MambaSpec", "AttentionSpec")
         store = module_of(STORE_FILE)
         fp8 = place_of(STORE_FILE, store, StoreFp8TakesStridedCache.upstream)
         mse = place_of(STORE_FILE, store, StoreMseTakesStridedCache.upstream)
         if unify and fp8 and mse:
             found.append(
-                f"{unify}: {UNIFY} pads Mamba and non-dividing attention pages to the largest page; "
+                f"{unify}: {UNIFY_PAGE_SIZE} pads Mamba and non-dividing attention pages to the largest page; "
                 f"{fp8}, {mse}: triton_turboquant_store launches its kernels on the strided cache"
             )
         return "; ".join(found) or None

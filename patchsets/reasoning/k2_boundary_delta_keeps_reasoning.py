@@ -53,7 +53,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from kiln.patch.anchor import find
 from kiln.patch.model import Codemod, Patch
-from kiln.patch.shapes import cls, func, marked, statements, with_marker
+from kiln.patch.shapes import cls, func, kiln_marked, marked, statements, with_marker
 
 TARGET = "parser/abstract_parser.py"
 PARSE_DELTA = (cls("DelegatingParser"), func("parse_delta"))
@@ -112,13 +112,6 @@ class KeepBoundaryReasoning(Codemod):
         )
 
 
-def _kiln_marked(node) -> bool:
-    return any(
-        line.comment is not None and line.comment.value.startswith("# kiln K2:")
-        for line in getattr(node, "leading_lines", ())
-    )
-
-
 class K2(Patch):
     id = "K2"
     family = "reasoning"
@@ -142,7 +135,7 @@ class K2(Patch):
             for parse_delta in find(parser, PARSE_DELTA[1])
             for phase in find(parse_delta, TOOL_PHASE)
             for save in find(phase, SAVES_REASONING)
-            if not _kiln_marked(save)  # kiln's own save is this patch, not vLLM's
+            if not kiln_marked(save, "K2")  # kiln's own save is this patch, not vLLM's
         ]
         if not saves:
             return None

@@ -66,7 +66,16 @@ import libcst.matchers as m
 
 from kiln.patch.anchor import count, find
 from kiln.patch.model import Codemod, Patch
-from kiln.patch.shapes import cls, func, insert_after, marked, place_of, statements, with_marker
+from kiln.patch.shapes import (
+    cls,
+    func,
+    insert_after,
+    kiln_marked,
+    marked,
+    place_of,
+    statements,
+    with_marker,
+)
 
 STRUCTURED_OUTPUT = "v1/structured_output/__init__.py"
 SCHEDULER_FILE = "v1/core/sched/scheduler.py"
@@ -335,14 +344,9 @@ REASONING_END_CHECK = m.Call(
 )
 
 
-def _kiln_marked(node: cst.FunctionDef) -> bool:
-    """Written by a kiln patch (this one, on a re-run): not vLLM's own fix."""
-    return any(line.comment is not None and line.comment.value.startswith("# kiln ") for line in node.leading_lines)
-
-
 def _manager_method(module: cst.Module, name: str) -> cst.FunctionDef | None:
     found = [fn for klass in find(module, MANAGER) for fn in find(klass, func(name))]
-    return found[0] if len(found) == 1 and not _kiln_marked(found[0]) else None
+    return found[0] if len(found) == 1 and not kiln_marked(found[0]) else None
 
 
 def _bounds_helper(manager: cst.Module) -> str | None:
@@ -356,7 +360,7 @@ def _bounds_helper(manager: cst.Module) -> str | None:
     for klass in find(manager, MANAGER):
         for helper in find(klass, m.FunctionDef()):
             name = helper.name.value
-            if name in ("accept_tokens", "validate_tokens", "grammar_bitmask") or _kiln_marked(helper):
+            if name in ("accept_tokens", "validate_tokens", "grammar_bitmask") or kiln_marked(helper):
                 continue
             if not m.findall(helper, REASONING_END_CHECK):
                 continue

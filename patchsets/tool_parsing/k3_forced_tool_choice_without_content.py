@@ -49,7 +49,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from kiln.patch.anchor import count, find
 from kiln.patch.model import Codemod, Patch
-from kiln.patch.shapes import cls, func, marked, statements, with_marker
+from kiln.patch.shapes import cls, func, kiln_marked, marked, statements, with_marker
 
 SERVING = "entrypoints/openai/engine/serving.py"
 CHAT = "entrypoints/openai/chat_completion/serving.py"
@@ -146,13 +146,6 @@ class ChatNamedBranchWithoutCall(Codemod):
         return with_marker(empty.with_changes(leading_lines=node.leading_lines), "K3", WHY)
 
 
-def _kiln_marked(node) -> bool:
-    return any(
-        line.comment is not None and line.comment.value.startswith("# kiln K3:")
-        for line in getattr(node, "leading_lines", ())
-    )
-
-
 class K3(Patch):
     id = "K3"
     family = "tool_parsing"
@@ -170,7 +163,7 @@ class K3(Patch):
         parser = module_of(PARSER)
         if parser is None:
             return None
-        guards = [g for g in find(parser, NO_CONTENT_NO_CALL) if not _kiln_marked(g)]
+        guards = [g for g in find(parser, NO_CONTENT_NO_CALL) if not kiln_marked(g, "K3")]
         if not guards:
             return None
         for rel, shape in ((PARSER, ASSERT_CONTENT), (SERVING, ASSERT_CONTENT), (CHAT, ASSERT_TOOL_CALLS)):
