@@ -9,6 +9,8 @@ values, the patched tree, ``pins.toml``, the verdict record, cache entries) goes
   previous state back, ``finish()`` drops what was kept aside, ``discard()`` removes the stage.
 - ``commit_all(stages)``: commit several outputs together; when one fails, those already
   committed are rolled back, so a set of outputs lands whole or not at all.
+- ``streamed_file(directory, prefix)``: a file written as a stream (its name known only at the
+  end, e.g. by its digest) in a private temporary beside it, landed with one rename or removed.
 - ``remove_dead_stages(parent)``: staging entries whose owner process is gone (a build killed
   mid-write) are removed by the next run that writes beside them.
 
@@ -26,7 +28,8 @@ import re
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +75,38 @@ def stage_dir(dest: Path) -> Path:
     path = Path(tempfile.mkdtemp(dir=dest.parent, prefix=_stage_prefix(dest)))
     os.chmod(path, 0o777 & ~umask())
     return path
+
+
+class StreamedFile:
+    """A private temporary file being written; ``land(final)`` closes it and renames it there."""
+
+    def __init__(self, fd: int, path: Path):
+        self.path = path
+        self.handle = os.fdopen(fd, "wb")
+        self.landed: Path | None = None
+
+    def land(self, final: Path) -> Path:
+        self.handle.close()
+        os.replace(self.path, final)
+        self.landed = final
+        return final
+
+
+@contextmanager
+def streamed_file(directory: Path, prefix: str, suffix: str = "") -> Iterator[StreamedFile]:
+    """A file streamed into ``directory`` under ``prefix`` (the cache's ``.tmp-`` entries are
+    removed by the next run when their writer died); whatever is not landed is removed. Its mode
+    follows the umask like any new file (an OCI layout output hard-links cache blobs)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
+    os.fchmod(fd, 0o666 & ~umask())
+    out = StreamedFile(fd, Path(name))
+    try:
+        yield out
+    finally:
+        out.handle.close()
+        if out.landed is None:
+            out.path.unlink(missing_ok=True)
 
 
 def is_stage_name(name: str) -> bool:

@@ -16,8 +16,6 @@ identical verified content are interchangeable, so no lock is needed.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -27,7 +25,7 @@ from kiln.errors import KilnError
 from kiln.oci.digest import BlobVerificationError, VerifyingReader, check_digest
 from kiln.oci.limits import LimitExceeded
 from kiln.oci.retry import TransferError
-from kiln.staging import umask
+from kiln.staging import streamed_file
 
 
 class BlobCache:
@@ -55,18 +53,12 @@ class BlobCache:
                     final.unlink(missing_ok=True)
                     raise KilnError(f"cached {what} was corrupted and has been removed; run again") from None
             return
-        final.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(dir=final.parent, prefix=f".tmp-{final.name[:16]}-")
-        os.fchmod(fd, 0o666 & ~umask())  # as any new file: an OCI layout output hard-links it
-        tmp = Path(tmp_name)
-        try:
-            with os.fdopen(fd, "wb") as sink, fetch() as raw:
-                reader = VerifyingReader(raw, digest, what, size, sink=sink)
+        with streamed_file(final.parent, f".tmp-{final.name[:16]}-") as out:
+            with fetch() as raw:
+                reader = VerifyingReader(raw, digest, what, size, sink=out.handle)
                 with _blame_corruption(reader):
                     yield reader
-            os.replace(tmp, final)
-        finally:
-            tmp.unlink(missing_ok=True)
+            out.land(final)
 
     def read_bytes(self, digest: str, what: str, fetch: Callable[[], AbstractContextManager],
                    size: int | None = None) -> bytes:

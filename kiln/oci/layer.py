@@ -30,15 +30,13 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
-import os
 import posixpath
 import tarfile
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.errors import KilnError
-from kiln.staging import umask
+from kiln.staging import streamed_file
 
 LAYER_MTIME = 1_000_000_000  # 2001-09-09T01:46:40Z
 GZIP_LEVEL = 6
@@ -112,24 +110,15 @@ class LayerBuilder:
 
     def write(self, directory: Path) -> Layer:
         """Write the layer into ``directory`` (a temp name, renamed to ``<hex>.tar.gz``)."""
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=".tmp-layer-", suffix=".tar.gz")
-        os.fchmod(fd, 0o666 & ~umask())  # as any new file: an OCI layout output hard-links it
-        tmp = Path(tmp_name)
-        try:
-            with os.fdopen(fd, "wb") as raw:
-                blob = _HashingWriter(raw)
-                with gzip.GzipFile(filename="", mode="wb", compresslevel=GZIP_LEVEL, fileobj=blob, mtime=0) as gz:
-                    tar_stream = _HashingWriter(gz)
-                    with tarfile.open(fileobj=tar_stream, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-                        for name in self.paths():
-                            _add(tar, name, self._entries[name])
+        with streamed_file(directory, ".tmp-layer-", ".tar.gz") as out:
+            blob = _HashingWriter(out.handle)
+            with gzip.GzipFile(filename="", mode="wb", compresslevel=GZIP_LEVEL, fileobj=blob, mtime=0) as gz:
+                tar_stream = _HashingWriter(gz)
+                with tarfile.open(fileobj=tar_stream, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+                    for name in self.paths():
+                        _add(tar, name, self._entries[name])
             digest = "sha256:" + blob.sha.hexdigest()
-            final = directory / f"{blob.sha.hexdigest()}.tar.gz"
-            os.replace(tmp, final)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+            final = out.land(directory / f"{blob.sha.hexdigest()}.tar.gz")
         return Layer(final, digest, "sha256:" + tar_stream.sha.hexdigest(), blob.count, tar_stream.count)
 
 
