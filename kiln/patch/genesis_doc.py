@@ -26,6 +26,7 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 from kiln.patch.catalog import Catalogue, patch_sort_key
+from kiln.triton.kernels import KERNELS
 
 STATUSES = ("ported", "upstream", "not-applicable", "declined", "planned")
 # Why a switch does not apply to kiln's images (the `reason` of a not-applicable row).
@@ -39,7 +40,7 @@ REASONS = {
 # Keys any row may have: `id`, `presets`, `what` (required), `note`, `refs` (optional).
 _COMMON = {"id", "presets", "what", "note", "refs"}
 _BY_STATUS = {  # the keys a row of that status must have (and no other status-specific key)
-    "ported": {"kiln"},  # or `baked` instead (a file the images bake, e.g. a chat template)
+    "ported": {"kiln"},  # or `baked` (a file the images bake) or `aot` (launchers compiled ahead of time)
     "upstream": {"release", "evidence"},
     "not-applicable": {"reason"},
     "declined": {"evidence"},
@@ -60,6 +61,7 @@ class Row:
     status: str
     kiln: tuple[str, ...] = ()
     baked: tuple[str, ...] = ()  # repository files the images bake (`[[files]]`), for a fix that is a file
+    aot: tuple[str, ...] = ()  # kiln.triton.kernels launchers the images compile ahead of time (a JIT warm-up)
     release: str = ""
     evidence: str = ""
     reason: str = ""
@@ -125,18 +127,19 @@ def _row(path: Path, name: str, raw, presets: Mapping[str, str]) -> Row:
     if status not in STATUSES:
         fail("status", f"{status!r} is not one of {', '.join(STATUSES)}")
     required = _BY_STATUS[status]
-    if status == "ported" and "baked" in raw and "kiln" not in raw:
-        required = {"baked"}
-    allowed = _COMMON | {"status"} | required | ({"baked"} if status == "ported" else set())
+    alternatives = {"baked", "aot"} & set(raw)
+    if status == "ported" and alternatives and "kiln" not in raw:
+        required = alternatives
+    allowed = _COMMON | {"status"} | required | ({"baked", "aot"} if status == "ported" else set())
     for key in sorted(set(raw) - allowed):
         fail(key, f"unknown key for a {status} row (allowed: {', '.join(sorted(allowed))})")
     for key in sorted({"id", "presets", "what"} | required):
         if key not in raw:
             fail(key, f"missing (a {status} row needs {', '.join(sorted({'id', 'presets', 'what'} | required))})")
-    for key in sorted(set(raw) - {"presets", "kiln", "baked"}):
+    for key in sorted(set(raw) - {"presets", "kiln", "baked", "aot"}):
         if not isinstance(raw[key], str) or not raw[key].strip():
             fail(key, "must be a non-empty string")
-    for key in ("presets", "kiln", "baked"):
+    for key in ("presets", "kiln", "baked", "aot"):
         if key in raw and (not isinstance(raw[key], list) or not raw[key]
                            or not all(isinstance(v, str) and v for v in raw[key])):
             fail(key, "must be a non-empty list of strings")
@@ -148,13 +151,15 @@ def _row(path: Path, name: str, raw, presets: Mapping[str, str]) -> Row:
     if status == "not-applicable" and raw["reason"] not in REASONS:
         fail("reason", f"{raw['reason']!r} is not one of {', '.join(REASONS)}")
     return Row(switch=name, genesis_id=raw["id"], presets=tuple(raw["presets"]), what=raw["what"].strip(),
-               status=status, kiln=tuple(raw.get("kiln", ())), baked=tuple(raw.get("baked", ())), release=raw.get("release", ""),
+               status=status, kiln=tuple(raw.get("kiln", ())), baked=tuple(raw.get("baked", ())),
+               aot=tuple(raw.get("aot", ())), release=raw.get("release", ""),
                evidence=raw.get("evidence", "").strip(), reason=raw.get("reason", ""),
                refs=raw.get("refs", ""), note=raw.get("note", "").strip())
 
 
 def check_ledger(ledger: Ledger, catalogue: Catalogue) -> None:
-    """Every ``ported`` row names patches of the catalogue by their current id."""
+    """Every ``ported`` row names patches of the catalogue by their current id, repository files
+    that exist, or launchers kiln compiles ahead of time."""
     for row in ledger.rows:
         for pid in row.kiln:
             if pid not in catalogue.patches:
@@ -162,6 +167,10 @@ def check_ledger(ledger: Ledger, catalogue: Catalogue) -> None:
         for rel in row.baked:
             if not (ledger.path.parent.parent / rel).is_file():
                 raise KilnError(f"{ledger.path}: switch.{row.switch}.baked: {rel!r} is not a file of the repository")
+        for name in row.aot:
+            if name not in KERNELS:
+                raise KilnError(f"{ledger.path}: switch.{row.switch}.aot: {name!r} is not a launcher of "
+                                f"kiln.triton.kernels ({', '.join(sorted(KERNELS))})")
 
 
 def _cell(text: str) -> str:
@@ -176,6 +185,7 @@ def _status_cell(row: Row, record: Mapping[str, Mapping[str, str]], pins: list[s
             verdicts = ", ".join(f"{pin} {record[pin].get(pid, 'unrecorded')}" for pin in pins)
             parts.append(f"[{pid}](PATCHES.md#{pid.lower()})" + (f" ({verdicts})" if verdicts else ""))
         parts += [f"baked file `{rel}`" for rel in row.baked]
+        parts += [f"compiled ahead of time: launcher `{name}` ([TRITON.md](TRITON.md))" for name in row.aot]
         return "ported: " + "; ".join(parts)
     if row.status == "upstream":
         return f"upstream from {row.release}: {row.evidence}"
@@ -206,7 +216,8 @@ def render_genesis_doc(ledger: Ledger, catalogue: Catalogue, record: Mapping[str
         "One row per switch: what it fixes and what kiln does about it:",
         "",
         "- **ported**: a kiln patch carries the fix (its id is Genesis's for the same fix); the "
-        "verdicts are the recorded ones of each pin (`patchsets/verdicts.toml`).",
+        "verdicts are the recorded ones of each pin (`patchsets/verdicts.toml`); or the images bake a "
+        "file, or compile a JIT warm-up's kernels ahead of time (`docs/TRITON.md`).",
         f"- **upstream**: vLLM carries the fix from that release; the evidence is file:line on {ledger.vllm}.",
         "- **not-applicable**: " + "; ".join(f"`{k}`: {v}" for k, v in REASONS.items()) + ".",
         "- **declined**: kiln judged the fix and does not carry it, for the reason given.",

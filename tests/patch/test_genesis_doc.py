@@ -16,7 +16,7 @@ import pytest
 from kiln import paths
 from kiln.commands.patches import GENESIS_LEDGER, genesis_doc
 from kiln.errors import KilnError
-from kiln.patch.genesis_doc import STATUSES, check_ledger, load_ledger
+from kiln.patch.genesis_doc import STATUSES, check_ledger, load_ledger, render_genesis_doc
 from kiln.paths import RepoFiles
 from tests.support.cli import one_line_error, run
 
@@ -66,9 +66,12 @@ def test_rows_have_valid_statuses_and_ported_rows_name_catalogue_patches(catalog
     for row in ledger.rows:
         assert row.status in STATUSES
         if row.status == "ported":
-            assert row.kiln or row.baked, row.switch
+            assert row.kiln or row.baked or row.aot, row.switch
             assert all(pid in catalogue.patches for pid in row.kiln), row.switch
             assert all((LEDGER.parent.parent / rel).is_file() for rel in row.baked), row.switch
+            for image in sorted((LEDGER.parent.parent / "images").glob("*.toml")):  # both shipped images
+                launchers = tomllib.loads(image.read_text())["model"].get("kernels", {}).get("launchers", [])
+                assert set(row.aot) <= set(launchers), (row.switch, image.name)
         if row.status == "upstream":
             assert row.release and row.evidence, row.switch
 
@@ -139,6 +142,21 @@ def test_a_ported_row_may_name_a_baked_file_which_must_exist(tmp_path, catalogue
     check_ledger(load_ledger(path), catalogue)
     path.write_text(ROW.format(row='status = "planned"\nbaked = ["images/files/t.jinja"]'))
     with pytest.raises(KilnError, match="baked: unknown key for a planned row"):
+        load_ledger(path)
+
+
+def test_a_ported_row_may_name_an_ahead_of_time_launcher_which_must_exist(tmp_path, catalogue):
+    """A JIT warm-up (PN130) is ported by compiling its kernels into the image, not by a patch."""
+    path = tmp_path / "genesis.toml"
+    path.write_text(ROW.format(row='status = "ported"\naot = ["turboquant_decode"]'))
+    ledger = load_ledger(path)
+    check_ledger(ledger, catalogue)
+    assert "compiled ahead of time: launcher `turboquant_decode`" in render_genesis_doc(ledger, catalogue, {})
+    path.write_text(ROW.format(row='status = "ported"\naot = ["slot_mapping"]'))
+    with pytest.raises(KilnError, match=r"aot: 'slot_mapping' is not a launcher of kiln.triton.kernels"):
+        check_ledger(load_ledger(path), catalogue)
+    path.write_text(ROW.format(row='status = "planned"\naot = ["turboquant_decode"]'))
+    with pytest.raises(KilnError, match="aot: unknown key for a planned row"):
         load_ledger(path)
 
 
