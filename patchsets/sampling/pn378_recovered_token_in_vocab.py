@@ -22,12 +22,15 @@ the id is clamped to ``vocab_size - 1`` before the store, the same two statement
 carries from 0.24.0 (vllm#44744, GHSA-8wr5-jm2h-8r4f). Token 0 for an all-NaN row is what
 every other vLLM sampler already returns on such rows (greedy and random, with and without
 top-k/top-p: the measurements in vllm#42722); the request keeps going and commits a token each
-step instead of stalling. Rows with any real score are unchanged: real scores are ``>= 0``,
-above ``-inf``. Genesis's PN378 ports only the mask of vllm#45060 (the kernel half; closed
-upstream in favour of vllm#44744); here both statements follow the fix vLLM shipped.
+step instead of stalling. Rows without NaN are unchanged: their scores are ``>= 0``, so the
+padding's ``0`` never beat them (a tie goes to the lower, real lane), and ``-inf`` cannot.
+Genesis's PN378 ports only the mask, from vllm#45060 (closed unmerged); here both statements
+follow the fix vLLM shipped.
 
 The V2 model runner (0.33.0's default for kiln's models) samples recovered tokens with other
-kernels (``v1/worker/gpu/spec_decode/rejection_sampler.py``); PN378 does not touch them.
+kernels, which map NaN block maxima to ``-inf`` before their argmax for the same reason
+(``v1/worker/gpu/spec_decode/rejection_sampler_utils.py:116-117``, ``:1065-1072`` on 0.33.0);
+PN378 does not touch them.
 
 Verdicts: 0.20.1 APPLIES. 0.33.0 UPSTREAM: the kernel masks the padding lanes
 (``rejection_sampler.py:1143``) and clamps the id (``:1150``) itself.
