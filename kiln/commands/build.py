@@ -9,6 +9,7 @@ from rich.markup import escape
 
 from kiln.attest.dsse import load_signing_key
 from kiln.build.inputs import destination, load_build_inputs
+from kiln.build.regcache import parse_cache_location
 from kiln.commands import options
 from kiln.errors import KilnError
 from kiln.pipeline import run_build
@@ -31,6 +32,11 @@ def register(sub) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing --docker-archive file")
     p.add_argument("--sign-key", type=Path, metavar="PEM",
                    help="sign the provenance (DSSE) with this ECDSA P-256 or Ed25519 private key")
+    p.add_argument("--cache-from", action="append", metavar="REGISTRY/REPO",
+                   help="read the build cache entry of this build from REPO (repeatable, tried in order): "
+                        "a verified hit neither pulls the base's vLLM layers nor patches nor compiles")
+    p.add_argument("--cache-to", action="append", metavar="REGISTRY/REPO",
+                   help="write this build's cache entry to REPO (repeatable; docs/ARCHITECTURE.md, Caches)")
 
     p = _image_command(sub, "context", "write a build context for the Dockerfile (same files as build)", run_context)
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="the context directory to write")
@@ -68,6 +74,8 @@ def run_build_command(args, out) -> int:
         raise KilnError(f"--chart {args.chart}: chooses the shape of --values FILE, which is not given")
     inputs = load_build_inputs(options.repo_files(args), args.image, args.pin, args.sm)
     sign_key = load_signing_key(args.sign_key) if args.sign_key else None
+    cache_from = [parse_cache_location(text, "--cache-from") for text in args.cache_from or ()]
+    cache_to = [parse_cache_location(text, "--cache-to") for text in args.cache_to or ()]
     config = options.registry_config(args)
     reporter = out.reporter()
     name = destination(inputs.definition, args.repository,
@@ -82,7 +90,8 @@ def run_build_command(args, out) -> int:
     if args.push:
         publishers.append(RegistryPublisher(name, [inputs.tag], config, reporter))
     result = run_build(inputs, publishers, name.name, config, args.allow_unlocked, reporter=reporter,
-                       leave_out_unusable_kernels=args.without_unusable_kernels, sign_key=sign_key)
+                       leave_out_unusable_kernels=args.without_unusable_kernels, sign_key=sign_key,
+                       cache_from=cache_from, cache_to=cache_to)
     result.warnings = list(reporter.warnings)
     if args.json:
         out.json(result.to_json())

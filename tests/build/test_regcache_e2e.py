@@ -1,0 +1,184 @@
+"""The registry build cache (``--cache-to/--cache-from``) with two kiln caches and real registries.
+
+A first build writes its entry; a second one, on an empty kiln cache (a fresh runner), reads it:
+the same image digest and attestations, no vLLM layer blob read (the registry's access log) and
+no patching. Poisoned entries (a blob whose bytes are not its digest, another build's record
+under this key, a layer that does not re-derive) are misses with a warning: the build falls
+back to building, to the same digest.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import posixpath
+import tarfile
+
+import pytest
+import requests
+
+import kiln.build.prepare as prepare_module
+from kiln.build.regcache import CACHE_ARTIFACT_TYPE, entry_tag
+from tests.build.test_build_e2e import TAG, Project
+
+pytestmark = [pytest.mark.registry, pytest.mark.reliability]
+
+MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+
+
+@pytest.fixture
+def project(tmp_path, registry_plain) -> Project:
+    return Project(tmp_path, registry_plain, registry_plain.digest_of("vllm/vllm-openai:v0.20.1"))
+
+
+@pytest.fixture
+def patch_runs(monkeypatch) -> list[int]:
+    """How many times a build ran the patch selection (a cache hit runs none)."""
+    calls: list[int] = []
+    real = prepare_module.patched_selection
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prepare_module, "patched_selection", counted)
+    return calls
+
+
+def _fresh_runner(monkeypatch, tmp_path, name: str) -> None:
+    """An empty kiln cache: nothing of an earlier build on this machine."""
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / name))
+
+
+def _entry(registry, repository: str, key: str) -> dict:
+    resp = requests.get(f"{registry.url}/v2/{repository}/manifests/{entry_tag(key)}",
+                        headers={"Accept": MANIFEST}, timeout=10)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _blob(registry, repository: str, digest: str) -> bytes:
+    resp = requests.get(f"{registry.url}/v2/{repository}/blobs/{digest}", timeout=10)
+    assert resp.status_code == 200
+    return resp.content
+
+
+def _put_blob(registry, repository: str, data: bytes) -> dict:
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    start = requests.post(f"{registry.url}/v2/{repository}/blobs/uploads/", timeout=10)
+    assert start.status_code == 202, start.text
+    location = start.headers["Location"]
+    location = location if location.startswith("http") else registry.url + location
+    sep = "&" if "?" in location else "?"
+    done = requests.put(f"{location}{sep}digest={digest}", data=data,
+                        headers={"Content-Type": "application/octet-stream"}, timeout=10)
+    assert done.status_code == 201, done.text
+    return {"digest": digest, "size": len(data)}
+
+
+def _put_entry(registry, repository: str, tag: str, manifest: dict) -> None:
+    resp = requests.put(f"{registry.url}/v2/{repository}/manifests/{tag}", data=json.dumps(manifest).encode(),
+                        headers={"Content-Type": MANIFEST}, timeout=10)
+    assert resp.status_code == 201, resp.text
+
+
+def _other_layer(removals: list[str]) -> bytes:
+    """A gzip tar with the record's whiteouts and a file of someone else's (GNU tar's way, not kiln's)."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        entries = [(f"{posixpath.dirname(r)}/.wh.{posixpath.basename(r)}".lstrip("/"), b"") for r in removals]
+        for name, data in [*entries, ("opt/kiln/evil.py", b"import os\n")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return gzip.compress(raw.getvalue(), mtime=0)
+
+
+def test_second_runner_reads_the_entry_and_no_vllm_layer(project, capsys, tmp_path, monkeypatch, patch_runs,
+                                                          base_layout):
+    registry = project.registry
+    cache_repo = f"{registry.host}/{project.dest}-cache"
+    _fresh_runner(monkeypatch, tmp_path, "runner-a")
+    code, first, err = project.build(capsys, "--push", "--repository", f"{registry.host}/{project.dest}-a",
+                                     "--cache-to", cache_repo)
+    assert code == 0, err
+    assert patch_runs == [1] and first["cache"]["hit"] is None and len(first["cache"]["written"]) == 1
+    entry = _entry(registry, f"{project.dest}-cache", first["cache"]["key"])
+    assert entry["artifactType"] == CACHE_ARTIFACT_TYPE
+    assert [layer["digest"] for layer in entry["layers"]] == [first["layer_digest"]]
+
+    _fresh_runner(monkeypatch, tmp_path, "runner-b")
+    log_mark = len(registry.log())
+    code, second, err = project.build(capsys, "--push", "--repository", f"{registry.host}/{project.dest}-b",
+                                      "--cache-from", cache_repo)
+    assert code == 0, err
+    assert patch_runs == [1], "the cache hit ran the patching"
+    assert second["cache"]["hit"].endswith(entry_tag(first["cache"]["key"]))
+    assert second["manifest_digest"] == first["manifest_digest"]
+    assert second["config_digest"] == first["config_digest"]
+    assert second["attestations"] == first["attestations"]  # the SBOM and provenance too
+    assert second["patches"] == first["patches"] and second["triton"] == first["triton"]
+    log = registry.log()[log_mark:]
+    for role in ("vllm", "app"):  # the layers that hold vLLM: neither was read
+        assert f"GET /v2/vllm/vllm-openai/blobs/{base_layout.layers[role]}" not in log, role
+    assert "GET /v2/vllm/vllm-openai/blobs/" in log  # the base's config, read through the same log
+    assert second["bytes_pulled"] < base_layout.layer_sizes["vllm"] / 4
+    assert registry.digest_of(f"{project.dest}-b:{TAG}") == first["manifest_digest"]
+    # the base's blobs are mounted from the base's repository, kiln's layer from the cache's
+    assert second["blobs_mounted"] == first["blobs_mounted"] + 1
+    assert second["blobs_uploaded"] == first["blobs_uploaded"] - 1
+
+
+def test_poisoned_entries_fall_back_to_building(project, capsys, tmp_path, monkeypatch, patch_runs,
+                                                start_registry):
+    cache = start_registry("plain")  # a registry of its own: corrupting its blobs touches no image
+    repo = f"{project.dest}-cache"
+    where = ("--cache-from", f"{cache.host}/{repo}", "--insecure-registry", cache.host)
+    _fresh_runner(monkeypatch, tmp_path, "writer")
+    code, first, err = project.build(capsys, "--cache-to", f"{cache.host}/{repo}", "--insecure-registry", cache.host)
+    assert code == 0, err
+    key = first["cache"]["key"]
+    entry = _entry(cache, repo, key)
+    record_bytes = _blob(cache, repo, entry["config"]["digest"])
+    record = json.loads(record_bytes)
+
+    def rebuild(name: str, refused: str) -> None:
+        runs = len(patch_runs)
+        _fresh_runner(monkeypatch, tmp_path, name)
+        code, again, err = project.build(capsys, *where)
+        assert code == 0, err
+        assert again["cache"]["hit"] is None and len(patch_runs) == runs + 1, f"{name}: not built"
+        assert again["manifest_digest"] == first["manifest_digest"], name
+        assert any("build cache entry" in w and refused in w for w in again["warnings"]), (name, again["warnings"])
+
+    # 1. the layer's bytes are not its digest (same length: only the hash can tell)
+    layer = entry["layers"][0]["digest"]
+    stored = cache.blob_file(layer)
+    good = stored.read_bytes()
+    stored.write_bytes(good[:-64] + bytes(64))
+    rebuild("bad-digest", "digest mismatch")
+    stored.write_bytes(good)
+
+    # 2. another build's record under this key (its inputs differ)
+    other = {**record, "inputs": {**record["inputs"], "sm": 86}}
+    config = _put_blob(cache, repo, json.dumps(other).encode())
+    _put_entry(cache, repo, entry_tag(key), {**entry, "config": {**entry["config"], **config}})
+    rebuild("other-key", "another build's")
+
+    # 3. a coherent entry whose layer is other content (the record names it, the diff_id does not match)
+    blob = _put_blob(cache, repo, _other_layer(record["layers"][0]["removals"]))
+    lying = {**record, "layers": [{**record["layers"][0], "digest": blob["digest"], "size": blob["size"]}]}
+    config = _put_blob(cache, repo, json.dumps(lying).encode())
+    _put_entry(cache, repo, entry_tag(key), {**entry, "config": {**entry["config"], **config},
+                                               "layers": [{**entry["layers"][0], **blob}]})
+    rebuild("wrong-content", "does not re-derive")
+
+    # a good entry again (the writer's bytes): a hit, the same digest
+    _put_entry(cache, repo, entry_tag(key), entry)
+    _fresh_runner(monkeypatch, tmp_path, "reader")
+    runs = len(patch_runs)
+    code, hit, err = project.build(capsys, *where)
+    assert code == 0, err
+    assert hit["cache"]["hit"] and len(patch_runs) == runs and hit["manifest_digest"] == first["manifest_digest"]
