@@ -74,9 +74,8 @@ def run_build_command(args, out) -> int:
         raise KilnError(f"--chart {args.chart}: chooses the shape of --values FILE, which is not given")
     inputs = load_build_inputs(options.repo_files(args), args.image, args.pin, args.sm)
     sign_key = load_signing_key(args.sign_key) if args.sign_key else None
-    cache_from = [parse_cache_location(text, "--cache-from") for text in args.cache_from or ()]
-    cache_to = [parse_cache_location(text, "--cache-to") for text in args.cache_to or ()]
     config = options.registry_config(args)
+    cache_from, cache_to = _cache_locations(args, config)
     reporter = out.reporter()
     name = destination(inputs.definition, args.repository,
                        purpose="--push" if args.push else "--values" if args.values else "local")
@@ -107,6 +106,16 @@ def run_build_command(args, out) -> int:
     if "push" in result.outputs:
         print(result.manifest_digest)
     return 0
+
+
+def _cache_locations(args, config) -> tuple[list, list]:
+    """``--cache-from``/``--cache-to``, else the registries file's ``[cache] from``/``to``: checked now."""
+    where = f"{config.path}: cache"
+    found = []
+    for option, name, listed in (("--cache-from", "from", args.cache_from), ("--cache-to", "to", args.cache_to)):
+        texts, place = (listed, option) if listed else (getattr(config, f"cache_{name}"), f"{where}.{name}")
+        found.append([parse_cache_location(text, place) for text in texts])
+    return found[0], found[1]
 
 
 def run_context(args, out) -> int:
