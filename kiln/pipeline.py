@@ -4,7 +4,7 @@ Public API:
     BuildResult      digests, tags, where each output went, bytes pulled/pushed, timings (``.to_json()``)
     run_build(inputs, publishers, registry_config=None, allow_unlocked=False, cache=None,
               reporter=SILENT, leave_out_unusable_kernels=False, sign_key=None,
-              cache_from=(), cache_to=()) -> BuildResult
+              cache_from=(), cache_to=(), cache_key=None) -> BuildResult
 
 Every destination is checked before the first network request (``check_outputs``: never an
 input the build reads, ``kiln.publish.destinations``); the deadline runs from the start; a pin with
@@ -15,7 +15,8 @@ the patching and the bake happen once; then every publisher writes the one ``Bui
 Registry build caches (``kiln.build.regcache``): ``cache_from`` is tried before the pull (a
 verified entry replaces the pull, the patching and the compiling); after the outputs are
 committed, the build's entry is written to every ``cache_to`` (a failure there is a warning:
-the image is already out).
+the image is already out), signed with ``sign_key`` when given; ``cache_key`` (a public key)
+accepts only entries whose signature it verifies.
 """
 
 from __future__ import annotations
@@ -25,13 +26,18 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kiln.attest.dsse import SigningKey
+from kiln.attest.dsse import SigningKey, envelope, open_envelope, verify_envelope
 from kiln.attest.referrers import attestations
 from kiln.build.image import bake
 from kiln.build.inputs import BuildInputs
 from kiln.build.layers import AUDIT_PATH
 from kiln.build.prepare import prepare_build
-from kiln.build.regcache import entry_record, write_entry
+from kiln.build.regcache import (
+    RECORD_MEDIA_TYPE,
+    SIGNED_RECORD_MEDIA_TYPE,
+    entry_record,
+    write_entry,
+)
 from kiln.cache import cache_root
 from kiln.errors import KilnError
 from kiln.oci.endpoints import RegistryConfig
@@ -88,7 +94,7 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
               cache: Path | None = None, reporter: Reporter = SILENT,
               leave_out_unusable_kernels: bool = False, sign_key: SigningKey | None = None,
               cache_from: tuple[ImageReference, ...] | list = (),
-              cache_to: tuple[ImageReference, ...] | list = ()) -> BuildResult:
+              cache_to: tuple[ImageReference, ...] | list = (), cache_key=None) -> BuildResult:
     """Build ``inputs`` and hand the image to every publisher; ``repository`` names it in the result.
 
     Every image gets its SBOM and provenance (signed with ``sign_key`` when given), which the
@@ -104,7 +110,8 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
         reporter.warn(f"pin {inputs.pin.name} has no recorded verdicts in {record}; this build's verdicts "
                       f"are in its {AUDIT_PATH} (review them: `verify --pin {inputs.pin.name} --accept`)")
     prepared = prepare_build(inputs, config, allow_unlocked, cache, reporter, budget,
-                             leave_out_unusable_kernels=leave_out_unusable_kernels, cache_from=cache_from)
+                             leave_out_unusable_kernels=leave_out_unusable_kernels, cache_from=cache_from,
+                             open_record=record_opener(cache_key))
     clock = prepared.clock
     budget.check_deadline("patch")  # and between the steps after it
     work_root = cache / "build"
@@ -119,7 +126,7 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
         written = publish(image, publishers, budget)
         push = next((p for p in publishers if isinstance(p, RegistryPublisher)), None)
         clock.lap("publish", push.report.bytes_uploaded if push else 0)
-        written_to = _write_cache(prepared, image, cache_to, config, budget, reporter)
+        written_to = _write_cache(prepared, image, cache_to, config, budget, reporter, sign_key)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     values = next((p.values(image) for p in publishers if isinstance(p, ValuesPublisher)), {})
@@ -143,7 +150,29 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
     )
 
 
-def _write_cache(prepared, image, cache_to, config: RegistryConfig, budget: Budget, reporter: Reporter) -> list[str]:
+def record_opener(public_key=None):
+    """How a cache entry's record is opened: with ``public_key``, only a record in a DSSE envelope
+    one of whose signatures it verifies; without, any (its digest still checked)."""
+
+    def open_record(data: bytes, media_type: str, where: str) -> bytes:
+        if media_type == RECORD_MEDIA_TYPE and public_key is None:
+            return data
+        if media_type != SIGNED_RECORD_MEDIA_TYPE:
+            raise KilnError("it is not signed; --cache-key takes signed entries only")
+        payload_type, payload, signatures = open_envelope(data, where)
+        if payload_type != RECORD_MEDIA_TYPE:
+            raise KilnError(f"{where}: the envelope holds {payload_type}, not a kiln cache record")
+        if public_key is None:
+            return payload
+        if not signatures:
+            raise KilnError("it is not signed; --cache-key takes signed entries only")
+        return verify_envelope(data, public_key, where)
+
+    return open_record
+
+
+def _write_cache(prepared, image, cache_to, config: RegistryConfig, budget: Budget, reporter: Reporter,
+                 sign_key: SigningKey | None = None) -> list[str]:
     """The build's entry into every ``cache_to`` (where it was not read from); what was written."""
     if not cache_to:
         return []
@@ -152,7 +181,8 @@ def _write_cache(prepared, image, cache_to, config: RegistryConfig, budget: Budg
     for location in cache_to:
         client = RegistryClient(config.endpoint(location.registry, push=True), budget=budget)
         try:
-            digest = write_entry(client, location.repository, prepared.cache_key, record, image.layers)
+            digest = write_entry(client, location.repository, prepared.cache_key, record, image.layers,
+                                 seal=(lambda data: envelope(data, sign_key, RECORD_MEDIA_TYPE)) if sign_key else None)
         except KilnError as err:
             reporter.warn(f"build cache {location.name}: entry not written: {err}")
             continue

@@ -3,7 +3,8 @@
 Public API:
     PreparedBuild      the resolved base, the verdicts, kiln's layers (``LayerContents``), labels
     prepare_build(inputs, registry_config=None, allow_unlocked=False, cache=None,
-                  reporter=SILENT, leave_out_unusable_kernels=False, cache_from=()) -> PreparedBuild
+                  reporter=SILENT, leave_out_unusable_kernels=False, cache_from=(),
+                  open_record=plain_record) -> PreparedBuild
     Clock              seconds spent per step, for ``--json`` and the benchmarks
 
 Steps: resolve the pin's base reference to a digest (one manifest HEAD) and check it against
@@ -31,7 +32,7 @@ from kiln import labels as L
 from kiln.build.inputs import BuildInputs
 from kiln.build.layers import audit_record, patched_contents
 from kiln.build.provenance import kiln_revision, kiln_source_url
-from kiln.build.regcache import CachedBuild, cache_key, read_entry
+from kiln.build.regcache import CachedBuild, cache_key, plain_record, read_entry
 from kiln.cache import cache_root
 from kiln.errors import KilnError
 from kiln.lifeline import uninterrupted
@@ -133,11 +134,12 @@ def check_lock(pin: Pin, resolved: str, allow_unlocked: bool, reporter: Reporter
 def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = None,
                   allow_unlocked: bool = False, cache: Path | None = None,
                   reporter: Reporter = SILENT, budget: Budget | None = None,
-                  leave_out_unusable_kernels: bool = False, cache_from=()) -> PreparedBuild:
+                  leave_out_unusable_kernels: bool = False, cache_from=(), open_record=plain_record) -> PreparedBuild:
     """Resolve and check the base, read its pristine vLLM, patch it, and decide kiln's layers.
 
     ``budget``: the command's limits (its deadline already running); a new one when None.
-    ``cache_from``: registry build caches (``ImageReference`` without tag) tried in order."""
+    ``cache_from``: registry build caches (``ImageReference`` without tag) tried in order;
+    ``open_record``: how an entry's record is opened (and its signature checked: the pipeline's)."""
     definition, pin, sm = inputs.definition, inputs.pin, inputs.sm
     config = registry_config or RegistryConfig.load()
     cache = cache or cache_root()
@@ -156,7 +158,7 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
         client = RegistryClient(config.endpoint(location.registry), stats=stats, budget=source.client.budget)
         (cache / "build").mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache / "build", prefix=".tmp-cache-") as workdir:
-            cached = read_entry(client, location.repository, key, key_inputs, Path(workdir), reporter)
+            cached = read_entry(client, location.repository, key, key_inputs, Path(workdir), reporter, open_record)
         if cached is not None:
             base = RemoteImage(base_ref.pinned(resolved), source.client, BlobCache(cache / "blobs"),
                                manifest_cache=cache / "manifests")

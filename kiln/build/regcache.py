@@ -1,14 +1,16 @@
 """A build cache in a registry, shared across machines: ``build --cache-to/--cache-from REGISTRY/REPO``.
 
 Public API:
-    CACHE_ARTIFACT_TYPE, RECORD_MEDIA_TYPE
+    CACHE_ARTIFACT_TYPE, RECORD_MEDIA_TYPE, SIGNED_RECORD_MEDIA_TYPE
     parse_cache_location(text, where) -> ImageReference     ``REGISTRY/REPO``, no tag or digest
     cache_key(inputs, base_digest, leave_out_unusable_kernels) -> (hex key, the inputs it hashes)
     entry_tag(key) -> str                                    ``kiln-cache-v1-<key>``
     CachedBuild(record, layers)                              a verified entry: kiln's layers as ``LayerContents``
-    read_entry(client, repository, key, key_inputs, workdir, reporter=SILENT) -> CachedBuild | None
+    read_entry(client, repository, key, key_inputs, workdir, reporter=SILENT, open_record=plain_record)
+        -> CachedBuild | None
+    plain_record(data, media_type, where) -> bytes   the record of an unsigned entry (a signed one: a miss)
     entry_record(key, key_inputs, prepared, layers) -> dict
-    write_entry(client, repository, key, record, layers) -> str (the entry's manifest digest)
+    write_entry(client, repository, key, record, layers, seal=None) -> str (the entry's manifest digest)
 
 A build is a pure function of its inputs (reproducible by construction), so what it computes
 from the base's vLLM layers (the patched-source layer, the Triton kernel layer and the facts
@@ -20,7 +22,10 @@ Triton toolchain wheel is per CPython). An entry is an OCI artifact manifest
 (``artifactType`` ``application/vnd.kiln.cache.v1``) tagged by its key in the cache
 repository: its config is the record (the key and the inputs it hashes, the verdicts, the
 layers' digests, removals and history, env, the Triton summary), its layers are kiln's
-layer blobs.
+layer blobs. Written with a signing key (``build --sign-key``), the config is instead a DSSE
+envelope of the record (``seal``, ``kiln.attest.dsse``), and a reader given the public key
+(``--cache-key``) takes only entries whose signature verifies: the record names every layer
+by digest, so the signature covers the whole entry.
 
 Reading verifies everything: the manifest's and every blob's digest and size; the record's
 key and inputs equal the ones this build computed (an entry copied under another key is
@@ -38,6 +43,7 @@ import json
 import posixpath
 import sys
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -57,6 +63,7 @@ from kiln.report import SILENT, Reporter
 
 CACHE_ARTIFACT_TYPE = "application/vnd.kiln.cache.v1"
 RECORD_MEDIA_TYPE = "application/vnd.kiln.cache.record.v1+json"
+SIGNED_RECORD_MEDIA_TYPE = "application/vnd.dsse.envelope.v1+json"  # its payload: a record
 KEY_ANNOTATION = "dev.kiln.cache.key"
 _RECORD_MAX = 16 << 20  # a record is verdicts and digests: kilobytes
 _UNPACKED_MAX = 4 << 30  # what one cached layer may inflate to before it is refused
@@ -151,9 +158,22 @@ def entry_record(key: str, key_inputs: dict, prepared, layers: list[Layer]) -> d
     }
 
 
-def write_entry(client: RegistryClient, repository: str, key: str, record: dict, layers: list[Layer]) -> str:
-    """Upload the layers and the record (unless present), then PUT the entry's manifest under its tag."""
+def plain_record(data: bytes, media_type: str, where: str) -> bytes:
+    """The record of an unsigned entry; a signed one needs an opener that checks it (a miss here)."""
+    if media_type != RECORD_MEDIA_TYPE:
+        raise KilnError(f"its config is {media_type}, not an unsigned kiln cache record")
+    return data
+
+
+def write_entry(client: RegistryClient, repository: str, key: str, record: dict, layers: list[Layer],
+                seal: Callable[[bytes], bytes] | None = None) -> str:
+    """Upload the layers and the record (unless present), then PUT the entry's manifest under its tag.
+
+    ``seal``: the record's bytes -> a DSSE envelope of them (signed)."""
     record_bytes = _canonical(record)
+    media_type = RECORD_MEDIA_TYPE
+    if seal is not None:
+        record_bytes, media_type = seal(record_bytes), SIGNED_RECORD_MEDIA_TYPE
     record_digest = sha256_digest(record_bytes)
     for layer in layers:
         if not client.blob_exists(repository, layer.digest):
@@ -164,7 +184,7 @@ def write_entry(client: RegistryClient, repository: str, key: str, record: dict,
         "schemaVersion": 2,
         "mediaType": OCI_MANIFEST,
         "artifactType": CACHE_ARTIFACT_TYPE,
-        "config": {"mediaType": RECORD_MEDIA_TYPE, "digest": record_digest, "size": len(record_bytes)},
+        "config": {"mediaType": media_type, "digest": record_digest, "size": len(record_bytes)},
         "layers": [{"mediaType": OCI_LAYER_GZIP, "digest": layer.digest, "size": layer.size} for layer in layers],
         "annotations": {KEY_ANNOTATION: key},
     }
@@ -172,7 +192,8 @@ def write_entry(client: RegistryClient, repository: str, key: str, record: dict,
 
 
 def read_entry(client: RegistryClient, repository: str, key: str, key_inputs: dict, workdir: Path,
-               reporter: Reporter = SILENT) -> CachedBuild | None:
+               reporter: Reporter = SILENT, open_record: Callable[[bytes, str, str], bytes] = plain_record,
+               ) -> CachedBuild | None:
     """The entry of ``key``, verified; None (a miss) when there is none or it is not right (with a warning)."""
     tag = entry_tag(key)
     where = f"{client.endpoint.registry}/{repository}:{tag}"
@@ -181,24 +202,27 @@ def read_entry(client: RegistryClient, repository: str, key: str, key_inputs: di
         if manifest is None:
             reporter.note(f"build cache {client.endpoint.registry}/{repository}: no entry for this build")
             return None
-        return _verified(client, repository, manifest, key, key_inputs, workdir, where)
+        return _verified(client, repository, manifest, key, key_inputs, workdir, where, open_record)
     except KilnError as err:
         reporter.warn(f"build cache entry {where} refused, building without it: {err}")
         return None
 
 
 def _verified(client: RegistryClient, repository: str, manifest: Manifest, key: str, key_inputs: dict,
-              workdir: Path, where: str) -> CachedBuild:
+              workdir: Path, where: str, open_record: Callable[[bytes, str, str], bytes]) -> CachedBuild:
     body = manifest.json
     if body.get("artifactType") != CACHE_ARTIFACT_TYPE:
         raise KilnError(f"not a kiln cache entry (artifactType {body.get('artifactType')!r})")
     config = Descriptor.from_json(body.get("config"), f"{where} config")
-    if config.media_type != RECORD_MEDIA_TYPE or config.size > _RECORD_MAX:
+    if config.media_type not in (RECORD_MEDIA_TYPE, SIGNED_RECORD_MEDIA_TYPE) or config.size > _RECORD_MAX:
         raise KilnError(f"its config is not a kiln cache record ({config.media_type}, {config.size} bytes)")
-    with client.open_blob(repository, config.digest, config.size) as reader:
-        data = reader.read(config.size + 1)
+    chunks = []
+    with client.open_blob(repository, config.digest, config.size) as reader:  # longer than its size: refused
+        while chunk := reader.read(1 << 20):
+            chunks.append(chunk)
+    data = b"".join(chunks)
     try:
-        record = json.loads(data)
+        record = json.loads(open_record(data, config.media_type, f"{where} record"))
     except ValueError:
         raise KilnError("its record is not JSON") from None
     if not isinstance(record, dict) or record.get("key") != key or record.get("inputs") != key_inputs:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from kiln.attest.dsse import load_signing_key
+from kiln.attest.dsse import load_public_key, load_signing_key
 from kiln.build.inputs import destination, load_build_inputs
 from kiln.build.regcache import parse_cache_location
 from kiln.commands import options
@@ -36,7 +36,10 @@ def register(sub) -> None:
                    help="read the build cache entry of this build from REPO (repeatable, tried in order): "
                         "a verified hit neither pulls the base's vLLM layers nor patches nor compiles")
     p.add_argument("--cache-to", action="append", metavar="REGISTRY/REPO",
-                   help="write this build's cache entry to REPO (repeatable; docs/ARCHITECTURE.md, Caches)")
+                   help="write this build's cache entry to REPO (repeatable; docs/ARCHITECTURE.md, Caches); "
+                        "signed with --sign-key when given")
+    p.add_argument("--cache-key", type=Path, metavar="PEM",
+                   help="read only cache entries signed by this public key (an unsigned or mis-signed one is a miss)")
 
     p = _image_command(sub, "context", "write a build context for the Dockerfile (same files as build)", run_context)
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="the context directory to write")
@@ -76,6 +79,7 @@ def run_build_command(args, out) -> int:
     sign_key = load_signing_key(args.sign_key) if args.sign_key else None
     config = options.registry_config(args)
     cache_from, cache_to = _cache_locations(args, config)
+    cache_key = load_public_key(args.cache_key) if args.cache_key else None
     reporter = out.reporter()
     name = destination(inputs.definition, args.repository,
                        purpose="--push" if args.push else "--values" if args.values else "local")
@@ -90,7 +94,7 @@ def run_build_command(args, out) -> int:
         publishers.append(RegistryPublisher(name, [inputs.tag], config, reporter))
     result = run_build(inputs, publishers, name.name, config, args.allow_unlocked, reporter=reporter,
                        leave_out_unusable_kernels=args.without_unusable_kernels, sign_key=sign_key,
-                       cache_from=cache_from, cache_to=cache_to)
+                       cache_from=cache_from, cache_to=cache_to, cache_key=cache_key)
     result.warnings = list(reporter.warnings)
     if args.json:
         out.json(result.to_json())

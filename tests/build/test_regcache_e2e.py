@@ -9,6 +9,7 @@ back to building, to the same digest.
 
 from __future__ import annotations
 
+import base64
 import gzip
 import hashlib
 import io
@@ -18,6 +19,8 @@ import tarfile
 
 import pytest
 import requests
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
 
 import kiln.build.prepare as prepare_module
 from kiln.build.regcache import CACHE_ARTIFACT_TYPE, entry_tag
@@ -182,3 +185,48 @@ def test_poisoned_entries_fall_back_to_building(project, capsys, tmp_path, monke
     code, hit, err = project.build(capsys, *where)
     assert code == 0, err
     assert hit["cache"]["hit"] and len(patch_runs) == runs and hit["manifest_digest"] == first["manifest_digest"]
+
+
+def _key_pair(directory, name: str) -> tuple[str, str]:
+    key = ed25519.Ed25519PrivateKey.generate()
+    private, public = directory / f"{name}.pem", directory / f"{name}.pub.pem"
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
+    return str(private), str(public)
+
+
+def test_cache_key_takes_only_entries_its_key_signed(project, capsys, tmp_path, monkeypatch, patch_runs):
+    registry = project.registry
+    repo = f"{project.dest}-cache"
+    cache_repo = f"{registry.host}/{repo}"
+    signer, signer_pub = _key_pair(tmp_path, "signer")
+    _, stranger_pub = _key_pair(tmp_path, "stranger")
+    _fresh_runner(monkeypatch, tmp_path, "writer")
+    code, first, err = project.build(capsys, "--cache-to", cache_repo, "--sign-key", signer)
+    assert code == 0, err
+    entry = _entry(registry, repo, first["cache"]["key"])
+    assert entry["config"]["mediaType"] == "application/vnd.dsse.envelope.v1+json"
+
+    def read(name: str, public_key: str) -> dict:
+        _fresh_runner(monkeypatch, tmp_path, name)
+        code, result, err = project.build(capsys, "--cache-from", cache_repo, "--cache-key", public_key)
+        assert code == 0, err
+        assert result["manifest_digest"] == first["manifest_digest"], name
+        return result
+
+    runs = len(patch_runs)
+    stranger = read("stranger", stranger_pub)
+    assert stranger["cache"]["hit"] is None and len(patch_runs) == runs + 1
+    assert any("no signature verifies" in w for w in stranger["warnings"]), stranger["warnings"]
+    signed = read("signed", signer_pub)
+    assert signed["cache"]["hit"] and len(patch_runs) == runs + 1  # a hit: nothing patched
+    # the same record, unsigned, under the key: refused by a reader that wants signatures
+    envelope = json.loads(_blob(registry, repo, entry["config"]["digest"]))
+    plain = _put_blob(registry, repo, base64.b64decode(envelope["payload"]))
+    _put_entry(registry, repo, entry_tag(first["cache"]["key"]),
+               {**entry, "config": {"mediaType": "application/vnd.kiln.cache.record.v1+json", **plain}})
+    unsigned = read("unsigned", signer_pub)
+    assert unsigned["cache"]["hit"] is None and len(patch_runs) == runs + 2
+    assert any("is not signed" in w for w in unsigned["warnings"]), unsigned["warnings"]
