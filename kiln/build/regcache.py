@@ -31,9 +31,11 @@ Reading verifies everything: the manifest's and every blob's digest and size; th
 key and inputs equal the ones this build computed (an entry copied under another key is
 refused); the layers re-derive: their contents written again by ``kiln.oci.layer`` give the
 recorded digest and diff_id, so what the build bakes from them is byte for byte the entry.
-Anything wrong is a miss with a warning, never an image. Writers of one key all write the
-same bytes (blobs are content-addressed, the record is canonical JSON), so concurrent writers
-are safe: the last PUT of the tag wins and names the same entry.
+Anything wrong is a miss with a warning, never an image. Concurrent writers of one key are
+safe: each uploads every blob its manifest names (content-addressed, so they share them)
+before it PUTs the manifest, and a tag's PUT replaces it whole; the last writer's entry wins,
+and any writer's entry gives the same image (records differ only in what the build reports,
+such as the kernels' compile seconds, or an ECDSA signature's nonce).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import io
 import json
 import posixpath
 import tarfile
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -23,7 +24,11 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 import kiln.build.prepare as prepare_module
-from kiln.build.regcache import CACHE_ARTIFACT_TYPE, entry_tag
+from kiln.build.regcache import CACHE_ARTIFACT_TYPE, entry_tag, read_entry, write_entry
+from kiln.oci.endpoints import RegistryConfig
+from kiln.oci.layer import LayerContents, write_layer
+from kiln.oci.registry import RegistryClient
+from kiln.report import Recorder
 from tests.build.test_build_e2e import TAG, Project
 
 pytestmark = [pytest.mark.registry, pytest.mark.reliability]
@@ -230,3 +235,46 @@ def test_cache_key_takes_only_entries_its_key_signed(project, capsys, tmp_path, 
     unsigned = read("unsigned", signer_pub)
     assert unsigned["cache"]["hit"] is None and len(patch_runs) == runs + 2
     assert any("is not signed" in w for w in unsigned["warnings"]), unsigned["warnings"]
+
+
+def test_concurrent_writers_and_readers_of_one_key(registry_plain, tmp_path):
+    """Writers of one key race (their records differ as two runners' would: the compile seconds);
+    readers racing them see no entry or a whole one, never a refused one; the last PUT wins."""
+    key, key_inputs = "ab" * 32, {"format": CACHE_ARTIFACT_TYPE, "test": tmp_path.name}
+    repo = f"test/{tmp_path.name.lower().replace('_', '-')}-race"
+    contents = LayerContents({"opt/kiln/a.py": b"a = 1\n", "opt/kiln/b.py": bytes(range(256)) * 512},
+                             ("usr/lib/gone.pyc",), "kiln bake test")
+    layer = write_layer(contents, tmp_path / "layers")
+    endpoint = RegistryConfig(insecure={registry_plain.host}).endpoint(registry_plain.host, push=True)
+
+    def record(seconds: int) -> dict:
+        return {"key": key, "inputs": key_inputs, "base_manifest_digest": "sha256:" + "0" * 64,
+                "vllm_version": "0.20.1", "site_dir": "usr/lib/python3/site-packages", "outcomes": [],
+                "applied": [], "files_changed": 0, "env": {}, "triton": {"seconds": seconds},
+                "layers": [{"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size,
+                            "created_by": contents.created_by, "removals": list(contents.removals)}]}
+
+    def write(seconds: int) -> str:
+        return write_entry(RegistryClient(endpoint), repo, key, record(seconds), [layer])
+
+    def read(i: int):
+        reporter = Recorder()
+        workdir = tmp_path / f"read-{i}"
+        workdir.mkdir()
+        found = read_entry(RegistryClient(endpoint), repo, key, key_inputs, workdir, reporter)
+        assert not reporter.warnings, reporter.warnings
+        return found
+
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        writes = [pool.submit(write, i) for i in range(8)]
+        reads = [pool.submit(read, i) for i in range(8)]
+        written = {f.result() for f in writes}
+        seen = [f.result() for f in reads]
+    assert len(written) == 8  # eight different entries were PUT under one tag
+    for found in seen:
+        assert found is None or (found.layers == [contents] and found.record["triton"]["seconds"] in range(8))
+    final = read(99)
+    assert final is not None and final.layers == [contents]
+    assert _entry(registry_plain, repo, key)["config"]["digest"] in {
+        "sha256:" + hashlib.sha256(json.dumps(record(i), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        for i in range(8)}
