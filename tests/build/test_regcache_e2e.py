@@ -120,6 +120,7 @@ def test_second_runner_reads_the_entry_and_no_vllm_layer(project, capsys, tmp_pa
     _fresh_runner(monkeypatch, tmp_path, "runner-b")
     log_mark = len(registry.log())
     code, second, err = project.build(capsys, "--push", "--repository", f"{registry.host}/{project.dest}-b",
+                                      "--cache-from", f"{registry.host}/{project.dest}-empty",  # a miss: the next
                                       "--cache-from", cache_repo)
     assert code == 0, err
     assert patch_runs == [1], "the cache hit ran the patching"
