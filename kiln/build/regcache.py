@@ -247,10 +247,24 @@ def _verified(client: RegistryClient, repository: str, manifest: Manifest, key: 
         again.path.unlink()
         path.unlink()
         contents.append(layer_contents)
-    for field in ("outcomes", "applied", "env", "triton", "vllm_version", "site_dir", "base_manifest_digest"):
-        if field not in record:
-            raise KilnError(f"its record has no {field!r}")
+    _check_fields(record)
     return CachedBuild(record, contents, where)
+
+
+def _check_fields(record: dict) -> None:
+    """Every field a hit uses, of the type it is used as: a record a build could not use is a miss."""
+    kinds = {"outcomes": list, "applied": list, "env": dict, "triton": dict, "vllm_version": str,
+             "site_dir": str, "base_manifest_digest": str, "files_changed": int}
+    for name, kind in kinds.items():
+        if not isinstance(record.get(name), kind):
+            raise KilnError(f"its record's {name!r} is not a {kind.__name__}")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in record["env"].items()) or \
+            not all(isinstance(pid, str) for pid in record["applied"]):
+        raise KilnError("its record's env or applied patches are not strings")
+    try:
+        CachedBuild(record, [], "").outcomes  # noqa: B018 - each verdict parses
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise KilnError(f"its record's outcomes do not parse ({err!r})") from None
 
 
 def _unpacked(path: Path, created_by: str, removals: list) -> LayerContents:

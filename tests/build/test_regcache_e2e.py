@@ -279,3 +279,26 @@ def test_concurrent_writers_and_readers_of_one_key(registry_plain, tmp_path):
     assert _entry(registry_plain, repo, key)["config"]["digest"] in {
         "sha256:" + hashlib.sha256(json.dumps(record(i), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
         for i in range(8)}
+
+
+@pytest.mark.parametrize(("field", "value"), [("env", ["TRITON_CACHE_DIR"]), ("outcomes", [{"patch": "P65"}]),
+                                              ("files_changed", "1"), ("applied", [65])])
+def test_a_record_of_the_wrong_shape_is_a_miss(registry_plain, tmp_path, field, value):
+    key, key_inputs = "cd" * 32, {"format": CACHE_ARTIFACT_TYPE, "test": tmp_path.name}
+    repo = f"test/{tmp_path.name.lower().replace('_', '-')}-shape"
+    contents = LayerContents({"opt/kiln/a.py": b"a = 1\n"}, (), "kiln bake test")
+    layer = write_layer(contents, tmp_path / "layers")
+    endpoint = RegistryConfig(insecure={registry_plain.host}).endpoint(registry_plain.host, push=True)
+    record = {"key": key, "inputs": key_inputs, "base_manifest_digest": "sha256:" + "0" * 64,
+              "vllm_version": "0.20.1", "site_dir": "usr/lib/python3/site-packages",
+              "outcomes": [{"patch": "P65", "verdict": "APPLIES"}], "applied": ["P65"], "files_changed": 1,
+              "env": {}, "triton": {},
+              "layers": [{"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size,
+                          "created_by": contents.created_by, "removals": []}]}
+    client = RegistryClient(endpoint)
+    write_entry(client, repo, key, record, [layer])
+    assert read_entry(client, repo, key, key_inputs, tmp_path, Recorder()) is not None  # the good one: a hit
+    write_entry(client, repo, key, {**record, field: value}, [layer])
+    reporter = Recorder()
+    assert read_entry(client, repo, key, key_inputs, tmp_path, reporter) is None
+    assert len(reporter.warnings) == 1 and field in reporter.warnings[0], reporter.warnings
