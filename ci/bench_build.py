@@ -11,6 +11,10 @@ One run, ``--reps`` interleaved repetitions (each: baseline, cold, warm, edited,
   * verify: ``build.py verify --pin v0.20.1`` with its verdicts memoised, <= 1 s;
 and once: the first-ever build (no toolchain yet: it fetches the Triton wheel), and inflating
 the cached vLLM layer with zlib, isal, zlib-ng and rapidgzip (those installed).
+With ``--registry-cache`` (issue 24), each repetition also runs:
+  * cache-cold: ``cold`` with ``--cache-to`` an empty registry build cache, no slower than cold;
+  * cache-hit: a second machine (an empty kiln cache and no Triton toolchain) with
+    ``--cache-from`` that cache: <= 0.05x the baseline, the same digest, no vLLM layer read.
 
 The base (umoci, pushed with skopeo, as the test fixtures do) is ``vllm/vllm-openai:v0.20.1`` on a
 ``docker-registry`` started here on 127.0.0.1 (stopped by PID): rootfs (busybox) | fillers
@@ -57,7 +61,7 @@ from tests.support.registry import (  # noqa: E402  (the test fixtures' registry
 IMAGE, PIN, SM = "qwen3.6-27b-tq", f"v{VLLM_VERSION}", 120
 TRITON = "3.6.0"
 MTIME = 1704067200  # fixed, so the seeded fillers give the same digests every run
-GOALS = {"cold_ratio": 0.35, "warm": 2.0, "edited": 3.0, "verify": 1.0}
+GOALS = {"cold_ratio": 0.35, "warm": 2.0, "edited": 3.0, "verify": 1.0, "cache_hit_ratio": 0.05}
 
 
 class _RandomReader:
@@ -157,6 +161,8 @@ def main() -> None:
     parser.add_argument("--section", default="build", help="the BENCHMARKS.md section to write")
     parser.add_argument("--work", type=Path, help="parent of the temporary work directory (default: $TMPDIR)")
     parser.add_argument("--dry-run", action="store_true", help="print the section, do not write BENCHMARKS.md")
+    parser.add_argument("--registry-cache", action="store_true",
+                        help="also time --cache-to into an empty registry cache and a second machine's --cache-from hit")
     args = parser.parse_args()
     missing = missing_tools()
     if missing:
@@ -165,7 +171,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kiln-bench-build-", dir=args.work))
     server = None
     loads = [f"start {load()}"]
-    runs: dict[str, list] = {"baseline": [], "cold": [], "warm": [], "edited": [], "verify": []}
+    runs: dict[str, list] = {"baseline": [], "cold": [], "warm": [], "edited": [], "verify": [],
+                             "cache_cold": [], "cache_hit": []}
     try:
         print(f"building the base image in {work} ...", flush=True)
         started = time.perf_counter()
@@ -223,6 +230,8 @@ def main() -> None:
                 result = kiln(argv, env(cache))
                 runs[name].append((result, json.loads(result.stdout)))
             runs["verify"].append(kiln(["verify", "--pin", PIN], {}))
+            if args.registry_cache:
+                registry_cache_runs(work, rep, build, env, server, runs, layers)
             loads.append(f"rep {rep}: {before} -> {load()}")
             if rep == 1:
                 vllm_blob = work / cache / "blobs" / "sha256" / layers["vllm"][0].split(":")[1]
@@ -242,6 +251,26 @@ def main() -> None:
     write(args, layers, base_bytes, must_read, baseline_bytes, first, first_json, runs, inflate, expected_push, loads)
 
 
+def registry_cache_runs(work: Path, rep: int, build, env, server, runs: dict, layers: dict) -> None:
+    """A cold build writing an empty registry cache, then a second machine (empty kiln cache, no
+    Triton toolchain) reading it: the same digest, no vLLM layer blob read (the access log)."""
+    cache_repo = f"{server.host}/bench/kiln-cache-{rep}"
+    result = kiln([*build(f"{rep}c"), "--cache-to", cache_repo], env(f"cache-{rep}-writer"))
+    runs["cache_cold"].append((result, json.loads(result.stdout)))
+    fresh = {**env(f"cache-{rep}-reader"), "KILN_TRITON_TOOLCHAINS": str(work / f"no-toolchain-{rep}")}
+    log_mark = len(server.log())
+    hit = kiln([*build(f"{rep}h"), "--cache-from", cache_repo], fresh)
+    hit_json = json.loads(hit.stdout)
+    log = server.log()[log_mark:]
+    if not hit_json["cache"]["hit"] or hit_json["manifest_digest"] != runs["cold"][-1][1]["manifest_digest"]:
+        sys.exit(f"the second machine's build was no cache hit of the same image: {hit_json['cache']}")
+    if f"GET /v2/{BASE_REPO}/blobs/{layers['vllm'][0]}" in log:  # (HEADs and mounts of it by the push are fine)
+        sys.exit("the cache hit read the vLLM layer (the registry's access log)")
+    if any((work / f"no-toolchain-{rep}").glob("*")):
+        sys.exit("the cache hit fetched a Triton toolchain")
+    runs["cache_hit"].append((hit, hit_json))
+
+
 def med(values) -> float:
     return statistics.median(values)
 
@@ -249,7 +278,8 @@ def med(values) -> float:
 def write(args, layers, base_bytes, must_read, baseline_bytes, first, first_json, runs, inflate, expected_push,
           loads) -> None:
     baseline = med(m.wall for m in runs["baseline"])
-    wall = {name: med(m.wall for m, _ in runs[name]) for name in ("cold", "warm", "edited")}
+    wall = {name: med(m.wall for m, _ in runs[name]) for name in ("cold", "warm", "edited", "cache_cold", "cache_hit")
+            if runs[name]}
     verify = med(m.wall for m in runs["verify"])
     cold_json = runs["cold"][0][1]
     ratio = wall["cold"] / baseline
@@ -272,8 +302,20 @@ def write(args, layers, base_bytes, must_read, baseline_bytes, first, first_json
         f"{r['in'] / zlib_rate:.2f}x |" if "seconds" in r else f"| {name} | {r['error']} | | | |"
         for name, r in inflate.items())
     first_t = first_json["timings"]
+    cache_rows = cache_goals = ""
+    if runs["cache_hit"]:
+        hit_ratio, hit_json = wall["cache_hit"] / baseline, runs["cache_hit"][0][1]
+        cache_rows = "\n" + "\n".join([
+            row("cache_cold", "cold, `--cache-to` an empty registry build cache"),
+            row("cache_hit", "second machine: empty kiln cache, no toolchain, `--cache-from` a warm registry cache")])
+        cache_goals = "\n" + "\n".join([
+            f"| second machine, warm registry cache <= {GOALS['cache_hit_ratio']}x `skopeo copy` | {hit_ratio:.3f}x "
+            f"({wall['cache_hit']:.2f} s vs {baseline:.2f} s); pulled {mib(hit_json['bytes_pulled'])}, "
+            f"no vLLM layer read (registry access log), no toolchain fetched | {verdict(hit_ratio <= GOALS['cache_hit_ratio'])} |",
+            f"| cold with `--cache-to` no slower than cold | {wall['cache_cold']:.2f} s vs {wall['cold']:.2f} s "
+            f"| {verdict(wall['cache_cold'] <= wall['cold'] * 1.05)} (5% noise allowed) |"])
     body = f"""
-## {args.section} (issue 11: the shipped image)
+## {args.section} (issue 11: the shipped image{"; issue 24: the registry build cache" if cache_rows else ""})
 
 `build.py build --image {IMAGE} --pin {PIN} --sm {SM} --push` — the **shipped** definition
 (`images/qwen3.6-27b-tq.toml`: {len(cold_json['patches'])} patches and the Triton kernel layer) —
@@ -300,7 +342,7 @@ are incompressible data standing in for CUDA and torch.
 {row("warm", "warm rebuild, nothing changed")}
 {row("edited", "rebuild, one patch module edited (P65)")}
 | `verify --pin {PIN}`, verdicts memoised | **{verify:.2f} s** ({verify_rows}) | | | | | | | | |
-| first-ever build: fetches Triton {TRITON} ({first_json['triton'].get('triton_wheel', '?')}) | {first.wall:.2f} s (once) | {first_t['resolve']:.2f} | {first_t['pull']:.2f} | {first_t['patch']:.2f} | {first_t.get('triton', 0):.2f} | {first_t['bake']:.2f} | {first_t['publish']:.2f} | {first_t['total']:.2f} | {first.max_rss_mib:,.0f} MiB |
+| first-ever build: fetches Triton {TRITON} ({first_json['triton'].get('triton_wheel', '?')}) | {first.wall:.2f} s (once) | {first_t['resolve']:.2f} | {first_t['pull']:.2f} | {first_t['patch']:.2f} | {first_t.get('triton', 0):.2f} | {first_t['bake']:.2f} | {first_t['publish']:.2f} | {first_t['total']:.2f} | {first.max_rss_mib:,.0f} MiB |{cache_rows}
 
 Goals:
 
@@ -311,7 +353,7 @@ Goals:
 | one patch module edited <= {GOALS['edited']:.0f} s | {wall['edited']:.2f} s | {verdict(wall['edited'] <= GOALS['edited'])} |
 | `verify --pin` warm <= {GOALS['verify']:.0f} s | {verify:.2f} s | {verdict(verify <= GOALS['verify'])} |
 | bytes pulled <= 1.05x the layers kiln must read ({mib(must_read)}) | {pulled_ratio:.3f}x ({mib(cold_json['bytes_pulled'])}) | {verdict(pulled_ratio <= 1.05)} |
-| bytes pushed ~= the two new layers + config + manifest ({expected_push:,} B) | {cold_json['bytes_pushed']:,} B; {cold_json['blobs_mounted']} base blobs mounted, {cold_json['blobs_uploaded']} uploaded | {verdict(cold_json['bytes_pushed'] <= expected_push * 1.01 + 1024)} |
+| bytes pushed ~= the two new layers + config + manifest ({expected_push:,} B) | {cold_json['bytes_pushed']:,} B; {cold_json['blobs_mounted']} base blobs mounted, {cold_json['blobs_uploaded']} uploaded | {verdict(cold_json['bytes_pushed'] <= expected_push * 1.01 + 1024)} |{cache_goals}
 
 Inflating the cached vLLM layer ({mib(layers['vllm'][1])} gzip, {mib(inflate.get('zlib', {}).get('bytes', 0))} of tar), 1 MiB reads,
 median of 3 (one thread; rapidgzip also with 2); kiln uses isal, ISA-L (`kiln/source/layerstream.py`):
@@ -330,7 +372,7 @@ cache from its entry, and the push finds every blob present. Edited: only P65's 
 The baseline only pulls: a real `docker build` would also unpack every layer and push.
 Peak RSS is each process's own maximum resident set (`wait4`).
 
-Reproduce: `.venv/bin/pip install zlib-ng rapidgzip; .venv/bin/python ci/bench_build.py --filler-gib {args.filler_gib:g} --fillers {args.fillers} --reps {args.reps} --section {args.section}`
+Reproduce: `.venv/bin/pip install zlib-ng rapidgzip; .venv/bin/python ci/bench_build.py --filler-gib {args.filler_gib:g} --fillers {args.fillers} --reps {args.reps}{" --registry-cache" if cache_rows else ""} --section {args.section}`
 (needs `docker-registry skopeo umoci busybox-static`; about {3 * base_bytes / 2**30:.1f} GiB of temporary disk at its peak).
 """
     if args.dry_run:

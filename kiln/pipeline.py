@@ -3,13 +3,20 @@
 Public API:
     BuildResult      digests, tags, where each output went, bytes pulled/pushed, timings (``.to_json()``)
     run_build(inputs, publishers, registry_config=None, allow_unlocked=False, cache=None,
-              reporter=SILENT, leave_out_unusable_kernels=False, sign_key=None) -> BuildResult
+              reporter=SILENT, leave_out_unusable_kernels=False, sign_key=None,
+              cache_from=(), cache_to=(), cache_key=None) -> BuildResult
 
 Every destination is checked before the first network request (``check_outputs``: never an
 input the build reads, ``kiln.publish.destinations``); the deadline runs from the start; a pin with
 no verdicts in the record is built with a warning (its verdicts land in the audit file); the pull,
 the patching and the bake happen once; then every publisher writes the one ``BuiltImage``
 (``kiln.publish.publish``: staged, committed together, the push last).
+
+Registry build caches (``kiln.build.regcache``): ``cache_from`` is tried before the pull (a
+verified entry replaces the pull, the patching and the compiling); after the outputs are
+committed, the build's entry is written to every ``cache_to`` (a failure there is a warning:
+the image is already out), signed with ``sign_key`` when given; ``cache_key`` (a public key)
+accepts only entries whose signature it verifies.
 """
 
 from __future__ import annotations
@@ -19,15 +26,24 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kiln.attest.dsse import SigningKey
+from kiln.attest.dsse import SigningKey, envelope, open_envelope, verify_envelope
 from kiln.attest.referrers import attestations
 from kiln.build.image import bake
 from kiln.build.inputs import BuildInputs
 from kiln.build.layers import AUDIT_PATH
 from kiln.build.prepare import prepare_build
+from kiln.build.regcache import (
+    RECORD_MEDIA_TYPE,
+    SIGNED_RECORD_MEDIA_TYPE,
+    entry_record,
+    write_entry,
+)
 from kiln.cache import cache_root
+from kiln.errors import KilnError
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.limits import Budget
+from kiln.oci.reference import ImageReference
+from kiln.oci.registry import RegistryClient
 from kiln.patch.record import load_record
 from kiln.pausepoint import pause_point
 from kiln.publish import Publisher, check_outputs, publish
@@ -66,6 +82,7 @@ class BuildResult:
     timings: dict[str, float] = field(default_factory=dict)
     helm_values: dict = field(default_factory=dict)  # what --values writes (kiln.publish.values)
     triton: dict = field(default_factory=dict)  # the Triton kernel cache layer's summary, if any
+    cache: dict = field(default_factory=dict)  # the registry build cache: key, hit (entry read), written
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -75,7 +92,9 @@ class BuildResult:
 def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
               registry_config: RegistryConfig | None = None, allow_unlocked: bool = False,
               cache: Path | None = None, reporter: Reporter = SILENT,
-              leave_out_unusable_kernels: bool = False, sign_key: SigningKey | None = None) -> BuildResult:
+              leave_out_unusable_kernels: bool = False, sign_key: SigningKey | None = None,
+              cache_from: tuple[ImageReference, ...] | list = (),
+              cache_to: tuple[ImageReference, ...] | list = (), cache_key=None) -> BuildResult:
     """Build ``inputs`` and hand the image to every publisher; ``repository`` names it in the result.
 
     Every image gets its SBOM and provenance (signed with ``sign_key`` when given), which the
@@ -91,7 +110,8 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
         reporter.warn(f"pin {inputs.pin.name} has no recorded verdicts in {record}; this build's verdicts "
                       f"are in its {AUDIT_PATH} (review them: `verify --pin {inputs.pin.name} --accept`)")
     prepared = prepare_build(inputs, config, allow_unlocked, cache, reporter, budget,
-                             leave_out_unusable_kernels=leave_out_unusable_kernels)
+                             leave_out_unusable_kernels=leave_out_unusable_kernels, cache_from=cache_from,
+                             open_record=record_opener(cache_key))
     clock = prepared.clock
     budget.check_deadline("patch")  # and between the steps after it
     work_root = cache / "build"
@@ -106,6 +126,7 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
         written = publish(image, publishers, budget)
         push = next((p for p in publishers if isinstance(p, RegistryPublisher)), None)
         clock.lap("publish", push.report.bytes_uploaded if push else 0)
+        written_to = _write_cache(prepared, image, cache_to, config, budget, reporter, sign_key)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     values = next((p.values(image) for p in publishers if isinstance(p, ValuesPublisher)), {})
@@ -114,7 +135,7 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
     return BuildResult(
         image=inputs.definition.name, pin=inputs.pin.name, sm=inputs.sm, tag=inputs.tag, repository=repository,
         base=str(prepared.base_ref), base_digest=prepared.base_digest,
-        base_manifest_digest=prepared.found.manifest_digest, manifest_digest=image.manifest.digest,
+        base_manifest_digest=prepared.base_manifest_digest, manifest_digest=image.manifest.digest,
         config_digest=image.config_digest,
         attestations={a.artifact_type: a.manifest.digest for a in image.attestations}, signed=sign_key is not None,
         layer_digest=layer.digest, layer_diff_id=layer.diff_id,
@@ -125,4 +146,45 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
         bytes_pushed=report.bytes_uploaded if report else 0,
         blobs_uploaded=len(report.uploaded) if report else 0, blobs_mounted=len(report.mounted) if report else 0,
         timings=clock.total(),
+        cache={"key": prepared.cache_key, "hit": prepared.cache_hit or None, "written": written_to},
     )
+
+
+def record_opener(public_key=None):
+    """How a cache entry's record is opened: with ``public_key``, only a record in a DSSE envelope
+    one of whose signatures it verifies; without, any (its digest still checked)."""
+
+    def open_record(data: bytes, media_type: str, where: str) -> bytes:
+        if media_type == RECORD_MEDIA_TYPE and public_key is None:
+            return data
+        if media_type != SIGNED_RECORD_MEDIA_TYPE:
+            raise KilnError("it is not signed; --cache-key takes signed entries only")
+        payload_type, payload, signatures = open_envelope(data, where)
+        if payload_type != RECORD_MEDIA_TYPE:
+            raise KilnError(f"{where}: the envelope holds {payload_type}, not a kiln cache record")
+        if public_key is None:
+            return payload
+        if not signatures:
+            raise KilnError("it is not signed; --cache-key takes signed entries only")
+        return verify_envelope(data, public_key, where)
+
+    return open_record
+
+
+def _write_cache(prepared, image, cache_to, config: RegistryConfig, budget: Budget, reporter: Reporter,
+                 sign_key: SigningKey | None = None) -> list[str]:
+    """The build's entry into every ``cache_to`` (where it was not read from); what was written."""
+    if not cache_to:
+        return []
+    record = entry_record(prepared.cache_key, prepared.cache_inputs, prepared, image.layers)
+    written = []
+    for location in cache_to:
+        client = RegistryClient(config.endpoint(location.registry, push=True), budget=budget)
+        try:
+            digest = write_entry(client, location.repository, prepared.cache_key, record, image.layers,
+                                 seal=(lambda data: envelope(data, sign_key, RECORD_MEDIA_TYPE)) if sign_key else None)
+        except KilnError as err:
+            reporter.warn(f"build cache {location.name}: entry not written: {err}")
+            continue
+        written.append(f"{location.name}@{digest}")
+    return written

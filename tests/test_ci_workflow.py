@@ -139,6 +139,30 @@ def test_destination_and_pin_rules(workflow):
             assert step["env"]["REPOSITORY"] == "${{ steps.dest.outputs.repository }}"
 
 
+def test_the_matrix_shares_one_build_cache(workflow, matrix_entry):
+    steps = workflow["jobs"]["build"]["steps"]
+    cache = next(s for s in steps if s.get("id") == "cache")
+    assert "matrix." not in str(cache)  # the same repository for every build of the matrix
+    for var, template, owner, expected in (
+            ("", "", "Some-Owner", "ghcr.io/some-owner/kiln-cache"),
+            ("", "registry.example/team/vllm-{image}", "x", "registry.example/team/vllm-kiln-cache"),
+            ("cache.example/kiln/cache", "registry.example/team/{image}", "x", "cache.example/kiln/cache")):
+        out = subprocess.run(["bash", "-eo", "pipefail", "-c", cache["run"].replace('>> "$GITHUB_OUTPUT"', "")],
+                             env={"CACHE": var, "TEMPLATE": template, "OWNER": owner, "PATH": "/usr/bin:/bin"},
+                             capture_output=True, text=True, check=True).stdout
+        assert out.strip() == f"repository={expected}"
+    parser = commands.build_parser()
+    job_env = workflow["jobs"]["build"]["env"]
+    builds = [(step, parser.parse_args([_expand(t, {**job_env, **step["env"]}, matrix_entry) for t in raw]))
+              for step in steps for raw in _commands(step.get("run", "")) if raw[0] == "build"]
+    assert len(builds) == 2
+    for step, args in builds:
+        assert step["env"]["CACHE"] == "${{ steps.cache.outputs.repository }}"
+        assert args.cache_from == ["EXPR"]  # "$CACHE": the step's expression
+        # main writes the cache; a pull request (no login, nothing pushed) only reads it
+        assert args.cache_to == (["EXPR"] if args.push else None)
+
+
 def _commands(script: str) -> list[list[str]]:
     """Each build.py invocation in a run script, as its argument list (after ``build.py``)."""
     found = []

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import requests
 
 from kiln import paths
 from kiln.publish.values import VALUES_SCHEMA
@@ -87,6 +88,14 @@ def test_the_workflow_goes_green_on_a_clean_clone(tmp_path, registry_plain, regi
     built = json.loads((out / "build-ci-fixture-cu130-sm120-v0.20.1.json").read_text())
     assert built["repository"] == f"{registry_basic.host}/ci/ci-fixture"
     assert registry_basic.digest_of("ci/ci-fixture:cu130-sm120-v0.20.1") == built["manifest_digest"]
+    # the matrix's shared build cache: read (a miss on a fresh registry), then written beside the images
+    assert built["cache"]["hit"] is None
+    entry = requests.get(f"{registry_basic.url}/v2/ci/kiln-cache/manifests/kiln-cache-v1-{built['cache']['key']}",
+                         auth=("testuser", "testpass"), headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
+                         timeout=30)
+    assert entry.status_code == 200, entry.text
+    assert entry.json()["artifactType"] == "application/vnd.kiln.cache.v1"
+    assert built["cache"]["written"] == [f"{registry_basic.host}/ci/kiln-cache@{entry.headers['Docker-Content-Digest']}"]
     values = json.loads((out / "values-ci-fixture-cu130-sm120-v0.20.1.json").read_text())
     jsonschema.validate(values, json.loads(VALUES_SCHEMA.read_text()))
     assert values["image"]["digest"] == built["manifest_digest"]

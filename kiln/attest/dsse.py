@@ -6,7 +6,7 @@ Public API:
     SigningKey                        load_signing_key(path) -> SigningKey   (.keyid, .sign(data))
     load_public_key(path) -> public key
     keyid_of(public_key) -> str       sha256 of the key's SubjectPublicKeyInfo (DER), hex
-    envelope(payload, key=None) -> bytes              canonical JSON; no key: no signature
+    envelope(payload, key=None, payload_type=PAYLOAD_TYPE) -> bytes   canonical JSON; no key: no signature
     open_envelope(data, what) -> (payload_type, payload: bytes, signatures: list[dict])
     verify_envelope(data, public_key, what) -> bytes  the payload, once a signature verifies
 
@@ -97,12 +97,12 @@ def load_public_key(path: Path):
     return key
 
 
-def envelope(payload: bytes, key: SigningKey | None = None) -> bytes:
+def envelope(payload: bytes, key: SigningKey | None = None, payload_type: str = PAYLOAD_TYPE) -> bytes:
     signatures = []
     if key is not None:
-        sig = key.sign(pae(PAYLOAD_TYPE, payload))
+        sig = key.sign(pae(payload_type, payload))
         signatures.append({"keyid": key.keyid, "sig": base64.b64encode(sig).decode()})
-    return canonical_json({"payload": base64.b64encode(payload).decode(), "payloadType": PAYLOAD_TYPE,
+    return canonical_json({"payload": base64.b64encode(payload).decode(), "payloadType": payload_type,
                            "signatures": signatures})
 
 

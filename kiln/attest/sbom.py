@@ -70,7 +70,7 @@ def _props(**values) -> list[Property]:
 def _patch_components(image) -> tuple[list[Component], list[Patch]]:
     prepared = image.prepared
     catalogue = prepared.inputs.catalogue
-    site = prepared.found.site_dir
+    site = prepared.site_dir
     components, pedigree = [], []
     for pid, outcome in sorted(prepared.outcomes.items()):
         patch = catalogue.get(pid)
@@ -136,9 +136,9 @@ def image_sbom(image) -> bytes:
     base = Component(type=ComponentType.CONTAINER, name=str(prepared.base_ref), bom_ref="base",
                      version=prepared.base_digest, hashes=_sha256(prepared.base_digest.split(":", 1)[1]))
     vllm = Component(type=ComponentType.FRAMEWORK, name="vllm", bom_ref="vllm",
-                     version=str(prepared.found.tree.vllm_version),
+                     version=prepared.vllm_version,
                      pedigree=Pedigree(patches=pedigree) if pedigree else None,
-                     properties=_props(site_dir=f"/{prepared.found.site_dir}"))
+                     properties=_props(site_dir=f"/{prepared.site_dir}"))
     kiln = Component(type=ComponentType.APPLICATION, name="kiln", bom_ref="kiln", version=__version__,
                      properties=_props(commit=commit, dirty=str(dirty).lower()))
     subject = Component(type=ComponentType.CONTAINER, name=prepared.inputs.definition.name, bom_ref="image",

@@ -3,7 +3,8 @@
 Public API:
     PreparedBuild      the resolved base, the verdicts, kiln's layers (``LayerContents``), labels
     prepare_build(inputs, registry_config=None, allow_unlocked=False, cache=None,
-                  reporter=SILENT, leave_out_unusable_kernels=False) -> PreparedBuild
+                  reporter=SILENT, leave_out_unusable_kernels=False, cache_from=(),
+                  open_record=plain_record) -> PreparedBuild
     Clock              seconds spent per step, for ``--json`` and the benchmarks
 
 Steps: resolve the pin's base reference to a digest (one manifest HEAD) and check it against
@@ -12,13 +13,16 @@ the pin's lock; read the pristine ``vllm/`` from only the top layers that hold i
 remembers of it (a patch whose verdict blocks a build stops it here, naming the patch); decide
 the patched-source layer, the audit file and, when the definition declares kernels, the
 Triton cache layer (compiled beside the patching when no selected patch touches the files the
-kernels are compiled from); decide the labels. Baking the layers into
+kernels are compiled from); decide the labels. With ``cache_from`` (registry build caches,
+``kiln.build.regcache``), a verified entry for this build's key replaces the pull, the patching
+and the compiling: the base's manifest and config are read, none of its layers. Baking the layers into
 an image (``kiln.build.image``) and the Dockerfile context (``kiln.publish.context``) both start
 from this one value, so they cannot drift apart.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,6 +32,7 @@ from kiln import labels as L
 from kiln.build.inputs import BuildInputs
 from kiln.build.layers import audit_record, patched_contents
 from kiln.build.provenance import kiln_revision, kiln_source_url
+from kiln.build.regcache import CachedBuild, cache_key, plain_record, read_entry
 from kiln.cache import cache_root
 from kiln.errors import KilnError
 from kiln.lifeline import uninterrupted
@@ -77,7 +82,7 @@ class PreparedBuild:
     inputs: BuildInputs
     base_ref: ImageReference  # the pin's reference, as written
     base_digest: str  # what it resolved to (the digest a pin locks)
-    found: ImageVllm
+    found: ImageVllm | None  # None when a registry cache entry stood in for the pull
     base: RemoteImage
     base_model: ImageModel  # the base, as an OCI image model
     client: RegistryClient  # the base registry's client (reused for a same-host push)
@@ -90,6 +95,13 @@ class PreparedBuild:
     clock: Clock
     env: dict[str, str] = field(default_factory=dict)  # config Env entries kiln sets (TRITON_CACHE_DIR)
     triton: dict = field(default_factory=dict)  # the kernel cache layer's summary, if any
+    vllm_version: str = ""  # the base's vLLM, as its source says
+    site_dir: str = ""  # where vllm/ lives in the image, e.g. usr/local/lib/python3.12/dist-packages
+    base_manifest_digest: str = ""  # the linux/amd64 manifest built on
+    cache_key: str = ""  # the registry build cache's key of this build (kiln.build.regcache)
+    cache_inputs: dict = field(default_factory=dict)  # what the key hashes
+    cache_hit: str = ""  # registry/repository:tag of the cache entry used, if one was
+    cached_from: ImageReference | None = None  # the cache repository kiln's layers came from (a push mounts them)
 
     @property
     def tag(self) -> str:
@@ -122,10 +134,12 @@ def check_lock(pin: Pin, resolved: str, allow_unlocked: bool, reporter: Reporter
 def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = None,
                   allow_unlocked: bool = False, cache: Path | None = None,
                   reporter: Reporter = SILENT, budget: Budget | None = None,
-                  leave_out_unusable_kernels: bool = False) -> PreparedBuild:
+                  leave_out_unusable_kernels: bool = False, cache_from=(), open_record=plain_record) -> PreparedBuild:
     """Resolve and check the base, read its pristine vLLM, patch it, and decide kiln's layers.
 
-    ``budget``: the command's limits (its deadline already running); a new one when None."""
+    ``budget``: the command's limits (its deadline already running); a new one when None.
+    ``cache_from``: registry build caches (``ImageReference`` without tag) tried in order;
+    ``open_record``: how an entry's record is opened (and its signature checked: the pipeline's)."""
     definition, pin, sm = inputs.definition, inputs.pin, inputs.sm
     config = registry_config or RegistryConfig.load()
     cache = cache or cache_root()
@@ -138,7 +152,24 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
                          reporter=reporter, budget=budget, need_triton=bool(definition.model.kernels))
     resolved = base_ref.digest or source.client.resolve(base_ref.repository, base_ref.ref)
     check_lock(pin, resolved, allow_unlocked, reporter)
+    key, key_inputs = cache_key(inputs, resolved, leave_out_unusable_kernels)
     clock.lap("resolve")
+    for location in cache_from:
+        client = RegistryClient(config.endpoint(location.registry), stats=stats, budget=source.client.budget)
+        (cache / "build").mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache / "build", prefix=".tmp-cache-") as workdir:
+            cached = read_entry(client, location.repository, key, key_inputs, Path(workdir), reporter, open_record)
+        if cached is not None:
+            base = RemoteImage(base_ref.pinned(resolved), source.client, BlobCache(cache / "blobs"),
+                               manifest_cache=cache / "manifests")
+            if base.manifest().digest != cached.record["base_manifest_digest"]:
+                reporter.warn(f"build cache entry {cached.where} refused, building without it: "
+                              "it was built on another base manifest")
+                continue
+            prepared = _from_cache(inputs, base_ref, resolved, base, source.client, stats, clock, cached,
+                                   key, key_inputs)
+            prepared.cached_from = location
+            return prepared
 
     # 2. the pristine vLLM, from the top layers of the base only
     source.reference = base_ref.pinned(resolved)
@@ -207,15 +238,28 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
                 layers.append(done.contents)
                 env, triton = done.env, {**done.summary, "beside_patching": beside}
             clock.lap("triton")
+    labels = image_labels(inputs, base_ref, resolved, applied, str(tree.vllm_version))
+    return PreparedBuild(
+        inputs=inputs, base_ref=base_ref, base_digest=resolved, found=found, base=base, base_model=base_model,
+        client=source.client, stats=stats, outcomes=result.outcomes, applied=applied,
+        files_changed=len(changed), layers=layers, labels=labels, clock=clock, env=env, triton=triton,
+        vllm_version=str(tree.vllm_version), site_dir=found.site_dir, base_manifest_digest=found.manifest_digest,
+        cache_key=key, cache_inputs=key_inputs,
+    )
+
+
+def image_labels(inputs: BuildInputs, base_ref: ImageReference, resolved: str, applied: list[str],
+                 vllm_version: str) -> dict[str, str]:
+    """The image's labels (and manifest annotations): the same whether built or read from a cache."""
     labels = {
         L.BASE_NAME: str(base_ref),
         L.BASE_DIGEST: resolved,
         L.VERSION: inputs.tag,
-        L.IMAGE: definition.name,
-        L.PIN: pin.name,
-        L.SM: str(sm),
+        L.IMAGE: inputs.definition.name,
+        L.PIN: inputs.pin.name,
+        L.SM: str(inputs.sm),
         L.PATCHES: ",".join(applied),
-        L.VLLM: str(tree.vllm_version),
+        L.VLLM: vllm_version,
     }
     commit, _ = kiln_revision()
     if commit:
@@ -223,8 +267,23 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     source_url = kiln_source_url()
     if source_url:
         labels[L.SOURCE] = source_url
+    return labels
+
+
+def _from_cache(inputs: BuildInputs, base_ref: ImageReference, resolved: str, base: RemoteImage,
+                client: RegistryClient, stats: TransferStats, clock: Clock, cached: CachedBuild,
+                key: str, key_inputs: dict) -> PreparedBuild:
+    """The prepared build a verified cache entry gives: no layer of the base read, nothing patched."""
+    record = cached.record
+    base_model = to_oci(ImageModel.from_base(base.manifest(), base.config_bytes()))
+    clock.lap("cache")
+    applied = [str(pid) for pid in record["applied"]]
     return PreparedBuild(
-        inputs=inputs, base_ref=base_ref, base_digest=resolved, found=found, base=base, base_model=base_model,
-        client=source.client, stats=stats, outcomes=result.outcomes, applied=applied,
-        files_changed=len(changed), layers=layers, labels=labels, clock=clock, env=env, triton=triton,
+        inputs=inputs, base_ref=base_ref, base_digest=resolved, found=None, base=base, base_model=base_model,
+        client=client, stats=stats, outcomes=cached.outcomes, applied=applied,
+        files_changed=int(record["files_changed"]), layers=cached.layers,
+        labels=image_labels(inputs, base_ref, resolved, applied, str(record["vllm_version"])), clock=clock,
+        env=dict(record["env"]), triton=dict(record["triton"]), vllm_version=str(record["vllm_version"]),
+        site_dir=str(record["site_dir"]), base_manifest_digest=base.manifest().digest,
+        cache_key=key, cache_inputs=key_inputs, cache_hit=cached.where,
     )

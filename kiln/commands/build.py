@@ -7,8 +7,9 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from kiln.attest.dsse import load_signing_key
+from kiln.attest.dsse import load_public_key, load_signing_key
 from kiln.build.inputs import destination, load_build_inputs
+from kiln.build.regcache import parse_cache_location
 from kiln.commands import options
 from kiln.errors import KilnError
 from kiln.pipeline import run_build
@@ -31,6 +32,14 @@ def register(sub) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing --docker-archive file")
     p.add_argument("--sign-key", type=Path, metavar="PEM",
                    help="sign the provenance (DSSE) with this ECDSA P-256 or Ed25519 private key")
+    p.add_argument("--cache-from", action="append", metavar="REGISTRY/REPO",
+                   help="read the build cache entry of this build from REPO (repeatable, tried in order): "
+                        "a verified hit neither pulls the base's vLLM layers nor patches nor compiles")
+    p.add_argument("--cache-to", action="append", metavar="REGISTRY/REPO",
+                   help="write this build's cache entry to REPO (repeatable; docs/ARCHITECTURE.md, Caches); "
+                        "signed with --sign-key when given")
+    p.add_argument("--cache-key", type=Path, metavar="PEM",
+                   help="read only cache entries signed by this public key (an unsigned or mis-signed one is a miss)")
 
     p = _image_command(sub, "context", "write a build context for the Dockerfile (same files as build)", run_context)
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="the context directory to write")
@@ -69,6 +78,8 @@ def run_build_command(args, out) -> int:
     inputs = load_build_inputs(options.repo_files(args), args.image, args.pin, args.sm)
     sign_key = load_signing_key(args.sign_key) if args.sign_key else None
     config = options.registry_config(args)
+    cache_from, cache_to = _cache_locations(args, config)
+    cache_key = load_public_key(args.cache_key) if args.cache_key else None
     reporter = out.reporter()
     name = destination(inputs.definition, args.repository,
                        purpose="--push" if args.push else "--values" if args.values else "local")
@@ -82,7 +93,8 @@ def run_build_command(args, out) -> int:
     if args.push:
         publishers.append(RegistryPublisher(name, [inputs.tag], config, reporter))
     result = run_build(inputs, publishers, name.name, config, args.allow_unlocked, reporter=reporter,
-                       leave_out_unusable_kernels=args.without_unusable_kernels, sign_key=sign_key)
+                       leave_out_unusable_kernels=args.without_unusable_kernels, sign_key=sign_key,
+                       cache_from=cache_from, cache_to=cache_to, cache_key=cache_key)
     result.warnings = list(reporter.warnings)
     if args.json:
         out.json(result.to_json())
@@ -98,6 +110,16 @@ def run_build_command(args, out) -> int:
     if "push" in result.outputs:
         print(result.manifest_digest)
     return 0
+
+
+def _cache_locations(args, config) -> tuple[list, list]:
+    """``--cache-from``/``--cache-to``, else the registries file's ``[cache] from``/``to``: checked now."""
+    where = f"{config.path}: cache"
+    found = []
+    for option, name, listed in (("--cache-from", "from", args.cache_from), ("--cache-to", "to", args.cache_to)):
+        texts, place = (listed, option) if listed else (getattr(config, f"cache_{name}"), f"{where}.{name}")
+        found.append([parse_cache_location(text, place) for text in texts])
+    return found[0], found[1]
 
 
 def run_context(args, out) -> int:

@@ -26,6 +26,9 @@ Config file (TOML; its schema: ``kiln/schemas/registries.schema.json``)::
     insecure = ["127.0.0.1:5000", "https://selfsigned.local:443"]
     [mirrors]
     "docker.io" = "http://127.0.0.1:5000"
+    [cache]                                  # build's --cache-from / --cache-to when not given
+    from = ["ghcr.io/you/kiln-cache"]
+    to = ["ghcr.io/you/kiln-cache"]
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ class RegistryConfig:
     limits: Limits = field(default_factory=Limits.from_env)  # what every client and build is bounded by
     path: Path | None = None  # the config file read (or looked for): an input no output may replace
     containers_files: list[Path] = field(default_factory=list)  # the registries.conf files read
+    cache_from: list[str] = field(default_factory=list)  # [cache] from: REGISTRY/REPO build caches read
+    cache_to: list[str] = field(default_factory=list)  # [cache] to: written (checked by ``kiln.build.regcache``)
 
     def endpoint(self, registry: str, push: bool = False) -> Endpoint:
         """Where ``registry`` is contacted. Mirrors serve pulls only (containerd's rule): a push
@@ -121,6 +126,8 @@ class RegistryConfig:
                 self.insecure.add(host)
         for host in data.get("insecure", []):
             self._add_insecure(host, f"{path}: insecure")
+        self.cache_from = list(data.get("cache", {}).get("from", self.cache_from))
+        self.cache_to = list(data.get("cache", {}).get("to", self.cache_to))
 
 
 def parse_mirror(text: str, where: str = "--mirror") -> tuple[str, str, bool]:

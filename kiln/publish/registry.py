@@ -4,7 +4,8 @@ Public API:
     RegistryPublisher(destination, tags, config, reporter=SILENT)
     PushReport        what a push did (uploaded / mounted / present blobs, bytes)
 
-Staging uploads (or mounts, or finds) every blob, the attestations' too; committing PUTs the
+Staging uploads (or mounts, or finds) every blob (kiln's layers read from a registry build
+cache on the same host are mounted from the cache's repository), the attestations' too; committing PUTs the
 image manifest by digest, its attestations (OCI 1.1 artifacts whose ``subject`` is it: through
 the referrers API, or the ``sha256-<hex>`` referrers tag where the registry has none), then the
 manifest once per tag,
@@ -80,12 +81,15 @@ class RegistryPublisher(Publisher):
         manifest = model.manifest()
         report = PushReport(repository, manifest.digest, list(self.tags))
         descriptors = model.blobs()
+        from_cache = self._cache_mount(image, client)
         with self.reporter.task(f"push {repository}", total=sum(d.size for d in descriptors)) as task:
             for descriptor in descriptors:
                 digest = descriptor.digest
                 if client.blob_exists(repository, digest):
                     report.present.append(digest)
                 elif mount_from and not blobs.is_new(digest) and client.mount_blob(repository, digest, mount_from):
+                    report.mounted.append(digest)
+                elif digest in from_cache and client.mount_blob(repository, digest, from_cache[digest]):
                     report.mounted.append(digest)
                 else:
                     path = blobs.path(descriptor)
@@ -115,6 +119,14 @@ class RegistryPublisher(Publisher):
             return lambda: None  # a tag cannot be taken back; it is committed last for that reason
 
         return Staged(None, None, on_commit=put_manifests)
+
+    def _cache_mount(self, image, client: RegistryClient) -> dict[str, str]:
+        """kiln's layers read from a registry build cache on this host: digest -> the cache repository
+        to mount them from (``POST ?mount=&from=``) rather than upload them again."""
+        cached_from = image.prepared.cached_from
+        if cached_from is None or self.config.endpoint(cached_from.registry, push=True).host != client.endpoint.host:
+            return {}
+        return {layer.digest: cached_from.repository for layer in image.layers}
 
     @staticmethod
     def _attach(client: RegistryClient, repository: str, digest: str, artifacts: list) -> None:

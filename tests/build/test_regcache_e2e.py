@@ -1,0 +1,304 @@
+"""The registry build cache (``--cache-to/--cache-from``) with two kiln caches and real registries.
+
+A first build writes its entry; a second one, on an empty kiln cache (a fresh runner), reads it:
+the same image digest and attestations, no vLLM layer blob read (the registry's access log) and
+no patching. Poisoned entries (a blob whose bytes are not its digest, another build's record
+under this key, a layer that does not re-derive) are misses with a warning: the build falls
+back to building, to the same digest.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import io
+import json
+import posixpath
+import tarfile
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
+import kiln.build.prepare as prepare_module
+from kiln.build.regcache import CACHE_ARTIFACT_TYPE, entry_tag, read_entry, write_entry
+from kiln.oci.endpoints import RegistryConfig
+from kiln.oci.layer import LayerContents, write_layer
+from kiln.oci.registry import RegistryClient
+from kiln.report import Recorder
+from tests.build.test_build_e2e import TAG, Project
+
+pytestmark = [pytest.mark.registry, pytest.mark.reliability]
+
+MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+
+
+@pytest.fixture
+def project(tmp_path, registry_plain) -> Project:
+    return Project(tmp_path, registry_plain, registry_plain.digest_of("vllm/vllm-openai:v0.20.1"))
+
+
+@pytest.fixture
+def patch_runs(monkeypatch) -> list[int]:
+    """How many times a build ran the patch selection (a cache hit runs none)."""
+    calls: list[int] = []
+    real = prepare_module.patched_selection
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prepare_module, "patched_selection", counted)
+    return calls
+
+
+def _fresh_runner(monkeypatch, tmp_path, name: str) -> None:
+    """An empty kiln cache: nothing of an earlier build on this machine."""
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / name))
+
+
+def _entry(registry, repository: str, key: str) -> dict:
+    resp = requests.get(f"{registry.url}/v2/{repository}/manifests/{entry_tag(key)}",
+                        headers={"Accept": MANIFEST}, timeout=10)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _blob(registry, repository: str, digest: str) -> bytes:
+    resp = requests.get(f"{registry.url}/v2/{repository}/blobs/{digest}", timeout=10)
+    assert resp.status_code == 200
+    return resp.content
+
+
+def _put_blob(registry, repository: str, data: bytes) -> dict:
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    start = requests.post(f"{registry.url}/v2/{repository}/blobs/uploads/", timeout=10)
+    assert start.status_code == 202, start.text
+    location = start.headers["Location"]
+    location = location if location.startswith("http") else registry.url + location
+    sep = "&" if "?" in location else "?"
+    done = requests.put(f"{location}{sep}digest={digest}", data=data,
+                        headers={"Content-Type": "application/octet-stream"}, timeout=10)
+    assert done.status_code == 201, done.text
+    return {"digest": digest, "size": len(data)}
+
+
+def _put_entry(registry, repository: str, tag: str, manifest: dict) -> None:
+    resp = requests.put(f"{registry.url}/v2/{repository}/manifests/{tag}", data=json.dumps(manifest).encode(),
+                        headers={"Content-Type": MANIFEST}, timeout=10)
+    assert resp.status_code == 201, resp.text
+
+
+def _other_layer(removals: list[str]) -> bytes:
+    """A gzip tar with the record's whiteouts and a file of someone else's (GNU tar's way, not kiln's)."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        entries = [(f"{posixpath.dirname(r)}/.wh.{posixpath.basename(r)}".lstrip("/"), b"") for r in removals]
+        for name, data in [*entries, ("opt/kiln/evil.py", b"import os\n")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return gzip.compress(raw.getvalue(), mtime=0)
+
+
+def test_second_runner_reads_the_entry_and_no_vllm_layer(project, capsys, tmp_path, monkeypatch, patch_runs,
+                                                          base_layout):
+    registry = project.registry
+    cache_repo = f"{registry.host}/{project.dest}-cache"
+    _fresh_runner(monkeypatch, tmp_path, "runner-a")
+    code, first, err = project.build(capsys, "--push", "--repository", f"{registry.host}/{project.dest}-a",
+                                     "--cache-to", cache_repo)
+    assert code == 0, err
+    assert patch_runs == [1] and first["cache"]["hit"] is None and len(first["cache"]["written"]) == 1
+    entry = _entry(registry, f"{project.dest}-cache", first["cache"]["key"])
+    assert entry["artifactType"] == CACHE_ARTIFACT_TYPE
+    assert [layer["digest"] for layer in entry["layers"]] == [first["layer_digest"]]
+
+    _fresh_runner(monkeypatch, tmp_path, "runner-b")
+    log_mark = len(registry.log())
+    code, second, err = project.build(capsys, "--push", "--repository", f"{registry.host}/{project.dest}-b",
+                                      "--cache-from", f"{registry.host}/{project.dest}-empty",  # a miss: the next
+                                      "--cache-from", cache_repo)
+    assert code == 0, err
+    assert patch_runs == [1], "the cache hit ran the patching"
+    assert second["cache"]["hit"].endswith(entry_tag(first["cache"]["key"]))
+    assert second["manifest_digest"] == first["manifest_digest"]
+    assert second["config_digest"] == first["config_digest"]
+    assert second["attestations"] == first["attestations"]  # the SBOM and provenance too
+    assert second["patches"] == first["patches"] and second["triton"] == first["triton"]
+    log = registry.log()[log_mark:]
+    for role in ("vllm", "app"):  # the layers that hold vLLM: neither was read
+        assert f"GET /v2/vllm/vllm-openai/blobs/{base_layout.layers[role]}" not in log, role
+    assert "GET /v2/vllm/vllm-openai/blobs/" in log  # the base's config, read through the same log
+    assert second["bytes_pulled"] < base_layout.layer_sizes["vllm"] / 4
+    assert registry.digest_of(f"{project.dest}-b:{TAG}") == first["manifest_digest"]
+    # the base's blobs are mounted from the base's repository, kiln's layer from the cache's
+    assert second["blobs_mounted"] == first["blobs_mounted"] + 1
+    assert second["blobs_uploaded"] == first["blobs_uploaded"] - 1
+
+
+def test_poisoned_entries_fall_back_to_building(project, capsys, tmp_path, monkeypatch, patch_runs,
+                                                start_registry):
+    cache = start_registry("plain")  # a registry of its own: corrupting its blobs touches no image
+    repo = f"{project.dest}-cache"
+    where = ("--cache-from", f"{cache.host}/{repo}", "--insecure-registry", cache.host)
+    _fresh_runner(monkeypatch, tmp_path, "writer")
+    code, first, err = project.build(capsys, "--cache-to", f"{cache.host}/{repo}", "--insecure-registry", cache.host)
+    assert code == 0, err
+    key = first["cache"]["key"]
+    entry = _entry(cache, repo, key)
+    record_bytes = _blob(cache, repo, entry["config"]["digest"])
+    record = json.loads(record_bytes)
+
+    def rebuild(name: str, refused: str) -> None:
+        runs = len(patch_runs)
+        _fresh_runner(monkeypatch, tmp_path, name)
+        code, again, err = project.build(capsys, *where)
+        assert code == 0, err
+        assert again["cache"]["hit"] is None and len(patch_runs) == runs + 1, f"{name}: not built"
+        assert again["manifest_digest"] == first["manifest_digest"], name
+        assert any("build cache entry" in w and refused in w for w in again["warnings"]), (name, again["warnings"])
+
+    # 1. the layer's bytes are not its digest (same length: only the hash can tell)
+    layer = entry["layers"][0]["digest"]
+    stored = cache.blob_file(layer)
+    good = stored.read_bytes()
+    stored.write_bytes(good[:-64] + bytes(64))
+    rebuild("bad-digest", "digest mismatch")
+    stored.write_bytes(good)
+
+    # 2. another build's record under this key (its inputs differ)
+    other = {**record, "inputs": {**record["inputs"], "sm": 86}}
+    config = _put_blob(cache, repo, json.dumps(other).encode())
+    _put_entry(cache, repo, entry_tag(key), {**entry, "config": {**entry["config"], **config}})
+    rebuild("other-key", "another build's")
+
+    # 3. a coherent entry whose layer is other content (the record names it, the diff_id does not match)
+    blob = _put_blob(cache, repo, _other_layer(record["layers"][0]["removals"]))
+    lying = {**record, "layers": [{**record["layers"][0], "digest": blob["digest"], "size": blob["size"]}]}
+    config = _put_blob(cache, repo, json.dumps(lying).encode())
+    _put_entry(cache, repo, entry_tag(key), {**entry, "config": {**entry["config"], **config},
+                                               "layers": [{**entry["layers"][0], **blob}]})
+    rebuild("wrong-content", "does not re-derive")
+
+    # a good entry again (the writer's bytes): a hit, the same digest
+    _put_entry(cache, repo, entry_tag(key), entry)
+    _fresh_runner(monkeypatch, tmp_path, "reader")
+    runs = len(patch_runs)
+    code, hit, err = project.build(capsys, *where)
+    assert code == 0, err
+    assert hit["cache"]["hit"] and len(patch_runs) == runs and hit["manifest_digest"] == first["manifest_digest"]
+
+
+def _key_pair(directory, name: str) -> tuple[str, str]:
+    key = ed25519.Ed25519PrivateKey.generate()
+    private, public = directory / f"{name}.pem", directory / f"{name}.pub.pem"
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
+    return str(private), str(public)
+
+
+def test_cache_key_takes_only_entries_its_key_signed(project, capsys, tmp_path, monkeypatch, patch_runs):
+    registry = project.registry
+    repo = f"{project.dest}-cache"
+    cache_repo = f"{registry.host}/{repo}"
+    signer, signer_pub = _key_pair(tmp_path, "signer")
+    _, stranger_pub = _key_pair(tmp_path, "stranger")
+    _fresh_runner(monkeypatch, tmp_path, "writer")
+    code, first, err = project.build(capsys, "--cache-to", cache_repo, "--sign-key", signer)
+    assert code == 0, err
+    entry = _entry(registry, repo, first["cache"]["key"])
+    assert entry["config"]["mediaType"] == "application/vnd.dsse.envelope.v1+json"
+
+    def read(name: str, public_key: str) -> dict:
+        _fresh_runner(monkeypatch, tmp_path, name)
+        code, result, err = project.build(capsys, "--cache-from", cache_repo, "--cache-key", public_key)
+        assert code == 0, err
+        assert result["manifest_digest"] == first["manifest_digest"], name
+        return result
+
+    runs = len(patch_runs)
+    stranger = read("stranger", stranger_pub)
+    assert stranger["cache"]["hit"] is None and len(patch_runs) == runs + 1
+    assert any("no signature verifies" in w for w in stranger["warnings"]), stranger["warnings"]
+    signed = read("signed", signer_pub)
+    assert signed["cache"]["hit"] and len(patch_runs) == runs + 1  # a hit: nothing patched
+    # the same record, unsigned, under the key: refused by a reader that wants signatures
+    envelope = json.loads(_blob(registry, repo, entry["config"]["digest"]))
+    plain = _put_blob(registry, repo, base64.b64decode(envelope["payload"]))
+    _put_entry(registry, repo, entry_tag(first["cache"]["key"]),
+               {**entry, "config": {"mediaType": "application/vnd.kiln.cache.record.v1+json", **plain}})
+    unsigned = read("unsigned", signer_pub)
+    assert unsigned["cache"]["hit"] is None and len(patch_runs) == runs + 2
+    assert any("is not signed" in w for w in unsigned["warnings"]), unsigned["warnings"]
+
+
+def test_concurrent_writers_and_readers_of_one_key(registry_plain, tmp_path):
+    """Writers of one key race (their records differ as two runners' would: the compile seconds);
+    readers racing them see no entry or a whole one, never a refused one; the last PUT wins."""
+    key, key_inputs = "ab" * 32, {"format": CACHE_ARTIFACT_TYPE, "test": tmp_path.name}
+    repo = f"test/{tmp_path.name.lower().replace('_', '-')}-race"
+    contents = LayerContents({"opt/kiln/a.py": b"a = 1\n", "opt/kiln/b.py": bytes(range(256)) * 512},
+                             ("usr/lib/gone.pyc",), "kiln bake test")
+    layer = write_layer(contents, tmp_path / "layers")
+    endpoint = RegistryConfig(insecure={registry_plain.host}).endpoint(registry_plain.host, push=True)
+
+    def record(seconds: int) -> dict:
+        return {"key": key, "inputs": key_inputs, "base_manifest_digest": "sha256:" + "0" * 64,
+                "vllm_version": "0.20.1", "site_dir": "usr/lib/python3/site-packages", "outcomes": [],
+                "applied": [], "files_changed": 0, "env": {}, "triton": {"seconds": seconds},
+                "layers": [{"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size,
+                            "created_by": contents.created_by, "removals": list(contents.removals)}]}
+
+    def write(seconds: int) -> str:
+        return write_entry(RegistryClient(endpoint), repo, key, record(seconds), [layer])
+
+    def read(i: int):
+        reporter = Recorder()
+        workdir = tmp_path / f"read-{i}"
+        workdir.mkdir()
+        found = read_entry(RegistryClient(endpoint), repo, key, key_inputs, workdir, reporter)
+        assert not reporter.warnings, reporter.warnings
+        return found
+
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        writes = [pool.submit(write, i) for i in range(8)]
+        reads = [pool.submit(read, i) for i in range(8)]
+        written = {f.result() for f in writes}
+        seen = [f.result() for f in reads]
+    assert len(written) == 8  # eight different entries were PUT under one tag
+    for found in seen:
+        assert found is None or (found.layers == [contents] and found.record["triton"]["seconds"] in range(8))
+    final = read(99)
+    assert final is not None and final.layers == [contents]
+    assert _entry(registry_plain, repo, key)["config"]["digest"] in {
+        "sha256:" + hashlib.sha256(json.dumps(record(i), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        for i in range(8)}
+
+
+@pytest.mark.parametrize(("field", "value"), [("env", ["TRITON_CACHE_DIR"]), ("outcomes", [{"patch": "P65"}]),
+                                              ("files_changed", "1"), ("applied", [65])])
+def test_a_record_of_the_wrong_shape_is_a_miss(registry_plain, tmp_path, field, value):
+    key, key_inputs = "cd" * 32, {"format": CACHE_ARTIFACT_TYPE, "test": tmp_path.name}
+    repo = f"test/{tmp_path.name.lower().replace('_', '-')}-shape"
+    contents = LayerContents({"opt/kiln/a.py": b"a = 1\n"}, (), "kiln bake test")
+    layer = write_layer(contents, tmp_path / "layers")
+    endpoint = RegistryConfig(insecure={registry_plain.host}).endpoint(registry_plain.host, push=True)
+    record = {"key": key, "inputs": key_inputs, "base_manifest_digest": "sha256:" + "0" * 64,
+              "vllm_version": "0.20.1", "site_dir": "usr/lib/python3/site-packages",
+              "outcomes": [{"patch": "P65", "verdict": "APPLIES"}], "applied": ["P65"], "files_changed": 1,
+              "env": {}, "triton": {},
+              "layers": [{"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size,
+                          "created_by": contents.created_by, "removals": []}]}
+    client = RegistryClient(endpoint)
+    write_entry(client, repo, key, record, [layer])
+    assert read_entry(client, repo, key, key_inputs, tmp_path, Recorder()) is not None  # the good one: a hit
+    write_entry(client, repo, key, {**record, field: value}, [layer])
+    reporter = Recorder()
+    assert read_entry(client, repo, key, key_inputs, tmp_path, reporter) is None
+    assert len(reporter.warnings) == 1 and field in reporter.warnings[0], reporter.warnings
