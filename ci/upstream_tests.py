@@ -27,6 +27,7 @@ test's outcome on both sides. Exit 2: bad input or a step that failed (one line)
 from __future__ import annotations
 
 import argparse
+import difflib
 import hashlib
 import json
 import os
@@ -184,13 +185,17 @@ def link_tree(site: Path, dest: Path, patched: dict[str, str]) -> None:
         target.write_text(text)
 
 
-def run_side(venv: Path, tests_root: Path, files: list[str], overlay: Path, xml: Path) -> dict[str, dict]:
+def run_side(venv: Path, tests_root: Path, files: list[str], overlay: Path, xml: Path,
+             coverage: Path | None = None) -> dict[str, dict]:
+    cov = [f"--cov={overlay / 'vllm'}", f"--cov-report=json:{coverage}", "--cov-branch"] if coverage else []
     env = dict(os.environ, PYTHONPATH=str(overlay), VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
                PYTHONDONTWRITEBYTECODE="1")
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                    f"--junitxml={xml}", "-o", "junit_family=xunit1", *files],
-                   cwd=tests_root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   timeout=RUN_SECONDS)
+    ran = subprocess.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          f"--junitxml={xml}", "-o", "junit_family=xunit1", *cov, *files],
+                         cwd=tests_root, env=env, capture_output=True, text=True, timeout=RUN_SECONDS)
+    if not xml.is_file():  # pytest stopped before running anything (a conftest import, a usage error)
+        last = (ran.stdout + ran.stderr).strip().splitlines() or ["no output"]
+        raise KilnError(f"pytest on the {overlay.name} source ran no test (exit {ran.returncode}): {last[-1]}")
     results = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"  # tests.a.test_b.TestC::test_d[param]
@@ -203,6 +208,36 @@ def run_side(venv: Path, tests_root: Path, files: list[str], overlay: Path, xml:
                 break
         results[name] = {"outcome": outcome, "message": message}
     return results
+
+
+def added_lines(before: str, after: str) -> list[int]:
+    """Line numbers (1-based, in ``after``) that kiln added or changed."""
+    lines = []
+    matcher = difflib.SequenceMatcher(a=before.splitlines(), b=after.splitlines(), autojunk=False)
+    for tag, _, _, j1, j2 in matcher.get_opcodes():
+        if tag in ("replace", "insert"):
+            lines.extend(range(j1 + 1, j2 + 1))
+    return lines
+
+
+def reached(site: Path, overlay: Path, patched: dict[str, str], report: Path) -> dict[str, dict]:
+    """Per patched file: kiln's executable lines, and those vLLM's tests ran."""
+    files = json.loads(report.read_text())["files"] if report.is_file() else {}
+    by_path = {str(Path(name).resolve()): data for name, data in files.items()}
+    out = {}
+    for rel, text in sorted(patched.items()):
+        pristine = site / "vllm" / rel
+        before = pristine.read_text() if pristine.is_file() else ""
+        data = by_path.get(str((overlay / "vllm" / rel).resolve()))
+        added = set(added_lines(before, text))
+        if data is None:
+            out[rel] = {"imported": False, "kiln_lines": len(added), "kiln_lines_run": 0}
+            continue
+        executable = added & (set(data["executed_lines"]) | set(data["missing_lines"]))
+        run = added & set(data["executed_lines"])
+        out[rel] = {"imported": True, "kiln_lines": len(executable), "kiln_lines_run": len(run),
+                    "kiln_lines_never_run": sorted(executable - run)}
+    return out
 
 
 def compare(pristine: dict, patched: dict) -> dict:
@@ -227,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm", default="0.32.0", help="the release (its CPU build must exist)")
     parser.add_argument("--record", type=Path, help="write the record here (JSON)")
     parser.add_argument("--json", action="store_true", help="the record on stdout")
+    parser.add_argument("--coverage", action="store_true",
+                        help="record which of kiln's added lines the patched run executes (pytest-cov)")
     args = parser.parse_args(argv)
     try:
         version = Version(args.vllm)
@@ -241,11 +278,14 @@ def main(argv: list[str] | None = None) -> int:
         patched = patched_files(version)
         selected = select_tests(tests_root, patched)
         with tempfile.TemporaryDirectory(dir=home) as tmp:
-            sides = {}
+            sides, coverage = {}, None
             for side, files in (("pristine", {}), ("patched", patched)):
                 overlay = Path(tmp, side)
                 link_tree(site, overlay, files)
-                sides[side] = run_side(venv, tests_root, list(selected), overlay, Path(tmp, f"{side}.xml"))
+                report = Path(tmp, "coverage.json") if args.coverage and files else None
+                sides[side] = run_side(venv, tests_root, list(selected), overlay, Path(tmp, f"{side}.xml"), report)
+                if report is not None:
+                    coverage = reached(site, overlay, patched, report)
     except (KilnError, subprocess.CalledProcessError, subprocess.TimeoutExpired, requests.RequestException,
             OSError, ET.ParseError) as err:
         print(f"error: {err}".splitlines()[0], file=sys.stderr)
@@ -254,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"vllm": str(version), "sdist_tests": tests_root.name, "patched_files": sorted(patched),
               "selected": selected, "counts": {s: len(r) for s, r in sides.items()},
               "passed": {s: sum(v["outcome"] == "passed" for v in r.values()) for s, r in sides.items()},
-              **verdict, "results": sides}
+              **verdict, "results": sides, "kiln_lines_reached": coverage}
     if args.record:
         args.record.parent.mkdir(parents=True, exist_ok=True)
         args.record.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
