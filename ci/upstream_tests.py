@@ -191,6 +191,7 @@ def run_side(venv: Path, tests_root: Path, files: list[str], overlay: Path, xml:
     env = dict(os.environ, PYTHONPATH=str(overlay), VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
                PYTHONDONTWRITEBYTECODE="1")
     ran = subprocess.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "--continue-on-collection-errors",  # a file that cannot import is listed, not fatal
                           f"--junitxml={xml}", "-o", "junit_family=xunit1", *cov, *files],
                          cwd=tests_root, env=env, capture_output=True, text=True, timeout=RUN_SECONDS)
     if not xml.is_file():  # pytest stopped before running anything (a conftest import, a usage error)
@@ -198,13 +199,15 @@ def run_side(venv: Path, tests_root: Path, files: list[str], overlay: Path, xml:
         raise KilnError(f"pytest on the {overlay.name} source ran no test (exit {ran.returncode}): {last[-1]}")
     results = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
-        name = f"{case.get('classname')}::{case.get('name')}"  # tests.a.test_b.TestC::test_d[param]
+        # tests.a.test_b.TestC::test_d[param]; a file that failed to collect has no class name
+        name = f"{case.get('classname')}::{case.get('name')}" if case.get("classname") else case.get("name")
         outcome, message = "passed", ""
         for kind in ("failure", "error", "skipped"):
             node = case.find(kind)
             if node is not None:
                 outcome = "skipped" if kind == "skipped" else "failed"
-                message = (node.get("message") or "").splitlines()[0][:200] if node.get("message") else kind
+                errors = [line for line in (node.text or "").splitlines() if line.startswith("E ")]
+                message = (errors[-1][1:].strip() if errors else node.get("message") or kind)[:200]
                 break
         results[name] = {"outcome": outcome, "message": message}
     return results
