@@ -1,6 +1,7 @@
 """vLLM's own tests on the pristine and on the patched source, in the CPU environment.
 
-    .venv/bin/python ci/upstream_tests.py [--vllm 0.32.0] [--json] [--record ci/upstream/vllm-0.32.0.json]
+    .venv/bin/python ci/upstream_tests.py [--vllm 0.32.0] [--only tests/parser] [--coverage] [--json]
+                                          [--record ci/upstream/vllm-0.32.0.json] [--timeout 3600]
 
 1. The release's sdist from the index (``https://pypi.org/simple/vllm/``), checked against the
    index's sha256, cached under ``<kiln cache>/upstream-tests/``; only its ``tests/`` and
@@ -55,7 +56,7 @@ from kiln.source.wheel import WheelSource, index_url  # noqa: E402
 
 LOCK = ROOT / "ci" / "cpu" / "requirements.lock"
 TORCH_CPU = "https://download.pytorch.org/whl/cpu"
-RUN_SECONDS = 1800
+RUN_SECONDS = 3600  # per side; --timeout
 
 
 def sdist_tests(version: Version, home: Path) -> Path:
@@ -186,14 +187,14 @@ def link_tree(site: Path, dest: Path, patched: dict[str, str]) -> None:
 
 
 def run_side(venv: Path, tests_root: Path, files: list[str], overlay: Path, xml: Path,
-             coverage: Path | None = None) -> dict[str, dict]:
+             coverage: Path | None = None, timeout: int = RUN_SECONDS) -> dict[str, dict]:
     cov = [f"--cov={overlay / 'vllm'}", f"--cov-report=json:{coverage}", "--cov-branch"] if coverage else []
     env = dict(os.environ, PYTHONPATH=str(overlay), VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
                PYTHONDONTWRITEBYTECODE="1")
     ran = subprocess.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "--continue-on-collection-errors",  # a file that cannot import is listed, not fatal
                           f"--junitxml={xml}", "-o", "junit_family=xunit1", *cov, *files],
-                         cwd=tests_root, env=env, capture_output=True, text=True, timeout=RUN_SECONDS)
+                         cwd=tests_root, env=env, capture_output=True, text=True, timeout=timeout)
     if not xml.is_file():  # pytest stopped before running anything (a conftest import, a usage error)
         last = (ran.stdout + ran.stderr).strip().splitlines() or ["no output"]
         raise KilnError(f"pytest on the {overlay.name} source ran no test (exit {ran.returncode}): {last[-1]}")
@@ -265,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm", default="0.32.0", help="the release (its CPU build must exist)")
     parser.add_argument("--record", type=Path, help="write the record here (JSON)")
     parser.add_argument("--json", action="store_true", help="the record on stdout")
+    parser.add_argument("--only", action="append", default=[], metavar="PREFIX",
+                        help="run only the selected files under this path (e.g. tests/parser); repeatable")
+    parser.add_argument("--timeout", type=int, default=RUN_SECONDS, help="seconds each side may run")
     parser.add_argument("--coverage", action="store_true",
                         help="record which of kiln's added lines the patched run executes (pytest-cov)")
     args = parser.parse_args(argv)
@@ -279,14 +283,18 @@ def main(argv: list[str] | None = None) -> int:
                             f"no CPU build of {version} to run vLLM's tests on")
         tests_root = sdist_tests(version, home)
         patched = patched_files(version)
-        selected = select_tests(tests_root, patched)
+        selected = {f: hits for f, hits in select_tests(tests_root, patched).items()
+                    if not args.only or any(f.startswith(prefix) for prefix in args.only)}
+        if not selected:
+            raise KilnError(f"no test of vllm {version} imports a patched module under {', '.join(args.only)}")
         with tempfile.TemporaryDirectory(dir=home) as tmp:
             sides, coverage = {}, None
             for side, files in (("pristine", {}), ("patched", patched)):
                 overlay = Path(tmp, side)
                 link_tree(site, overlay, files)
                 report = Path(tmp, "coverage.json") if args.coverage and files else None
-                sides[side] = run_side(venv, tests_root, list(selected), overlay, Path(tmp, f"{side}.xml"), report)
+                sides[side] = run_side(venv, tests_root, list(selected), overlay, Path(tmp, f"{side}.xml"), report,
+                                       args.timeout)
                 if report is not None:
                     coverage = reached(site, overlay, patched, report)
     except (KilnError, subprocess.CalledProcessError, subprocess.TimeoutExpired, requests.RequestException,
