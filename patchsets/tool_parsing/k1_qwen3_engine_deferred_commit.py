@@ -14,21 +14,37 @@ nothing) and is dropped until a ``<function=`` header or ``</tool_call>``. A tag
 writes without a header after it (mentioned in prose, emitted mid-thought, or followed by a
 Hermes-style JSON body ``<tool_call>{"name": ...}``) silences the stream and loses the text
 after it, up to the next real call or the end: in the streaming result and, the engine being
-the same, in the non-streaming one too (on 0.20.1 only streaming lost it). Run on 0.24.0 and
-0.33.0 through the real adapter (``tests/patchsets/tool_parsing/test_p61d.py``): "Use the
+the same, in the non-streaming one too (on 0.20.1 only streaming lost it). Run on 0.24.0, 0.32.0 and
+0.33.0 through the real adapter (``tests/patchsets/tool_parsing/test_k1.py``): "Use the
 <tool_call> tag. Done." comes back as "Use the ".
 
 What the patch does, for configs that ask for it (``qwen3_config`` does; no other model's
 engine changes): a transition into ``TOOL_PREAMBLE`` that starts a call holds the call's start
-event. Whitespace after the tag is held too, as the header may still follow (the engine's
-lexer never hands out part of a terminal, so a partial ``<function=`` never arrives as text).
-Any other text releases the tag: the tag, the held whitespace and the text become one content
-chunk, the engine goes back to content, and the call is taken back: its index, and its start
-event, which becomes an empty text chunk, so when the tag came in the same delta (always, for
-non-streaming) the adapter sees no call at all and keeps the content in order; an event
-already returned with an earlier delta opened a call that stays empty and is skipped.
-``<function=`` or ``</tool_call>`` after the tag behave exactly as before. As in P61c, a
-stream that ends while a tag is held sends nothing (as the original did).
+event, and the text after the tag is held with it (the engine's lexer never hands out part of
+a terminal, so a partial ``<function=`` never arrives as text before the end). Then:
+
+- ``<function=`` commits the call, ``</tool_call>`` closes an unpromoted block: both exactly
+  as before (the block and its text are dropped, vLLM's rule; its test for vllm#47137);
+- a terminal that has no transition in ``TOOL_PREAMBLE`` but one in content (a second
+  ``<tool_call>``) after non-blank held text releases the first tag as prose;
+- at the end of the stream, held text that is neither blank nor the start of a header
+  releases the tag; a truncated opener (``<tool_call>``, then whitespace, ``<`` or
+  ``<function``: generation cut off by ``max_tokens`` or a stop string) sends nothing.
+
+Releasing makes the tag and the held text one content chunk, back in the content state, and
+takes the call back: its index, and its start event, which becomes an empty text chunk, so when
+the tag came in the same delta (always, for non-streaming) the adapter sees no call at all and
+keeps the content in order; an event already returned with an earlier delta opened a call that
+stays empty and is skipped.
+
+Why it holds rather than releasing at the first non-header text (as it first did): vLLM's own
+regression tests for vllm#47137 (``tests/parser/engine/test_parser_engine.py``,
+``TestTruncatedToolOpenerStreamParity``, 0.32.0 on) pass on the pristine source and failed on
+the first K1: a truncated ``<tool_call>\n<function`` and an unpromoted
+``<tool_call>garbage</tool_call>`` came back as content where vLLM sends nothing
+(``ci/upstream_tests``, docs/UPSTREAM_TESTS.md). Prose after a tag now arrives at the end of the
+stream (or at the next ``<tool_call>``) instead of as it is generated; a Hermes-style body
+closed by ``</tool_call>`` is dropped as vLLM drops it.
 
 Upstream: none (club-3090#72's case, Genesis P61c; the engine has no such rule on 0.33.0).
 
@@ -47,7 +63,16 @@ import libcst as cst
 import libcst.matchers as m
 
 from kiln.patch.model import Codemod, Gates, Patch
-from kiln.patch.shapes import assign_to, cls, func, insert_after, marked, statements, with_marker
+from kiln.patch.shapes import (
+    assign_to,
+    cls,
+    func,
+    insert_after,
+    insert_before,
+    marked,
+    statements,
+    with_marker,
+)
 
 CONFIG_FILE = "parser/engine/parser_engine_config.py"
 QWEN3_FILE = "parser/qwen3.py"
@@ -103,7 +128,7 @@ class Qwen3ConfigReleasesUnheadedCalls(Codemod):
 
 
 class HeldToolStartState(Codemod):
-    """Per-stream state: the held tag's start event, and the whitespace held after it."""
+    """Per-stream state: the held tag's start event, and the text held after it."""
 
     target = ENGINE_FILE
     anchor = (ENGINE, func("reset"), _assigns_self("tool_index"))
@@ -113,7 +138,7 @@ class HeldToolStartState(Codemod):
         held, preamble = statements(
             """
             self._held_tool_start: SemanticEvent | None = None  # a <tool_call>'s start event
-            self._held_preamble = ""  # the whitespace after it, held with it
+            self._held_preamble = ""  # the text after it, held with it
             """
         )
         return insert_after(node, with_marker(held, "K1", "per stream: a held <tool_call>"), preamble,
@@ -144,24 +169,20 @@ class HoldOnEnteringPreamble(Codemod):
             self._held_preamble = ""
             """
         )
-        why = "<function= (or </tool_call>) decides a held <tool_call>; text first releases it"
+        why = "a <tool_call> is held until <function=, </tool_call>, another opener or the end decides"
         return insert_after(node, with_marker(held, "K1", why), preamble, blank_line=False)
 
 
 RELEASE = '''
-    def _release_unheaded_tool_start(self, text: str) -> list[SemanticEvent]:
-        """Text after a held <tool_call> that is not its <function= header.
+    def _release_unheaded_tool_start(self) -> list[SemanticEvent]:
+        """Release the held <tool_call>: it opened no call.
 
-        Whitespace is held (the header may follow). Anything else releases the tag, the held
-        whitespace and the text as one content chunk, back in the content state, and takes
-        the call back: its index, and its start event, which becomes an empty text chunk. Not
-        yet returned (the tag came in this delta), the caller then sees no call at all;
-        returned with an earlier delta, it opened a call that stays empty, and callers skip
-        a call without a name.
+        The tag and the text held after it become one content chunk, back in the content
+        state, and the call is taken back: its index, and its start event, which becomes an
+        empty text chunk. Not yet returned (the tag came in this delta), the caller then sees
+        no call at all; returned with an earlier delta, it opened a call that stays empty,
+        and callers skip a call without a name.
         """
-        self._held_preamble += text
-        if not self._held_preamble.strip():
-            return []
         start = self._held_tool_start
         released = start.value + self._held_preamble
         self._held_tool_start, self._held_preamble = None, ""
@@ -171,11 +192,23 @@ RELEASE = '''
         return [
             SemanticEvent(EventType.TEXT_CHUNK, value=released, tool_index=self.tool_index)
         ]
+
+    def _held_preamble_may_be_header(self) -> bool:
+        """The held text is whitespace, or whitespace then the start of a call header."""
+        held = self._held_preamble.lstrip()
+        for (state, terminal), transition in self.config.transitions.items():
+            if state != ParserState.TOOL_PREAMBLE or transition.next_state == ParserState.CONTENT:
+                continue
+            spellings = self.config.terminals.get(terminal, ())
+            for spelling in (spellings,) if isinstance(spellings, str) else spellings:
+                if spelling.startswith(held):
+                    return True
+        return False
 '''
 
 
-class ReleaseUnheadedToolStart(Codemod):
-    """Text reaching ``_emit_for_state`` while a tag is held goes to the release rule first."""
+class HoldPreambleText(Codemod):
+    """Text reaching ``_emit_for_state`` while a tag is held is held with it."""
 
     target = ENGINE_FILE
     anchor = (ENGINE, func("_emit_for_state"))
@@ -185,16 +218,72 @@ class ReleaseUnheadedToolStart(Codemod):
         (guard,) = statements(
             """
             if self._held_tool_start is not None and self.state == ParserState.TOOL_PREAMBLE:
-                return self._release_unheaded_tool_start(text)
+                self._held_preamble += text
+                return []
             """
         )
-        why = "a held <tool_call>: hold whitespace, release it as content on anything else"
+        why = "a held <tool_call>: its text waits for <function=, </tool_call> or the end"
         body = node.body.with_changes(body=[with_marker(guard, "K1", why), *node.body.body])
-        (holder,) = statements("class _:\n" + RELEASE)
-        (method,) = holder.body.body
-        release = with_marker(method.with_changes(leading_lines=[]), "K1",
+        holder = statements("class _:\n" + RELEASE)[0]
+        release, may_be_header = holder.body.body
+        release = with_marker(release.with_changes(leading_lines=[]), "K1",
                               "release a <tool_call> no <function= header follows")
-        return insert_after(node.with_changes(body=body), release)
+        return insert_after(node.with_changes(body=body), release, may_be_header.with_changes(leading_lines=[]))
+
+
+def _has_param(node: cst.FunctionDef, name: str) -> bool:
+    return any(param.name.value == name for param in node.params.params)
+
+
+class ReleaseBeforeAnotherOpener(Codemod):
+    """A content-state terminal (a second ``<tool_call>``) after held text releases the tag."""
+
+    target = ENGINE_FILE
+    anchor = (ENGINE, func("_on_terminal"))
+    patched = (ENGINE, func("_on_terminal"), m.If(leading_lines=marked("K1")))
+
+    def rewrite(self, node):
+        again = "terminal, value, token_count" if _has_param(node, "token_count") else "terminal, value"
+        (guard,) = statements(
+            f"""
+            if (
+                self._held_tool_start is not None
+                and self.state == ParserState.TOOL_PREAMBLE
+                and (self.state, terminal) not in self.config.transitions
+                and (ParserState.CONTENT, terminal) in self.config.transitions
+                and self._held_preamble.strip()
+            ):
+                return self._release_unheaded_tool_start() + self._on_terminal({again})
+            """
+        )
+        why = "text then another <tool_call> before any <function=: the first tag was prose"
+        return node.with_changes(body=node.body.with_changes(body=[with_marker(guard, "K1", why),
+                                                                   *node.body.body]))
+
+
+ARGS_BUFFER_CHECK = m.If(test=m.Attribute(value=m.Name("self"), attr=m.Name("_args_buffer")))
+
+
+class ReleaseAtEnd(Codemod):
+    """At the end, held text that cannot begin a header releases the tag as content."""
+
+    target = ENGINE_FILE
+    anchor = (ENGINE, func("finish"), ARGS_BUFFER_CHECK)
+    patched = (ENGINE, func("finish"), m.If(leading_lines=marked("K1")))
+
+    def rewrite(self, node):
+        (release,) = statements(
+            """
+            if (
+                self._held_tool_start is not None
+                and self.state == ParserState.TOOL_PREAMBLE
+                and not self._held_preamble_may_be_header()
+            ):
+                events.extend(self._release_unheaded_tool_start())
+            """
+        )
+        why = "a truncated opener (<tool_call>, then whitespace or part of <function=) stays dropped"
+        return insert_before(node, with_marker(release, "K1", why))
 
 
 class K1(Patch):
@@ -210,4 +299,4 @@ class K1(Patch):
     written_for = ">=0.20.1"
     gates = Gates(vllm=">=0.24.0")
     edits = (AddReleaseFlag, Qwen3ConfigReleasesUnheadedCalls, HeldToolStartState, HoldOnEnteringPreamble,
-             ReleaseUnheadedToolStart)
+             HoldPreambleText, ReleaseBeforeAnotherOpener, ReleaseAtEnd)

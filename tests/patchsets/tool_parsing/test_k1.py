@@ -15,7 +15,8 @@ from kiln.source.wheel import WheelSource
 from tests.patchsets.support import parser_engine as pe
 from tests.patchsets.support.patchlib import patched_files
 
-RELEASES = ("0.24.0", "0.33.0")  # the first release of the engine, and the newest pin
+RELEASES = ("0.24.0", "0.32.0", "0.33.0")  # the engine's first release, the CPU pin's, the newest pin
+UPSTREAM_TESTED = Version("0.32.0")  # vLLM's tests for vllm#47137 ship from here (its sdist's tests/)
 PROSE = ["Use the ", "<tool_call>", " tag to call tools", ", like this.", " Done."]
 CALL = ["Let me check.", "<tool_call>", "\n<function=get_weather>\n", "<parameter=city>\nParis\n</parameter>\n",
         "</function>\n", "</tool_call>"]
@@ -83,12 +84,65 @@ def test_a_narrative_tag_before_a_real_call(engines, token_ids):
     assert result.content == "I will use <tool_call> tags."  # in order (stripped with a call)
 
 
-def test_a_hermes_style_body_is_not_lost(engines, token_ids):
+def test_a_hermes_style_body_cut_off_is_not_lost(engines, token_ids):
     pristine, patched = engines
-    deltas = ["<tool_call>", '{"name": "get_weather", "arguments": {"city": "Paris"}}', "</tool_call>"]
+    deltas = ["<tool_call>", '{"name": "get_weather", "arguments": {"city": "Paris"}}']
     assert pe.stream(pristine, deltas, token_ids) == []  # nothing at all reaches the client
     messages = pe.stream(patched, deltas, token_ids)
     assert pe.content_of(messages) == "".join(deltas) and pe.calls_of(messages) == {}
+    result = pe.complete(patched, "".join(deltas))
+    assert result.content == "".join(deltas) and not result.tools_called
+
+
+def test_a_closed_block_without_a_header_is_dropped_as_before(engines, token_ids):
+    """``<tool_call>`` ... ``</tool_call>`` with no header is an unpromoted tool block: dropped
+    (vLLM's rule, its test for vllm#47137), even with a Hermes-style JSON body."""
+    pristine, patched = engines
+    for deltas in (["<tool_call>", '{"name": "get_weather", "arguments": {"city": "Paris"}}', "</tool_call>"],
+                   ["A ", "<tool_call>", "garbage", "</tool_call>", " B"]):
+        assert pe.stream(patched, deltas, token_ids) == pe.stream(pristine, deltas, token_ids)
+        assert pe.complete(patched, "".join(deltas)) == pe.complete(pristine, "".join(deltas))
+
+
+# vLLM's own regression tests for vllm#47137 (tests/parser/engine/test_parser_engine.py,
+# TestTruncatedToolOpenerStreamParity, 0.32.0 and 0.33.0), through kiln's harness: a stream
+# cut off inside the opener sends no content and no call, in both paths; content before it
+# is kept; text around an unpromoted block stays in order. K1 once released these as content
+# (``ci/upstream_tests`` found it). On every release the patched engine answers as the
+# pristine one; from 0.32.0 (vLLM's fix) that is the answer vLLM's test asserts.
+
+
+def _as_upstream(engines, request, chunks, content: str):
+    """The patched engine answers ``chunks`` as the pristine one; from 0.32.0 with ``content``."""
+    pristine, patched = engines
+    for token_ids in (True, False):
+        messages = pe.stream(patched, chunks, token_ids)
+        assert messages == pe.stream(pristine, chunks, token_ids)
+        assert pe.calls_of(messages) == {}
+        if Version(request.node.callspec.params["engines"]) >= UPSTREAM_TESTED:
+            assert pe.content_of(messages) == content
+    result = pe.complete(patched, "".join(chunks))
+    assert result == pe.complete(pristine, "".join(chunks)) and not result.tools_called
+    if Version(request.node.callspec.params["engines"]) >= UPSTREAM_TESTED:
+        assert (result.content or "") == content
+
+
+TRUNCATED_OPENERS = [["<tool_call>"], ["<tool_call>", "\n"], ["<tool_call>", "\n", "<"],
+                     ["<tool_call>", "\n", "<function"]]
+
+
+@pytest.mark.parametrize("chunks", TRUNCATED_OPENERS, ids=["tag", "newline", "angle", "function"])
+def test_upstream_truncated_opener_dropped_in_both_paths(engines, request, chunks):
+    _as_upstream(engines, request, chunks, "")
+
+
+def test_upstream_content_before_truncated_opener_preserved(engines, request):
+    _as_upstream(engines, request, ["Checking the weather. ", "<tool_call>", "\n", "<function"],
+                 "Checking the weather. ")
+
+
+def test_upstream_content_around_unpromoted_tool_block_stays_ordered(engines, request):
+    _as_upstream(engines, request, ["A ", "<tool_call>", "garbage", "</tool_call>", " B"], "A  B")
 
 
 def test_other_engines_are_unchanged(engines):

