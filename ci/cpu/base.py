@@ -125,6 +125,11 @@ def wheels(cache: Path) -> Path:
     """Every wheel of the lock in ``<cache>/cpu-base/wheels`` (pip checks each sha256)."""
     folder = cache / "cpu-base" / "wheels"
     folder.mkdir(parents=True, exist_ok=True)
+    # every wheel of this lock is there: the install in the root checks each sha256 again
+    done = folder / ".complete"
+    lock_sha = hashlib.sha256(REQUIREMENTS_LOCK.read_bytes()).hexdigest()
+    if done.is_file() and done.read_text().strip() == lock_sha:
+        return folder
     extra = []
     try:
         urllib.request.urlopen(f"{TORCH_CPU_INDEX}/torch/", timeout=5)
@@ -134,6 +139,7 @@ def wheels(cache: Path) -> Path:
     run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
          "--require-hashes", "--only-binary", ":all:", "--python-version", "3.11", "--implementation", "cp",
          *PLATFORMS, "-d", str(folder), "-r", str(REQUIREMENTS_LOCK), *extra])
+    done.write_text(lock_sha + "\n")
     return folder
 
 

@@ -132,12 +132,15 @@ def model_files(out: Path, token_id) -> None:
     torch.manual_seed(0)
     text = dict(
         vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"], full_attention_interval=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
         num_attention_heads=2, num_key_value_heads=1, head_dim=128,
         linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
         linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
         shared_expert_intermediate_size=128, max_position_embeddings=4096, tie_word_embeddings=False,
-        eos_token_id=token_id("<|im_end|>"), mtp_num_hidden_layers=0, dtype="bfloat16",
+        eos_token_id=token_id("<|im_end|>"),
+        # partial rotary (a quarter of head_dim 128 = 32 dims) split over t/h/w like Qwen3.5's
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [6, 5, 5], "mrope_interleaved": True},
     )
     vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256,
                   num_position_embeddings=64, patch_size=16, spatial_merge_size=2, temporal_patch_size=2)
