@@ -100,8 +100,8 @@ class ImageDefinition:
         return check_tag(tag, f"{self.path}: tag {self.tag_template!r} renders {tag!r}, which")
 
     def pins_of(self, pins: dict[str, Pin]) -> list[Pin]:
-        """The pins this image is built for (all of ``pins`` when it names none)."""
-        return [pins[name] for name in (self.pins or tuple(pins))]
+        """The pins this image is built for (when it names none: every GPU pin, not the CPU one)."""
+        return [pins[name] for name in self.pins] if self.pins else [p for p in pins.values() if not p.cpu]
 
     def target(self, pin: Pin, sm: int | None = None) -> BuildTarget:
         return BuildTarget(

@@ -1,7 +1,7 @@
 """`pins.toml`: the vLLM releases/images kiln builds against, each locked to a digest.
 
 Public API:
-    Pin                      name, role, image, vllm, cuda, digest (``.locked``)
+    Pin                      name, role, image, vllm, cuda, digest (``.locked``), wheel, ``.cpu``
     load_pins(path) -> dict[str, Pin]     validated against kiln/schemas/pins.schema.json, then
                                           the rest; every error names the file and field
     get_pin(pins, name, path) -> Pin
@@ -26,22 +26,30 @@ from kiln.errors import KilnError
 from kiln.oci.reference import check_tag, parse_reference
 from kiln.schema import check
 
-ROLES = ("current", "rollback")
+ROLES = ("current", "rollback")  # the GPU image line: what builds run on, and what to roll back to
+CPU_ROLE = "cpu"  # vLLM's CPU build, beside the GPU line: ci/serve_check serves it (docs/SERVE_CHECK.md)
+CPU_FLAVOUR = "cpu"  # a CPU pin's `cuda`: no CUDA, and what fills {cuda} in its tags
 _CUDA = re.compile(r"^cu\d{3}$")
 
 
 @dataclass(frozen=True)
 class Pin:
     name: str  # e.g. "v0.20.1"; used in tags and in the verdict record
-    role: str  # "current" or "rollback"
+    role: str  # "current", "rollback" or "cpu"
     image: str  # image reference as users know it, e.g. docker.io/vllm/vllm-openai:v0.20.1
     vllm: Version  # the vLLM version the image carries
     cuda: str  # CUDA flavour used in tags, e.g. "cu130"
     digest: str  # "sha256:..." once locked, "" before
+    wheel: str = "vllm"  # the PyPI project whose release wheel is the source's fast path
 
     @property
     def locked(self) -> bool:
         return bool(self.digest)
+
+    @property
+    def cpu(self) -> bool:
+        """vLLM's CPU build: no kernels, no place in the GPU build matrix or the pin rotation."""
+        return self.role == CPU_ROLE
 
 
 def check_pin_name(name: str, where: str) -> str:
@@ -80,21 +88,29 @@ def load_pins(path: Path) -> dict[str, Pin]:
             version = Version(entry["vllm"])
         except InvalidVersion:
             raise KilnError(f"{where}.vllm: {entry['vllm']!r} is not a version") from None
-        check_cuda(entry["cuda"], f"{where}.cuda")
+        if entry["role"] == CPU_ROLE:
+            if entry["cuda"] != CPU_FLAVOUR:
+                raise KilnError(f"{where}.cuda: {entry['cuda']!r}; a pin with role 'cpu' has cuda = 'cpu'")
+        elif entry["cuda"] == CPU_FLAVOUR:
+            raise KilnError(f"{where}.cuda: 'cpu' is for a pin with role 'cpu' (this one is {entry['role']!r})")
+        else:
+            check_cuda(entry["cuda"], f"{where}.cuda")
         try:
             parse_reference(entry["image"])
         except KilnError as err:
             raise KilnError(f"{where}.image: {err}") from None
         digest = entry.get("digest", "")
-        pins[name] = Pin(name, entry["role"], entry["image"], version, entry["cuda"], digest)
-    # One pins file is one image line: the pin builds run on, and the one to roll back to.
-    if len(pins) > len(ROLES):
-        third = list(pins)[len(ROLES)]
+        pins[name] = Pin(name, entry["role"], entry["image"], version, entry["cuda"], digest,
+                         entry.get("wheel", "vllm"))
+    # One pins file is one GPU image line: the pin builds run on, and the one to roll back to
+    # (plus, apart from that line, at most one CPU pin).
+    gpu = [name for name, pin in pins.items() if not pin.cpu]
+    if len(gpu) > len(ROLES):
         raise KilnError(
-            f"{path}: pins.{third}: a third pin; a pins file holds at most two, one 'current' and one "
-            f"'rollback' (found {', '.join(pins)}); `build.py pin bump` rotates them"
+            f"{path}: pins.{gpu[len(ROLES)]}: a third GPU pin; a pins file holds at most two, one 'current' "
+            f"and one 'rollback' (found {', '.join(gpu)}); `build.py pin bump` rotates them"
         )
-    for role in ROLES:
+    for role in (*ROLES, CPU_ROLE):
         holders = [p.name for p in pins.values() if p.role == role]
         if len(holders) > 1:
             raise KilnError(f"{path}: more than one pin has role {role!r} ({', '.join(holders)})")

@@ -172,7 +172,10 @@ def plan_builds(layout: Layout, since: str | None = None, include_worktree: bool
         else:
             after = _load_state(layout, _export(head, layout, Path(tmp) / "head"))
         plan = Plan(since=base.hexsha if base else None, head="worktree" if include_worktree else head.hexsha)
-        everything = [(image, pin) for image in after.images.values() for pin in image.pins_of(after.pins)]
+        # The CPU pin's base is made by ci/cpu/base.py and pushed to ci/serve_check's own registry:
+        # ci/serve_check builds its image; the workflow's matrix holds the GPU builds.
+        everything = [(image, pin) for image in after.images.values() for pin in image.pins_of(after.pins)
+                      if not pin.cpu]
         wanted: dict[tuple[str, str], list[str]] = {}
 
         def want(image: ImageDefinition, pin: Pin, why: str) -> None:
@@ -193,7 +196,8 @@ def plan_builds(layout: Layout, since: str | None = None, include_worktree: bool
                 if kind is Kind.IMAGE:
                     image = after.images.get(PurePosixPath(path).stem)
                     for pin in image.pins_of(after.pins) if image else ():  # removed: nothing
-                        want(image, pin, f"image definition changed: {path}")
+                        if not pin.cpu:
+                            want(image, pin, f"image definition changed: {path}")
                 elif kind is Kind.BAKED:
                     for image, pin in everything:
                         if image.name in after.baked[path]:

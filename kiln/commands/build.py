@@ -89,7 +89,7 @@ def run_build_command(args, out) -> int:
     if args.docker_archive:
         publishers.append(ArchivePublisher(args.docker_archive, [f"{name.name}:{inputs.tag}"], args.force))
     if args.values:
-        publishers.append(ValuesPublisher(args.values, name, args.chart, inputs.definition))
+        publishers.append(ValuesPublisher(args.values, name, args.chart, inputs.definition, inputs.pin))
     if args.push:
         publishers.append(RegistryPublisher(name, [inputs.tag], config, reporter))
     result = run_build(inputs, publishers, name.name, config, args.allow_unlocked, reporter=reporter,

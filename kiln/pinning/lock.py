@@ -69,9 +69,11 @@ def resolve_pin(pin: Pin, config: RegistryConfig, clients: dict | None = None) -
 
 
 def lock_pins(path: Path, names: list[str], config: RegistryConfig) -> list[LockResult]:
-    """Resolve the named pins (all when ``names`` is empty) and write the digests of those resolved."""
+    """Resolve the named pins (every GPU pin when ``names`` is empty) and write the digests resolved."""
     pins = load_pins(path)
-    chosen = [get_pin(pins, name, path) for name in dict.fromkeys(names)] if names else list(pins.values())
+    # The CPU pin's base is built by ci/cpu/base.py, not pulled: ci/serve_check locks it per run.
+    chosen = ([get_pin(pins, name, path) for name in dict.fromkeys(names)] if names
+              else [p for p in pins.values() if not p.cpu])
     clients: dict = {}
     results = []
     for pin in chosen:

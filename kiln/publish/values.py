@@ -5,9 +5,10 @@ Public API:
     CHARTS                                 the charts values are written for: ``kiln``, ``vllm-stack``
     helm_values(definition, pin, sm, repository, tag, digest) -> dict      kiln's own
     chart_values(chart, definition, pin, sm, repository, tag, digest) -> dict
-    check_chart(chart, definition)         refuse, before any work, serve args the chart cannot take
+    check_chart(chart, definition, pin)    refuse, before any work, serve args the chart cannot take
+                                           (and the CPU pin: values ask for a GPU node)
     values_bytes(values) -> bytes          the values file's exact bytes
-    ValuesPublisher(path, repository, chart="kiln", definition=None)   ``build --values FILE``
+    ValuesPublisher(path, repository, chart="kiln", definition=None, pin=None)   ``build --values FILE``
     built_values(inputs, config, repository=None, chart="kiln") -> dict  values of a pushed image
 
 The values hold only what the build knows: the image (repository, tag, manifest digest), the
@@ -75,7 +76,10 @@ def chart_values(chart: str, definition: ImageDefinition, pin: Pin, sm: int, rep
     return values
 
 
-def check_chart(chart: str, definition: ImageDefinition) -> None:
+def check_chart(chart: str, definition: ImageDefinition, pin: Pin | None = None) -> None:
+    if pin is not None and pin.cpu:
+        raise KilnError(f"pin {pin.name}: the CPU pin's images are served by ci/serve_check; Helm values "
+                        f"(a GPU request, an SM node selector) are for GPU pins")
     if chart not in CHARTS:
         raise KilnError(f"--chart {chart}: unknown chart (charts: {', '.join(CHARTS)})")
     if chart == "vllm-stack":
@@ -92,16 +96,17 @@ class ValuesPublisher(Publisher):
     option = "--values"
 
     def __init__(self, path: Path, repository: ImageReference, chart: str = "kiln",
-                 definition: ImageDefinition | None = None):
+                 definition: ImageDefinition | None = None, pin: Pin | None = None):
         self.path = path
         self.repository = repository
         self.chart = chart
         self.definition = definition
+        self.pin = pin
 
     def check(self, inputs: Sequence[Input] = ()) -> None:
         super().check(inputs)
         if self.definition is not None:
-            check_chart(self.chart, self.definition)
+            check_chart(self.chart, self.definition, self.pin)
 
     def values(self, image) -> dict:
         inputs = image.prepared.inputs
@@ -119,7 +124,7 @@ def built_values(inputs: BuildInputs, config: RegistryConfig, repository: str | 
                  chart: str = "kiln") -> dict:
     """The values of the image ``build --push`` published for (definition, pin, sm)."""
     definition, pin, sm = inputs.definition, inputs.pin, inputs.sm
-    check_chart(chart, definition)
+    check_chart(chart, definition, pin)
     dest = destination(definition, repository, purpose="Helm values")
     tag = inputs.tag
     where = f"{dest.name}:{tag}"

@@ -67,6 +67,13 @@ CASES: dict[str, tuple[str, str, str]] = {
     "pins: unknown field": ("pins", PIN_1 + 'colour="red"\n', "pins.v1.colour: unknown key; valid: pins.v1.role"),
     "pins: misspelt field": ("pins", PIN_1 + 'digets=""\n', "pins.v1.digets: unknown key; did you mean pins.v1.digest?"),
     "pins: two current": ("pins", PIN_1 + PIN_1.replace("v1", "v2"), "more than one pin has role 'current'"),
+    "pins: cpu flavour on a GPU pin": ("pins", PIN_1.replace('"cu130"', '"cpu"'), "pins.v1.cuda: 'cpu' is for a pin with role 'cpu'"),
+    "pins: cpu pin with a CUDA flavour": ("pins", PIN_1.replace('"current"', '"cpu"'), "pins.v1.cuda: 'cu130'; a pin with role 'cpu' has cuda = 'cpu'"),
+    "pins: two cpu pins": ("pins", (PIN_1 + PIN_1.replace("v1", "v2")).replace('"current"', '"cpu"').replace('"cu130"', '"cpu"'),
+                           "more than one pin has role 'cpu'"),
+    "pins: bad wheel project": ("pins", PIN_1 + 'wheel="vllm cpu"\n', "pins.v1.wheel"),
+    "pins: third GPU pin": ("pins", PIN_1 + PIN_1.replace("v1", "v2").replace("current", "rollback")
+                            + PIN_1.replace("v1", "v3").replace("current", "rollback"), "pins.v3: a third GPU pin"),
     # images/test.toml
     "image: not toml": ("image", IMAGE + "[model\n", "not valid TOML"),
     "image: name differs from file": ("image", IMAGE.replace('name = "test"', 'name = "other"'), "name:"),

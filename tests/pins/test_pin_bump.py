@@ -263,7 +263,7 @@ def test_third_pin_is_refused(capsys, work):
     code, _, err = bump(capsys, work, "--to", "0.33.0", "--write", "--force")
     assert code == 2
     line = one_error_line(err)
-    assert "pins.v0.33.0: a third pin" in line and str(work / "pins.toml") in line
+    assert "pins.v0.33.0: a third GPU pin" in line and str(work / "pins.toml") in line
     assert snapshot(work) == before
 
 

@@ -17,7 +17,14 @@ from kiln.definitions import load_definition, load_definitions
 from kiln.errors import KilnError
 from kiln.oci.reference import parse_reference
 from kiln.pins import load_pins
-from kiln.publish.values import VALUES_SCHEMA, ValuesPublisher, helm_values, values_bytes
+from kiln.publish.values import (
+    CHARTS,
+    VALUES_SCHEMA,
+    ValuesPublisher,
+    check_chart,
+    helm_values,
+    values_bytes,
+)
 from kiln.staging import stage_bytes
 
 DIGEST = "sha256:" + "ab" * 32
@@ -41,7 +48,8 @@ def qwen(catalogue):
 def _shipped(catalogue) -> list[tuple]:
     """Every image definition of ``images/`` with every pin it is built for."""
     pins = load_pins(paths.PINS)
-    return [(image, pin) for image in load_definitions(paths.IMAGES, catalogue, pins) for pin in image.pins_of(pins)]
+    return [(image, pin) for image in load_definitions(paths.IMAGES, catalogue, pins) for pin in image.pins_of(pins)
+            if not pin.cpu]  # the CPU pin's image serves under ci/serve_check (tests/test_serve_check.py)
 
 
 def test_the_shipped_images_are_checked(catalogue):
@@ -140,3 +148,16 @@ def test_shipped_values_serve_with_the_baked_chat_template(catalogue, case):
     template = args[args.index("--chat-template") + 1]
     assert template == "/opt/kiln/chat-templates/qwen3.6.jinja"
     assert template in {baked.path for baked in image.files}
+
+
+@pytest.mark.parametrize("chart", CHARTS)
+def test_the_cpu_pin_gets_no_helm_values(catalogue, chart):
+    """Values ask for a GPU node of one SM: for the CPU pin's image that would be a lie."""
+    pins = load_pins(paths.PINS)
+    image = load_definition(paths.IMAGES, "qwen3.6-tiny-cpu", catalogue, pins)
+    (pin,) = image.pins_of(pins)
+    with pytest.raises(KilnError, match=f"pin {pin.name}: the CPU pin's images are served by ci/serve_check"):
+        check_chart(chart, image, pin)
+    publisher = ValuesPublisher(paths.REPO / "out.yaml", parse_reference("ghcr.io/you/x"), chart, image, pin)
+    with pytest.raises(KilnError, match="are for GPU pins"):
+        publisher.check()

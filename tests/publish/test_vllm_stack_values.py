@@ -73,7 +73,8 @@ def _options(argv: list[str]) -> dict[str, list[str]]:
 
 def _shipped(catalogue):
     pins = load_pins(paths.PINS)
-    return [(image, pin) for image in load_definitions(paths.IMAGES, catalogue, pins) for pin in image.pins_of(pins)]
+    return [(image, pin) for image in load_definitions(paths.IMAGES, catalogue, pins) for pin in image.pins_of(pins)
+            if not pin.cpu]  # the CPU pin's image serves under ci/serve_check (tests/test_serve_check.py)
 
 
 def test_every_sm_of_every_shipped_image_validates_and_renders_its_serve_args(catalogue, validator):
