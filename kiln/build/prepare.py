@@ -14,8 +14,9 @@ remembers of it (a patch whose verdict blocks a build stops it here, naming the 
 the patched-source layer, the audit file and, when the definition declares kernels, the
 Triton cache layer (compiled beside the patching when no selected patch touches the files the
 kernels are compiled from); decide the labels. With ``cache_from`` (registry build caches,
-``kiln.build.regcache``), a verified entry for this build's key replaces the pull, the patching
-and the compiling: the base's manifest and config are read, none of its layers. Baking the layers into
+``kiln.build.regcache``), a verified ``patched`` entry replaces the patching and a ``kernels``
+entry the compiling; when both hit, the base's manifest and config are read, none of its
+layers. The patched-source layer is assembled the same way from the patching or the entry. Baking the layers into
 an image (``kiln.build.image``) and the Dockerfile context (``kiln.publish.context``) both start
 from this one value, so they cannot drift apart.
 """
