@@ -13,8 +13,8 @@ the patching and the bake happen once; then every publisher writes the one ``Bui
 (``kiln.publish.publish``: staged, committed together, the push last).
 
 Registry build caches (``kiln.build.regcache``): ``cache_from`` is tried before the pull (a
-verified entry replaces the pull, the patching and the compiling); after the outputs are
-committed, the build's entry is written to every ``cache_to`` (a failure there is a warning:
+verified patched entry replaces the patching, a kernel entry the compiling, both the pull);
+after the outputs are committed, the build's entries are written to every ``cache_to`` (a failure there is a warning:
 the image is already out), signed with ``sign_key`` when given; ``cache_key`` (a public key)
 accepts only entries whose signature it verifies.
 """
@@ -41,6 +41,7 @@ from kiln.build.regcache import (
 from kiln.cache import cache_root
 from kiln.errors import KilnError
 from kiln.oci.endpoints import RegistryConfig
+from kiln.oci.layer import write_layer
 from kiln.oci.limits import Budget
 from kiln.oci.reference import ImageReference
 from kiln.oci.registry import RegistryClient
@@ -126,7 +127,7 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
         written = publish(image, publishers, budget)
         push = next((p for p in publishers if isinstance(p, RegistryPublisher)), None)
         clock.lap("publish", push.report.bytes_uploaded if push else 0)
-        written_to = _write_cache(prepared, image, cache_to, config, budget, reporter, sign_key)
+        written_to = _write_cache(prepared, image, cache_to, config, budget, reporter, workdir, sign_key)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     values = next((p.values(image) for p in publishers if isinstance(p, ValuesPublisher)), {})
@@ -146,7 +147,8 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
         bytes_pushed=report.bytes_uploaded if report else 0,
         blobs_uploaded=len(report.uploaded) if report else 0, blobs_mounted=len(report.mounted) if report else 0,
         timings=clock.total(),
-        cache={"key": prepared.cache_key, "hit": prepared.cache_hit or None, "written": written_to},
+        cache={"hit": [use.hit for use in prepared.cache if use.hit] or None,
+               "entries": [use.to_json() for use in prepared.cache], "written": written_to},
     )
 
 
@@ -172,19 +174,24 @@ def record_opener(public_key=None):
 
 
 def _write_cache(prepared, image, cache_to, config: RegistryConfig, budget: Budget, reporter: Reporter,
-                 sign_key: SigningKey | None = None) -> list[str]:
-    """The build's entry into every ``cache_to`` (where it was not read from); what was written."""
+                 workdir: Path, sign_key: SigningKey | None = None) -> list[str]:
+    """The build's entries (``prepared.cache``) into every ``cache_to``; what was written."""
     if not cache_to:
         return []
-    record = entry_record(prepared.cache_key, prepared.cache_inputs, prepared, image.layers)
+    entries = []
+    for use in prepared.cache:  # an entry's layer that is an image layer is that blob; the rest are written
+        baked = {id(contents): layer for contents, layer in zip(prepared.layers, image.layers, strict=True)}
+        layers = [baked.get(id(contents)) or write_layer(contents, workdir / use.kind) for contents in use.contents]
+        entries.append((use, entry_record(use, layers), layers))
+    seal = (lambda data: envelope(data, sign_key, RECORD_MEDIA_TYPE)) if sign_key else None
     written = []
     for location in cache_to:
         client = RegistryClient(config.endpoint(location.registry, push=True), budget=budget)
-        try:
-            digest = write_entry(client, location.repository, prepared.cache_key, record, image.layers,
-                                 seal=(lambda data: envelope(data, sign_key, RECORD_MEDIA_TYPE)) if sign_key else None)
-        except KilnError as err:
-            reporter.warn(f"build cache {location.name}: entry not written: {err}")
-            continue
-        written.append(f"{location.name}@{digest}")
+        for use, record, layers in entries:
+            try:
+                digest = write_entry(client, location.repository, use.kind, use.key, record, layers, seal=seal)
+            except KilnError as err:
+                reporter.warn(f"build cache {location.name}: {use.kind} entry not written: {err}")
+                continue
+            written.append(f"{location.name}@{digest}")
     return written

@@ -90,12 +90,15 @@ def test_the_workflow_goes_green_on_a_clean_clone(tmp_path, registry_plain, regi
     assert registry_basic.digest_of("ci/ci-fixture:cu130-sm120-v0.20.1") == built["manifest_digest"]
     # the matrix's shared build cache: read (a miss on a fresh registry), then written beside the images
     assert built["cache"]["hit"] is None
-    entry = requests.get(f"{registry_basic.url}/v2/ci/kiln-cache/manifests/kiln-cache-v1-{built['cache']['key']}",
-                         auth=("testuser", "testpass"), headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
-                         timeout=30)
-    assert entry.status_code == 200, entry.text
-    assert entry.json()["artifactType"] == "application/vnd.kiln.cache.v1"
-    assert built["cache"]["written"] == [f"{registry_basic.host}/ci/kiln-cache@{entry.headers['Docker-Content-Digest']}"]
+    written = []
+    for cached in built["cache"]["entries"]:  # the patched entry (and one kernel entry per SM, if kernels)
+        entry = requests.get(f"{registry_basic.url}/v2/ci/kiln-cache/manifests/{cached['tag']}",
+                             auth=("testuser", "testpass"),
+                             headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}, timeout=30)
+        assert entry.status_code == 200, entry.text
+        assert entry.json()["artifactType"] == f"application/vnd.kiln.cache.{cached['kind']}.v1"
+        written.append(f"{registry_basic.host}/ci/kiln-cache@{entry.headers['Docker-Content-Digest']}")
+    assert "patched" in [e["kind"] for e in built["cache"]["entries"]] and built["cache"]["written"] == written
     values = json.loads((out / "values-ci-fixture-cu130-sm120-v0.20.1.json").read_text())
     jsonschema.validate(values, json.loads(VALUES_SCHEMA.read_text()))
     assert values["image"]["digest"] == built["manifest_digest"]

@@ -5,6 +5,8 @@ Public API:
     pyc_whiteouts(rel, site_dir, base_files) -> list[str]
     audit_record(...) -> dict        what ``/opt/kiln/manifest.json`` holds
     patched_contents(changed, site_dir, base_files, audit, created_by="", baked=()) -> LayerContents
+    source_contents(changed, site_dir, base_files) -> LayerContents   the changed modules and their whiteouts
+    with_audit(source, audit, created_by="", baked=()) -> LayerContents   ... plus baked files and the audit file
 
 The layer holds only what differs from the base: the patched (or added) modules under
 ``<site_dir>/vllm/``, a whiteout for each ``__pycache__`` entry the base holds for a changed
@@ -71,12 +73,13 @@ def audit_record(*, image: str, pin: dict, sm: int, base_reference: str, base_di
                  site_dir: str, outcomes: dict[str, Outcome], before: dict[str, str],
                  changed: dict[str, str], baked: tuple[BakedFile, ...] = (),
                  images_dir: str = "images") -> dict:
-    """The audit file's content. ``before``: rel -> pristine text for every changed file that existed."""
+    """The audit file's content. ``before``: rel -> sha256 of the pristine text (``sha256_text``)
+    for every changed file that existed (what a registry cache entry keeps of the pristine source)."""
     commit, dirty = kiln_revision()
     files = {}
     for rel, text in sorted(changed.items()):
         files[f"/{site_dir}/vllm/{rel}"] = {
-            "before": sha256_text(before[rel]) if rel in before else None,
+            "before": before.get(rel),
             "after": sha256_text(text),
         }
     record = {
@@ -98,6 +101,12 @@ def audit_record(*, image: str, pin: dict, sm: int, base_reference: str, base_di
 def patched_contents(changed: dict[str, str], site_dir: str, base_files: Collection[str] | None,
                      audit: dict, created_by: str = "", baked: tuple[BakedFile, ...] = ()) -> LayerContents:
     """The patched-source layer: every changed module, its stale bytecode, baked files, the audit file."""
+    return with_audit(source_contents(changed, site_dir, base_files), audit, created_by, baked)
+
+
+def source_contents(changed: dict[str, str], site_dir: str, base_files: Collection[str] | None) -> LayerContents:
+    """The part of the layer that depends only on the base and the patching: every changed module
+    and the whiteouts of its stale bytecode (a registry cache's patched-source entry holds this)."""
     if not site_dir or site_dir.startswith("/"):
         raise KilnError(f"site dir {site_dir!r}: expected a relative image path like usr/local/lib/python3.12/dist-packages")
     files: dict[str, bytes] = {}
@@ -107,7 +116,14 @@ def patched_contents(changed: dict[str, str], site_dir: str, base_files: Collect
         files[f"{site_dir}/vllm/{rel}"] = text.encode("utf-8")
         if base_files is None or rel in base:
             removals.extend(pyc_whiteouts(rel, site_dir, base_files))
+    return LayerContents(files, tuple(removals))
+
+
+def with_audit(source: LayerContents, audit: dict, created_by: str = "",
+               baked: tuple[BakedFile, ...] = ()) -> LayerContents:
+    """``source`` (``source_contents``) with the definition's baked files and the audit file."""
+    files = dict(source.files)
     for baked_file in baked:  # under /opt/kiln/ (checked when the definition loads): no clash
         files[baked_file.path.lstrip("/")] = baked_file.data
     files[AUDIT_PATH] = (json.dumps(audit, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
-    return LayerContents(files, tuple(removals), created_by)
+    return LayerContents(files, source.removals, created_by)

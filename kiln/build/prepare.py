@@ -14,8 +14,9 @@ remembers of it (a patch whose verdict blocks a build stops it here, naming the 
 the patched-source layer, the audit file and, when the definition declares kernels, the
 Triton cache layer (compiled beside the patching when no selected patch touches the files the
 kernels are compiled from); decide the labels. With ``cache_from`` (registry build caches,
-``kiln.build.regcache``), a verified entry for this build's key replaces the pull, the patching
-and the compiling: the base's manifest and config are read, none of its layers. Baking the layers into
+``kiln.build.regcache``), a verified ``patched`` entry replaces the patching and a ``kernels``
+entry the compiling; when both hit, the base's manifest and config are read, none of its
+layers. The patched-source layer is assembled the same way from the patching or the entry. Baking the layers into
 an image (``kiln.build.image``) and the Dockerfile context (``kiln.publish.context``) both start
 from this one value, so they cannot drift apart.
 """
@@ -25,14 +26,23 @@ from __future__ import annotations
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kiln import labels as L
 from kiln.build.inputs import BuildInputs
-from kiln.build.layers import audit_record, patched_contents
+from kiln.build.layers import audit_record, source_contents, with_audit
 from kiln.build.provenance import kiln_revision, kiln_source_url
-from kiln.build.regcache import CachedBuild, cache_key, plain_record, read_entry
+from kiln.build.regcache import (
+    KERNELS,
+    PATCHED,
+    CachedEntry,
+    CacheUse,
+    kernels_key,
+    patched_key,
+    plain_record,
+    read_entry,
+)
 from kiln.cache import cache_root
 from kiln.errors import KilnError
 from kiln.lifeline import uninterrupted
@@ -44,6 +54,7 @@ from kiln.oci.limits import Budget
 from kiln.oci.mutate import ImageModel, to_oci
 from kiln.oci.reference import ImageReference, parse_reference
 from kiln.oci.registry import RegistryClient, TransferStats
+from kiln.patch.engine import sha256_text
 from kiln.patch.memo import SelectionMemo, patched_selection
 from kiln.patch.model import Outcome, Verdict
 from kiln.pausepoint import pause_point
@@ -51,7 +62,7 @@ from kiln.pins import Pin
 from kiln.report import SILENT, Reporter
 from kiln.source.image import ImageSource, ImageVllm
 from kiln.triton.aot import reads_source
-from kiln.triton.cachelayer import image_env, triton_cache_layer
+from kiln.triton.cachelayer import image_env, kernel_created_by, triton_cache_layer
 
 
 class Clock:
@@ -98,10 +109,8 @@ class PreparedBuild:
     vllm_version: str = ""  # the base's vLLM, as its source says
     site_dir: str = ""  # where vllm/ lives in the image, e.g. usr/local/lib/python3.12/dist-packages
     base_manifest_digest: str = ""  # the linux/amd64 manifest built on
-    cache_key: str = ""  # the registry build cache's key of this build (kiln.build.regcache)
-    cache_inputs: dict = field(default_factory=dict)  # what the key hashes
-    cache_hit: str = ""  # registry/repository:tag of the cache entry used, if one was
-    cached_from: ImageReference | None = None  # the cache repository kiln's layers came from (a push mounts them)
+    cache: list = field(default_factory=list)  # the registry build cache entries looked up (regcache.CacheUse)
+    cache_mounts: dict = field(default_factory=dict)  # layer digest -> the cache repository it came from (a push mounts it)
 
     @property
     def tag(self) -> str:
@@ -143,48 +152,40 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     definition, pin, sm = inputs.definition, inputs.pin, inputs.sm
     config = registry_config or RegistryConfig.load()
     cache = cache or cache_root()
+    kernels = definition.model.kernels
 
     # 1. resolve the base and check the lock
     base_ref = parse_reference(pin.image)
     stats = TransferStats()
     clock = Clock(reporter, lambda: stats.bytes_down)
     source = ImageSource(base_ref, expected_version=pin.vllm, registry_config=config, cache=cache, stats=stats,
-                         reporter=reporter, budget=budget, need_triton=bool(definition.model.kernels))
+                         reporter=reporter, budget=budget, need_triton=bool(kernels))
     resolved = base_ref.digest or source.client.resolve(base_ref.repository, base_ref.ref)
     check_lock(pin, resolved, allow_unlocked, reporter)
-    key, key_inputs = cache_key(inputs, resolved, leave_out_unusable_kernels)
-    clock.lap("resolve")
-    for location in cache_from:
-        client = RegistryClient(config.endpoint(location.registry), stats=stats, budget=source.client.budget)
-        (cache / "build").mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache / "build", prefix=".tmp-cache-") as workdir:
-            cached = read_entry(client, location.repository, key, key_inputs, Path(workdir), reporter, open_record)
-        if cached is not None:
-            base = RemoteImage(base_ref.pinned(resolved), source.client, BlobCache(cache / "blobs"),
-                               manifest_cache=cache / "manifests")
-            if base.manifest().digest != cached.record["base_manifest_digest"]:
-                reporter.warn(f"build cache entry {cached.where} refused, building without it: "
-                              "it was built on another base manifest")
-                continue
-            prepared = _from_cache(inputs, base_ref, resolved, base, source.client, stats, clock, cached,
-                                   key, key_inputs)
-            prepared.cached_from = location
-            return prepared
-
-    # 2. the pristine vLLM, from the top layers of the base only
-    source.reference = base_ref.pinned(resolved)
-    found = source.pull()
     base = RemoteImage(base_ref.pinned(resolved), source.client, BlobCache(cache / "blobs"),
                        manifest_cache=cache / "manifests")
+    uses = [CacheUse(PATCHED, *patched_key(inputs, resolved))]
+    if kernels:
+        uses.append(CacheUse(KERNELS, *kernels_key(inputs, resolved, uses[0].key, leave_out_unusable_kernels), sm=sm))
+    clock.lap("resolve")
+    hits = _read_cache(uses, cache_from, config, source.client, stats, cache, base, reporter, open_record)
+    patched_hit, kernels_hit = hits.get(PATCHED), hits.get(KERNELS)
+    if hits:
+        clock.lap("cache")
+
+    # 2. the pristine vLLM, from the top layers of the base only (not when the cache has it all)
+    found = None
+    if patched_hit is None or (kernels and kernels_hit is None):
+        source.reference = base_ref.pinned(resolved)
+        found = source.pull()
     base_config = base.config()
     # One flavour for every output (skopeo's layout reader ignores Docker v2 manifests).
     base_model = to_oci(ImageModel.from_base(base.manifest(), base.config_bytes()))
-    clock.lap("pull")
+    if found is not None:
+        clock.lap("pull")
 
     # 3. patch (a selection patched before on exactly this source, code and target is reused),
     # with the Triton kernels compiling beside it when no selected patch touches their sources
-    tree = found.tree
-    kernels = definition.model.kernels
     runtime_env = {**image_env(base_config), **definition.serve_env}
 
     def kernel_layer(changed: dict[str, str]):
@@ -198,38 +199,59 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     early = []  # the kernels' future, once the patching has forked its processes
 
     def start_kernels() -> None:
-        if beside:  # reads only files no patch changes
+        if beside and kernels_hit is None:  # reads only files no patch changes
             with uninterrupted():  # a signal inside submit could start a thread the pool never joins
                 early.append(pool.submit(kernel_layer, {}))
 
     with ThreadPoolExecutor(max_workers=1) as pool:
-        result = patched_selection(inputs.catalogue, tree, inputs.target(), list(definition.patches),
-                                   SelectionMemo(cache), forked=start_kernels)
-        for outcome in result.outcomes.values():
-            if outcome.verdict.blocks_build:
-                raise KilnError(
-                    f"patch {outcome.patch_id} is {outcome.verdict} on {pin.name} ({base_ref}): {outcome.detail}"
-                )
-        changed = result.changed_text()
-        before = {rel: tree.read(rel) for rel in changed if tree.exists(rel)}
-        applied = [pid for pid, o in result.outcomes.items() if o.verdict is Verdict.APPLIES]
-        clock.lap("patch")
-        pause_point("patch")
+        if patched_hit is None:
+            tree = found.tree
+            result = patched_selection(inputs.catalogue, tree, inputs.target(), list(definition.patches),
+                                       SelectionMemo(cache), forked=start_kernels)
+            for outcome in result.outcomes.values():
+                if outcome.verdict.blocks_build:
+                    raise KilnError(
+                        f"patch {outcome.patch_id} is {outcome.verdict} on {pin.name} ({base_ref}): {outcome.detail}"
+                    )
+            outcomes, changed = result.outcomes, result.changed_text()
+            before = {rel: sha256_text(tree.read(rel)) for rel in changed if tree.exists(rel)}
+            vllm_version, site_dir = str(tree.vllm_version), found.site_dir
+            patched_source = source_contents(changed, site_dir, found.vllm_files)
+            base_manifest_digest = found.manifest_digest
+            clock.lap("patch")
+            pause_point("patch")
+        else:  # the entry's: verified, keyed by this base and selection
+            record = patched_hit.record
+            outcomes, changed, before = patched_hit.outcomes, patched_hit.changed(), dict(record["before"])
+            vllm_version, site_dir = str(record["vllm_version"]), str(record["site_dir"])
+            patched_source = patched_hit.layers[0]
+            base_manifest_digest = base.manifest().digest
+        applied = [pid for pid, o in outcomes.items() if o.verdict is Verdict.APPLIES]
+        uses[0].fields = {"base_manifest_digest": base_manifest_digest, "vllm_version": vllm_version,
+                          "site_dir": site_dir, "outcomes": [o.to_json() for o in outcomes.values()],
+                          "applied": applied, "before": before}
+        uses[0].contents = [patched_source]
 
         # 4. what kiln's layers hold, and the image's labels
         pin_json = {"name": pin.name, "image": pin.image, "vllm": str(pin.vllm), "cuda": pin.cuda,
                     "digest": pin.digest or None}
         audit = audit_record(image=definition.name, pin=pin_json, sm=sm, base_reference=str(base_ref),
-                             base_digest=resolved, site_dir=found.site_dir, outcomes=result.outcomes,
+                             base_digest=resolved, site_dir=site_dir, outcomes=outcomes,
                              before=before, changed=changed, baked=definition.files,
                              images_dir=inputs.files.images.name)
-        layers = [patched_contents(
-            changed, found.site_dir, found.vllm_files, audit,
-            created_by=f"kiln bake {definition.name} {pin.name} sm{sm}: {','.join(applied) or 'no patch'}",
-            baked=definition.files)]
+        layers = [with_audit(
+            patched_source, audit, baked=definition.files,
+            created_by=f"kiln bake {definition.name} {pin.name} sm{sm}: {','.join(applied) or 'no patch'}")]
         env: dict[str, str] = {}
         triton: dict = {}
-        if kernels:  # the ahead-of-time Triton kernel cache, one layer per SM
+        mounts: dict[str, ImageReference] = {}
+        if kernels_hit is not None:
+            env, triton = dict(kernels_hit.record["env"]), dict(kernels_hit.record["triton"])
+            if kernels_hit.layers:  # the history line names this image
+                layers.append(replace(kernels_hit.layers[0], created_by=kernel_created_by(
+                    definition.name, sm, triton.get("kernel_names") or [])))
+                mounts[kernels_hit.record["layers"][0]["digest"]] = uses[1].location
+        elif kernels:  # the ahead-of-time Triton kernel cache, one layer per SM
             # (when it compiled beside the patching, this lap is only the wait for it)
             done = early[0].result() if early else kernel_layer(changed)
             if done is None:  # the image could not use it, and the build was told to leave it out
@@ -238,14 +260,39 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
                 layers.append(done.contents)
                 env, triton = done.env, {**done.summary, "beside_patching": beside}
             clock.lap("triton")
-    labels = image_labels(inputs, base_ref, resolved, applied, str(tree.vllm_version))
+        if kernels:
+            uses[1].fields, uses[1].contents = {"env": env, "triton": triton}, layers[1:]
+    labels = image_labels(inputs, base_ref, resolved, applied, vllm_version)
     return PreparedBuild(
         inputs=inputs, base_ref=base_ref, base_digest=resolved, found=found, base=base, base_model=base_model,
-        client=source.client, stats=stats, outcomes=result.outcomes, applied=applied,
+        client=source.client, stats=stats, outcomes=outcomes, applied=applied,
         files_changed=len(changed), layers=layers, labels=labels, clock=clock, env=env, triton=triton,
-        vllm_version=str(tree.vllm_version), site_dir=found.site_dir, base_manifest_digest=found.manifest_digest,
-        cache_key=key, cache_inputs=key_inputs,
+        vllm_version=vllm_version, site_dir=site_dir, base_manifest_digest=base_manifest_digest,
+        cache=uses, cache_mounts=mounts,
     )
+
+
+def _read_cache(uses: list[CacheUse], cache_from, config: RegistryConfig, base_client: RegistryClient,
+                stats: TransferStats, cache: Path, base: RemoteImage, reporter: Reporter,
+                open_record) -> dict[str, CachedEntry]:
+    """Each entry's first verified hit in ``cache_from`` (kind -> entry); ``use.hit`` and ``.location`` set."""
+    hits: dict[str, CachedEntry] = {}
+    for use in uses:
+        for location in cache_from:
+            client = RegistryClient(config.endpoint(location.registry), stats=stats, budget=base_client.budget)
+            (cache / "build").mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache / "build", prefix=".tmp-cache-") as workdir:
+                cached = read_entry(client, location.repository, use.kind, use.key, use.inputs, Path(workdir),
+                                    reporter, open_record)
+            if cached is None:
+                continue
+            if use.kind == PATCHED and base.manifest().digest != cached.record["base_manifest_digest"]:
+                reporter.warn(f"build cache entry {cached.where} refused, building without it: "
+                              "it was built on another base manifest")
+                continue
+            hits[use.kind], use.hit, use.location = cached, cached.where, location
+            break
+    return hits
 
 
 def image_labels(inputs: BuildInputs, base_ref: ImageReference, resolved: str, applied: list[str],
@@ -268,22 +315,3 @@ def image_labels(inputs: BuildInputs, base_ref: ImageReference, resolved: str, a
     if source_url:
         labels[L.SOURCE] = source_url
     return labels
-
-
-def _from_cache(inputs: BuildInputs, base_ref: ImageReference, resolved: str, base: RemoteImage,
-                client: RegistryClient, stats: TransferStats, clock: Clock, cached: CachedBuild,
-                key: str, key_inputs: dict) -> PreparedBuild:
-    """The prepared build a verified cache entry gives: no layer of the base read, nothing patched."""
-    record = cached.record
-    base_model = to_oci(ImageModel.from_base(base.manifest(), base.config_bytes()))
-    clock.lap("cache")
-    applied = [str(pid) for pid in record["applied"]]
-    return PreparedBuild(
-        inputs=inputs, base_ref=base_ref, base_digest=resolved, found=None, base=base, base_model=base_model,
-        client=client, stats=stats, outcomes=cached.outcomes, applied=applied,
-        files_changed=int(record["files_changed"]), layers=cached.layers,
-        labels=image_labels(inputs, base_ref, resolved, applied, str(record["vllm_version"])), clock=clock,
-        env=dict(record["env"]), triton=dict(record["triton"]), vllm_version=str(record["vllm_version"]),
-        site_dir=str(record["site_dir"]), base_manifest_digest=base.manifest().digest,
-        cache_key=key, cache_inputs=key_inputs, cache_hit=cached.where,
-    )

@@ -1,41 +1,59 @@
 """A build cache in a registry, shared across machines: ``build --cache-to/--cache-from REGISTRY/REPO``.
 
 Public API:
-    CACHE_ARTIFACT_TYPE, RECORD_MEDIA_TYPE, SIGNED_RECORD_MEDIA_TYPE
+    PATCHED, KERNELS                 the entry kinds; ARTIFACT_TYPES: kind -> artifactType
+    RECORD_MEDIA_TYPE, SIGNED_RECORD_MEDIA_TYPE
     parse_cache_location(text, where) -> ImageReference     ``REGISTRY/REPO``, no tag or digest
-    cache_key(inputs, base_digest, leave_out_unusable_kernels) -> (hex key, the inputs it hashes)
-    entry_tag(key) -> str                                    ``kiln-cache-v1-<key>``
-    CachedBuild(record, layers)                              a verified entry: kiln's layers as ``LayerContents``
-    read_entry(client, repository, key, key_inputs, workdir, reporter=SILENT, open_record=plain_record)
-        -> CachedBuild | None
+    patched_key(inputs, base_digest) -> (hex key, the inputs it hashes)
+    kernels_key(inputs, base_digest, patched, leave_out_unusable_kernels) -> (hex key, inputs)
+    entry_tag(kind, key) -> str                              ``kiln-cache-<kind>-v1-<key>``
+    CacheUse(kind, key, inputs, sm)  one entry a build looks up: hit or not, what it would write
+    CachedEntry(record, layers, where)                       a verified entry: its layers as ``LayerContents``
+    read_entry(client, repository, kind, key, key_inputs, workdir, reporter=SILENT, open_record=plain_record)
+        -> CachedEntry | None
     plain_record(data, media_type, where) -> bytes   the record of an unsigned entry (a signed one: a miss)
-    entry_record(key, key_inputs, prepared, layers) -> dict
-    write_entry(client, repository, key, record, layers, seal=None) -> str (the entry's manifest digest)
+    entry_record(use, layers) -> dict
+    write_entry(client, repository, kind, key, record, layers, seal=None) -> str (the entry's manifest digest)
 
 A build is a pure function of its inputs (reproducible by construction), so what it computes
-from the base's vLLM layers (the patched-source layer, the Triton kernel layer and the facts
-the labels, audit file, SBOM and provenance need) can be cached by a key of those inputs.
-The key is known before any base layer is read: the base's digest (it names every layer: a
-superset key), the definition file and its baked files, the selected patch modules' sha256,
-the pin, SM and tag, kiln's own code (every module and schema) and Python's version (the
-Triton toolchain wheel is per CPython). An entry is an OCI artifact manifest
-(``artifactType`` ``application/vnd.kiln.cache.v1``) tagged by its key in the cache
-repository: its config is the record (the key and the inputs it hashes, the verdicts, the
-layers' digests, removals and history, env, the Triton summary), its layers are kiln's
-layer blobs. Written with a signing key (``build --sign-key``), the config is instead a DSSE
-envelope of the record (``seal``, ``kiln.attest.dsse``), and a reader given the public key
-(``--cache-key``) takes only entries whose signature verifies: the record names every layer
-by digest, so the signature covers the whole entry.
+from the base's layers can be cached by a key of the inputs each part depends on. There are
+two kinds of entry, so that builds sharing part of their inputs share that part's entry:
+
+* ``patched``: the patching's result: every verdict, the changed modules and the whiteouts of
+  their stale bytecode (one layer), vLLM's version and site dir, each changed file's pristine
+  sha256. Its key: the base's digest (it names every layer, the vLLM layers included: a
+  superset key), the selection (the definition's list and every selected patch module's
+  sha256), what the build target decides of each patch (out of range, gated: the only use the
+  engine makes of the pin's vLLM, the SM and the model preset), kiln's own code and Python's
+  ``major.minor``. No image name, tag, SM or baked file: the image's patched-source layer
+  (with its baked files and audit file) is assembled from the entry by each build, so images
+  on one base with one selection share it, whatever their SMs.
+* ``kernels``: one SM's Triton kernel layer (or none, left out) and its summary and env. Its
+  key: the base's digest (its Triton, hence the toolchain wheel, its Python and config Env),
+  the kernel preset, the SM, the definition's serve env, ``--without-unusable-kernels``,
+  kiln's code and Python's version, and the kernel sources: "pristine" when no selected patch
+  touches a file the kernels are compiled from (the base's digest names them), else the
+  patched entry's key. A change of patch selection that touches no kernel source keeps it.
+
+The keys are known before any base layer is read. An entry is an OCI artifact manifest
+(``artifactType`` per kind) tagged by its kind and key in the cache repository: its config is
+the record (the kind, the key and the inputs it hashes, the kind's fields, its layers'
+digests, removals and history), its layers are the blobs. Written with a signing key
+(``build --sign-key``), the config is instead a DSSE envelope of the record (``seal``,
+``kiln.attest.dsse``), and a reader given the public key (``--cache-key``) takes only entries
+whose signature verifies: the record names every layer by digest, so the signature covers
+the whole entry.
 
 Reading verifies everything: the manifest's and every blob's digest and size; the record's
-key and inputs equal the ones this build computed (an entry copied under another key is
+kind, key and inputs equal the ones this build computed (an entry copied under another key is
 refused); the layers re-derive: their contents written again by ``kiln.oci.layer`` give the
 recorded digest and diff_id, so what the build bakes from them is byte for byte the entry.
-Anything wrong is a miss with a warning, never an image. Concurrent writers of one key are
-safe: each uploads every blob its manifest names (content-addressed, so they share them)
-before it PUTs the manifest, and a tag's PUT replaces it whole; the last writer's entry wins,
-and any writer's entry gives the same image (records differ only in what the build reports,
-such as the kernels' compile seconds, or an ECDSA signature's nonce).
+Anything wrong is a miss with a warning, never an image; a miss of one entry leaves the other
+usable. Concurrent writers of one key are safe: each uploads every blob its manifest names
+(content-addressed, so they share them) before it PUTs the manifest, and a tag's PUT replaces
+it whole; the last writer's entry wins, and any writer's entry gives the same image (records
+differ only in what the build reports, such as the kernels' compile seconds, or an ECDSA
+signature's nonce).
 """
 
 from __future__ import annotations
@@ -46,7 +64,7 @@ import posixpath
 import sys
 import tarfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
@@ -62,8 +80,11 @@ from kiln.oci.reference import ImageReference, parse_reference
 from kiln.oci.registry import RegistryClient
 from kiln.patch.model import Outcome, Verdict
 from kiln.report import SILENT, Reporter
+from kiln.triton.aot import reads_source
 
-CACHE_ARTIFACT_TYPE = "application/vnd.kiln.cache.v1"
+PATCHED, KERNELS = "patched", "kernels"
+ARTIFACT_TYPES = {PATCHED: "application/vnd.kiln.cache.patched.v1",
+                  KERNELS: "application/vnd.kiln.cache.kernels.v1"}
 RECORD_MEDIA_TYPE = "application/vnd.kiln.cache.record.v1+json"
 SIGNED_RECORD_MEDIA_TYPE = "application/vnd.dsse.envelope.v1+json"  # its payload: a record
 KEY_ANNOTATION = "dev.kiln.cache.key"
@@ -94,30 +115,42 @@ def _kiln_code() -> str:
     return h.hexdigest()
 
 
-def cache_key(inputs: BuildInputs, base_digest: str, leave_out_unusable_kernels: bool = False) -> tuple[str, dict]:
-    """The key of a build, from what it is asked for and the base's digest only (no layer read)."""
-    definition, pin, catalogue = inputs.definition, inputs.pin, inputs.catalogue
-    selected = catalogue.closure(list(definition.patches))
-    key_inputs = {
-        "format": CACHE_ARTIFACT_TYPE,
-        "kiln": {"version": __version__, "code": _kiln_code()},
-        "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
-        "base": base_digest,
-        "definition": {"name": definition.name, "images_dir": inputs.files.images.name,
-                       "sha256": hashlib.sha256(definition.path.read_bytes()).hexdigest()},
-        "baked": {f.path: f.sha256 for f in definition.files},
-        "patches": {pid: catalogue.digests[pid] for pid in sorted(selected)},
-        "pin": {"name": pin.name, "image": pin.image, "vllm": str(pin.vllm), "cuda": pin.cuda,
-                "digest": pin.digest or None},
-        "sm": inputs.sm,
-        "tag": inputs.tag,
-        "leave_out_unusable_kernels": leave_out_unusable_kernels,
-    }
-    return hashlib.sha256(_canonical(key_inputs)).hexdigest(), key_inputs
+def _keyed(kind: str, key_inputs: dict) -> tuple[str, dict]:
+    key_inputs = json.loads(_canonical({"kind": kind, "format": ARTIFACT_TYPES[kind],
+                                        "kiln": {"version": __version__, "code": _kiln_code()},
+                                        "python": f"{sys.version_info[0]}.{sys.version_info[1]}", **key_inputs}))
+    return hashlib.sha256(_canonical(key_inputs)).hexdigest(), key_inputs  # as read back: lists, not tuples
 
 
-def entry_tag(key: str) -> str:
-    return f"kiln-cache-v1-{key}"
+def patched_key(inputs: BuildInputs, base_digest: str) -> tuple[str, dict]:
+    """The patched entry's key: the base, the selection and what the target decides of each patch."""
+    definition, catalogue, target = inputs.definition, inputs.catalogue, inputs.target()
+    patches = []
+    for pid in catalogue.closure(list(definition.patches)):
+        patch = catalogue.get(pid)
+        patches.append({"id": pid, "sha256": catalogue.digests[pid],
+                        "out_of_range": patch.outside_range(target.vllm_version) or None,
+                        "gated": patch.gates.blocks(target) or None})
+    return _keyed(PATCHED, {"base": base_digest, "vllm": str(inputs.pin.vllm),
+                            "selection": list(definition.patches), "patches": patches})
+
+
+def kernels_key(inputs: BuildInputs, base_digest: str, patched: str,
+                leave_out_unusable_kernels: bool = False) -> tuple[str, dict]:
+    """One SM's kernel entry's key (``patched``: the patched entry's key, used only when a selected
+    patch touches a file the kernels are compiled from)."""
+    definition, catalogue = inputs.definition, inputs.catalogue
+    kernels = definition.model.kernels
+    touched = any(reads_source(kernels, rel) for pid in catalogue.closure(list(definition.patches))
+                  for rel in catalogue.get(pid).targets)
+    return _keyed(KERNELS, {"base": base_digest, "sm": inputs.sm, "preset": kernels.to_json(),
+                            "serve_env": dict(definition.serve_env),
+                            "leave_out_unusable_kernels": leave_out_unusable_kernels,
+                            "sources": patched if touched else "pristine"})
+
+
+def entry_tag(kind: str, key: str) -> str:
+    return f"kiln-cache-{kind}-v1-{key}"
 
 
 def _canonical(value) -> bytes:
@@ -125,8 +158,29 @@ def _canonical(value) -> bytes:
 
 
 @dataclass
-class CachedBuild:
-    """A verified entry: its record and kiln's layers, ready to bake (the same bytes as the entry's)."""
+class CacheUse:
+    """One entry a build looks up (``hit``: where it was read from) and would write: its record's
+    own fields and its layers' contents, set by the build."""
+
+    kind: str
+    key: str
+    inputs: dict
+    sm: int | None = None
+    hit: str | None = None  # registry/repository:tag of the entry used
+    location: ImageReference | None = None  # the cache repository it was read from
+    fields: dict = field(default_factory=dict)
+    contents: list[LayerContents] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        out = {"kind": self.kind, "key": self.key, "tag": entry_tag(self.kind, self.key), "hit": self.hit}
+        if self.sm is not None:
+            out["sm"] = self.sm
+        return out
+
+
+@dataclass
+class CachedEntry:
+    """A verified entry: its record and layers, ready to bake (the same bytes as the entry's)."""
 
     record: dict
     layers: list[LayerContents]
@@ -140,23 +194,19 @@ class CachedBuild:
             out[data["patch"]] = Outcome(data["patch"], Verdict(data["verdict"]), data.get("detail", ""), files)
         return out
 
+    def changed(self) -> dict[str, str]:
+        """A patched entry's changed modules: vllm-relative path -> text."""
+        prefix = f"{self.record['site_dir']}/vllm/"
+        return {path[len(prefix):]: data.decode("utf-8") for path, data in self.layers[0].files.items()}
 
-def entry_record(key: str, key_inputs: dict, prepared, layers: list[Layer]) -> dict:
-    """What a hit needs to give the same ``PreparedBuild`` as the build that wrote it."""
+
+def entry_record(use: CacheUse, layers: list[Layer]) -> dict:
+    """What a hit needs: the use's fields, and each layer's digests, history line and removals."""
     return {
-        "key": key,
-        "inputs": key_inputs,
-        "base_manifest_digest": prepared.base_manifest_digest,
-        "vllm_version": prepared.vllm_version,
-        "site_dir": prepared.site_dir,
-        "outcomes": [o.to_json() for o in prepared.outcomes.values()],
-        "applied": list(prepared.applied),
-        "files_changed": prepared.files_changed,
-        "env": dict(prepared.env),
-        "triton": prepared.triton,
+        "kind": use.kind, "key": use.key, "inputs": use.inputs, **use.fields,
         "layers": [{"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size,
                     "created_by": contents.created_by, "removals": list(contents.removals)}
-                   for layer, contents in zip(layers, prepared.layers, strict=True)],
+                   for layer, contents in zip(layers, use.contents, strict=True)],
     }
 
 
@@ -167,7 +217,7 @@ def plain_record(data: bytes, media_type: str, where: str) -> bytes:
     return data
 
 
-def write_entry(client: RegistryClient, repository: str, key: str, record: dict, layers: list[Layer],
+def write_entry(client: RegistryClient, repository: str, kind: str, key: str, record: dict, layers: list[Layer],
                 seal: Callable[[bytes], bytes] | None = None) -> str:
     """Upload the layers and the record (unless present), then PUT the entry's manifest under its tag.
 
@@ -185,36 +235,36 @@ def write_entry(client: RegistryClient, repository: str, key: str, record: dict,
     manifest = {
         "schemaVersion": 2,
         "mediaType": OCI_MANIFEST,
-        "artifactType": CACHE_ARTIFACT_TYPE,
+        "artifactType": ARTIFACT_TYPES[kind],
         "config": {"mediaType": media_type, "digest": record_digest, "size": len(record_bytes)},
         "layers": [{"mediaType": OCI_LAYER_GZIP, "digest": layer.digest, "size": layer.size} for layer in layers],
         "annotations": {KEY_ANNOTATION: key},
     }
-    return client.put_manifest(repository, entry_tag(key), _canonical(manifest), OCI_MANIFEST)
+    return client.put_manifest(repository, entry_tag(kind, key), _canonical(manifest), OCI_MANIFEST)
 
 
-def read_entry(client: RegistryClient, repository: str, key: str, key_inputs: dict, workdir: Path,
+def read_entry(client: RegistryClient, repository: str, kind: str, key: str, key_inputs: dict, workdir: Path,
                reporter: Reporter = SILENT, open_record: Callable[[bytes, str, str], bytes] = plain_record,
-               ) -> CachedBuild | None:
-    """The entry of ``key``, verified; None (a miss) when there is none or it is not right (with a warning)."""
-    tag = entry_tag(key)
+               ) -> CachedEntry | None:
+    """The ``kind`` entry of ``key``, verified; None (a miss) when there is none or it is not right (with a warning)."""
+    tag = entry_tag(kind, key)
     where = f"{client.endpoint.registry}/{repository}:{tag}"
     try:
         manifest = client.find_manifest(repository, tag)
         if manifest is None:
-            reporter.note(f"build cache {client.endpoint.registry}/{repository}: no entry for this build")
+            reporter.note(f"build cache {client.endpoint.registry}/{repository}: no {kind} entry for this build")
             return None
-        return _verified(client, repository, manifest, key, key_inputs, workdir, where, open_record)
+        return _verified(client, repository, manifest, kind, key, key_inputs, workdir, where, open_record)
     except KilnError as err:
         reporter.warn(f"build cache entry {where} refused, building without it: {err}")
         return None
 
 
-def _verified(client: RegistryClient, repository: str, manifest: Manifest, key: str, key_inputs: dict,
-              workdir: Path, where: str, open_record: Callable[[bytes, str, str], bytes]) -> CachedBuild:
+def _verified(client: RegistryClient, repository: str, manifest: Manifest, kind: str, key: str, key_inputs: dict,
+              workdir: Path, where: str, open_record: Callable[[bytes, str, str], bytes]) -> CachedEntry:
     body = manifest.json
-    if body.get("artifactType") != CACHE_ARTIFACT_TYPE:
-        raise KilnError(f"not a kiln cache entry (artifactType {body.get('artifactType')!r})")
+    if body.get("artifactType") != ARTIFACT_TYPES[kind]:
+        raise KilnError(f"not a kiln {kind} cache entry (artifactType {body.get('artifactType')!r})")
     config = Descriptor.from_json(body.get("config"), f"{where} config")
     if config.media_type not in (RECORD_MEDIA_TYPE, SIGNED_RECORD_MEDIA_TYPE) or config.size > _RECORD_MAX:
         raise KilnError(f"its config is not a kiln cache record ({config.media_type}, {config.size} bytes)")
@@ -227,13 +277,16 @@ def _verified(client: RegistryClient, repository: str, manifest: Manifest, key: 
         record = json.loads(open_record(data, config.media_type, f"{where} record"))
     except ValueError:
         raise KilnError("its record is not JSON") from None
-    if not isinstance(record, dict) or record.get("key") != key or record.get("inputs") != key_inputs:
-        raise KilnError("its record is another build's (key or inputs differ from this build's)")
+    if not isinstance(record, dict) or record.get("kind") != kind or record.get("key") != key \
+            or record.get("inputs") != key_inputs:
+        raise KilnError("its record is another build's (kind, key or inputs differ from this build's)")
     descriptors = [Descriptor.from_json(d, f"{where} layer") for d in body.get("layers") or []]
     recorded = record.get("layers")
     if not isinstance(recorded, list) or [(d.digest, d.size) for d in descriptors] != \
             [(r.get("digest"), r.get("size")) for r in recorded if isinstance(r, dict)]:
         raise KilnError("its layers are not the ones its record lists")
+    if len(descriptors) > 1 or (kind == PATCHED and not descriptors):
+        raise KilnError(f"a {kind} entry with {len(descriptors)} layers")
     contents = []
     for descriptor, layer in zip(descriptors, recorded, strict=True):
         path = workdir / descriptor.digest.split(":", 1)[1]
@@ -247,24 +300,39 @@ def _verified(client: RegistryClient, repository: str, manifest: Manifest, key: 
         again.path.unlink()
         path.unlink()
         contents.append(layer_contents)
-    _check_fields(record)
-    return CachedBuild(record, contents, where)
+    entry = CachedEntry(record, contents, where)
+    _check_fields(kind, entry)
+    return entry
 
 
-def _check_fields(record: dict) -> None:
+_FIELDS = {PATCHED: {"outcomes": list, "applied": list, "vllm_version": str, "site_dir": str,
+                     "base_manifest_digest": str, "before": dict},
+           KERNELS: {"env": dict, "triton": dict}}
+
+
+def _check_fields(kind: str, entry: CachedEntry) -> None:
     """Every field a hit uses, of the type it is used as: a record a build could not use is a miss."""
-    kinds = {"outcomes": list, "applied": list, "env": dict, "triton": dict, "vllm_version": str,
-             "site_dir": str, "base_manifest_digest": str, "files_changed": int}
-    for name, kind in kinds.items():
-        if not isinstance(record.get(name), kind):
-            raise KilnError(f"its record's {name!r} is not a {kind.__name__}")
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in record["env"].items()) or \
-            not all(isinstance(pid, str) for pid in record["applied"]):
-        raise KilnError("its record's env or applied patches are not strings")
+    record = entry.record
+    for name, expected in _FIELDS[kind].items():
+        if not isinstance(record.get(name), expected):
+            raise KilnError(f"its record's {name!r} is not a {expected.__name__}")
+    if kind == KERNELS:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in record["env"].items()):
+            raise KilnError("its record's env is not strings")
+        return
+    if not all(isinstance(pid, str) for pid in record["applied"]):
+        raise KilnError("its record's applied patches are not strings")
     try:
-        CachedBuild(record, [], "").outcomes  # noqa: B018 - each verdict parses
+        entry.outcomes  # noqa: B018 - each verdict parses
+        changed = entry.changed()
     except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise KilnError(f"its record's outcomes do not parse ({err!r})") from None
+        raise KilnError(f"its record's outcomes or its layer's files do not parse ({err!r})") from None
+    prefix = f"{record['site_dir']}/vllm/"
+    if not all(path.startswith(prefix) for path in entry.layers[0].files):
+        raise KilnError(f"its layer holds files outside {prefix}")
+    if not set(record["before"]) <= set(changed) or \
+            not all(isinstance(v, str) for v in record["before"].values()):
+        raise KilnError("its record's 'before' is not a sha256 per changed file")
 
 
 def _unpacked(path: Path, created_by: str, removals: list) -> LayerContents:

@@ -123,10 +123,9 @@ class RegistryPublisher(Publisher):
     def _cache_mount(self, image, client: RegistryClient) -> dict[str, str]:
         """kiln's layers read from a registry build cache on this host: digest -> the cache repository
         to mount them from (``POST ?mount=&from=``) rather than upload them again."""
-        cached_from = image.prepared.cached_from
-        if cached_from is None or self.config.endpoint(cached_from.registry, push=True).host != client.endpoint.host:
-            return {}
-        return {layer.digest: cached_from.repository for layer in image.layers}
+        built = {layer.digest for layer in image.layers}
+        return {digest: where.repository for digest, where in image.prepared.cache_mounts.items()
+                if digest in built and self.config.endpoint(where.registry, push=True).host == client.endpoint.host}
 
     @staticmethod
     def _attach(client: RegistryClient, repository: str, digest: str, artifacts: list) -> None:

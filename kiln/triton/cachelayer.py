@@ -6,6 +6,7 @@ Public API:
                        leave_out_unusable=False) -> TritonLayer | None   (None: left out)
     LEAVE_OUT_OPTION                 the build option that sets ``leave_out_unusable``
     image_env(config) -> dict       a base config's Env as a dict
+    kernel_created_by(image_name, sm, kernels) -> str   the layer's history line
 
 Called by ``kiln.build.prepare`` for images whose ``[model]`` declares ``kernels``:
 checks that every declared launcher exists in the patched source, picks the toolchain for
@@ -84,9 +85,13 @@ def triton_cache_layer(preset: KernelPreset, sm: int, found: ImageVllm, changed:
                "kernels": len({k["hash"] for launch in result.launches for k in launch["kernels"]}),
                "kernel_names": kernels, "compiled": result.compiled, "from_cache": result.cached,
                "not_built": result.failures, "seconds": result.seconds}
-    contents = LayerContents(files=files, removals=(),
-                             created_by=f"kiln triton cache {image_name} sm{sm}: {', '.join(kernels) or 'none'}")
+    contents = LayerContents(files=files, removals=(), created_by=kernel_created_by(image_name, sm, kernels))
     return TritonLayer(contents, {"TRITON_CACHE_DIR": RUNTIME_CACHE_DIR}, summary)
+
+
+def kernel_created_by(image_name: str, sm: int, kernels: list[str]) -> str:
+    """The kernel layer's history line (the image's: a registry cache entry is shared by images)."""
+    return f"kiln triton cache {image_name} sm{sm}: {', '.join(kernels) or 'none'}"
 
 
 def _image_python(site_dir: str) -> str | None:

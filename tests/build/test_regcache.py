@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import shutil
 from dataclasses import replace
 
@@ -9,7 +10,14 @@ import pytest
 
 from kiln import commands
 from kiln.build.inputs import load_build_inputs
-from kiln.build.regcache import cache_key, entry_tag, parse_cache_location
+from kiln.build.regcache import (
+    KERNELS,
+    PATCHED,
+    entry_tag,
+    kernels_key,
+    parse_cache_location,
+    patched_key,
+)
 from kiln.errors import KilnError
 from kiln.oci.endpoints import RegistryConfig
 from kiln.paths import RepoFiles
@@ -29,24 +37,47 @@ def files(tmp_path) -> RepoFiles:
     return RepoFiles(pins=pins, images=images)
 
 
-def test_the_key_is_stable_and_names_every_input(files):
+def test_the_patched_key_is_stable_and_names_what_the_patching_depends_on(files):
     inputs = load_build_inputs(files, "e2e-p65", "v0.20.1", 120)
-    key, hashed = cache_key(inputs, BASE)
-    assert (key, hashed) == cache_key(load_build_inputs(files, "e2e-p65", "v0.20.1", 120), BASE)
-    assert len(key) == 64 and len(entry_tag(key)) <= 128
-    assert list(hashed["patches"]) == ["P65"] and hashed["sm"] == 120 and hashed["base"] == BASE
-    others = {
-        "another base": cache_key(inputs, "sha256:" + "cd" * 32)[0],
-        "another SM": cache_key(load_build_inputs(files, "e2e-p65", "v0.20.1", 86), BASE)[0],
-        "kernels left out": cache_key(inputs, BASE, leave_out_unusable_kernels=True)[0],
-    }
+    key, hashed = patched_key(inputs, BASE)
+    assert (key, hashed) == patched_key(load_build_inputs(files, "e2e-p65", "v0.20.1", 120), BASE)
+    assert len(key) == 64 and len(entry_tag(PATCHED, key)) <= 128
+    assert [p["id"] for p in hashed["patches"]] == ["P65"] and hashed["base"] == BASE
+    others = {"another base": patched_key(inputs, "sha256:" + "cd" * 32)[0]}
     # a patch module's bytes: the catalogue's digest of it
     catalogue = replace(inputs.catalogue, digests={**inputs.catalogue.digests, "P65": "0" * 64})
-    others["another P65"] = cache_key(replace(inputs, catalogue=catalogue), BASE)[0]
-    definition = files.images / "e2e-p65.toml"
-    definition.write_text(definition.read_text() + "\n# a comment is a new definition file\n")
-    others["another definition"] = cache_key(load_build_inputs(files, "e2e-p65", "v0.20.1", 120), BASE)[0]
+    others["another P65"] = patched_key(replace(inputs, catalogue=catalogue), BASE)[0]
+    # a gate that decides otherwise for this target (the only use the engine makes of the SM)
+    p65 = inputs.catalogue.get("P65")
+    gated = copy.copy(p65)
+    gated.gates = replace(p65.gates, sm_max=90)
+    catalogue = replace(inputs.catalogue, patches={**inputs.catalogue.patches, "P65": gated})
+    others["P65 gated on sm120"] = patched_key(replace(inputs, catalogue=catalogue), BASE)[0]
     assert key not in others.values() and len(set(others.values())) == len(others)
+    # no image name, definition file, tag or SM: images on one base and selection share the entry
+    definition = files.images / "e2e-p65.toml"
+    definition.write_text(definition.read_text().replace('name = "e2e-p65"', 'name = "e2e-p65-b"')
+                          + "\n# another definition file\n")
+    definition.rename(files.images / "e2e-p65-b.toml")
+    assert patched_key(load_build_inputs(files, "e2e-p65-b", "v0.20.1", 86), BASE)[0] == key
+
+
+def test_the_kernel_key_is_per_sm_and_keeps_out_what_the_kernels_do_not_read(files):
+    inputs = load_build_inputs(files, "e2e-triton", "v0.20.1", 120)
+    patched = patched_key(inputs, BASE)[0]
+    key, hashed = kernels_key(inputs, BASE, patched)
+    assert key == kernels_key(load_build_inputs(files, "e2e-triton", "v0.20.1", 120), BASE, patched)[0]
+    assert len(entry_tag(KERNELS, key)) <= 128 and hashed["sm"] == 120
+    others = {
+        "another SM": kernels_key(load_build_inputs(files, "e2e-triton", "v0.20.1", 86), BASE, patched)[0],
+        "another base": kernels_key(inputs, "sha256:" + "cd" * 32, patched)[0],
+        "kernels left out": kernels_key(inputs, BASE, patched, leave_out_unusable_kernels=True)[0],
+    }
+    assert key not in others.values() and len(set(others.values())) == len(others)
+    # the patched key counts exactly when a selected patch touches a file the kernels read
+    touches = hashed["sources"] != "pristine"
+    assert (kernels_key(inputs, BASE, "0" * 64)[0] != key) is touches
+    assert hashed["sources"] in (patched, "pristine")
 
 
 @pytest.mark.parametrize("text", ["ghcr.io/you/cache:tag", "ghcr.io/you/cache@sha256:" + "0" * 64,

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 import kiln.build.prepare as prepare_module
-from kiln.build.regcache import CACHE_ARTIFACT_TYPE, entry_tag, read_entry, write_entry
+from kiln.build.regcache import ARTIFACT_TYPES, KERNELS, PATCHED, entry_tag, read_entry, write_entry
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.layer import LayerContents, write_layer
 from kiln.oci.registry import RegistryClient
@@ -60,8 +60,14 @@ def _fresh_runner(monkeypatch, tmp_path, name: str) -> None:
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / name))
 
 
-def _entry(registry, repository: str, key: str) -> dict:
-    resp = requests.get(f"{registry.url}/v2/{repository}/manifests/{entry_tag(key)}",
+def _key(result: dict, kind: str = PATCHED) -> str:
+    """The key of the build's ``kind`` entry, from its ``--json``."""
+    [key] = [e["key"] for e in result["cache"]["entries"] if e["kind"] == kind]
+    return key
+
+
+def _entry(registry, repository: str, key: str, kind: str = PATCHED) -> dict:
+    resp = requests.get(f"{registry.url}/v2/{repository}/manifests/{entry_tag(kind, key)}",
                         headers={"Accept": MANIFEST}, timeout=10)
     assert resp.status_code == 200, resp.text
     return resp.json()
@@ -113,9 +119,13 @@ def test_second_runner_reads_the_entry_and_no_vllm_layer(project, capsys, tmp_pa
                                      "--cache-to", cache_repo)
     assert code == 0, err
     assert patch_runs == [1] and first["cache"]["hit"] is None and len(first["cache"]["written"]) == 1
-    entry = _entry(registry, f"{project.dest}-cache", first["cache"]["key"])
-    assert entry["artifactType"] == CACHE_ARTIFACT_TYPE
-    assert [layer["digest"] for layer in entry["layers"]] == [first["layer_digest"]]
+    assert [e["kind"] for e in first["cache"]["entries"]] == [PATCHED]  # no kernels: one entry
+    entry = _entry(registry, f"{project.dest}-cache", _key(first))
+    assert entry["artifactType"] == ARTIFACT_TYPES[PATCHED]
+    # the entry holds the patching's result; the image's layer adds the audit file to it
+    with tarfile.open(fileobj=io.BytesIO(_blob(registry, f"{project.dest}-cache", entry["layers"][0]["digest"]))) as tar:
+        names = {m.name for m in tar.getmembers() if m.isfile()}
+    assert names and all("/vllm/" in n for n in names) and entry["layers"][0]["digest"] != first["layer_digest"]
 
     _fresh_runner(monkeypatch, tmp_path, "runner-b")
     log_mark = len(registry.log())
@@ -124,7 +134,8 @@ def test_second_runner_reads_the_entry_and_no_vllm_layer(project, capsys, tmp_pa
                                       "--cache-from", cache_repo)
     assert code == 0, err
     assert patch_runs == [1], "the cache hit ran the patching"
-    assert second["cache"]["hit"].endswith(entry_tag(first["cache"]["key"]))
+    [hit] = second["cache"]["hit"]
+    assert hit.endswith(entry_tag(PATCHED, _key(first)))
     assert second["manifest_digest"] == first["manifest_digest"]
     assert second["config_digest"] == first["config_digest"]
     assert second["attestations"] == first["attestations"]  # the SBOM and provenance too
@@ -135,9 +146,10 @@ def test_second_runner_reads_the_entry_and_no_vllm_layer(project, capsys, tmp_pa
     assert "GET /v2/vllm/vllm-openai/blobs/" in log  # the base's config, read through the same log
     assert second["bytes_pulled"] < base_layout.layer_sizes["vllm"] / 4
     assert registry.digest_of(f"{project.dest}-b:{TAG}") == first["manifest_digest"]
-    # the base's blobs are mounted from the base's repository, kiln's layer from the cache's
-    assert second["blobs_mounted"] == first["blobs_mounted"] + 1
-    assert second["blobs_uploaded"] == first["blobs_uploaded"] - 1
+    # the base's blobs are mounted from the base's repository; the patched-source layer is the
+    # image's own (its audit file names the image), assembled from the entry and uploaded
+    assert second["blobs_mounted"] == first["blobs_mounted"]
+    assert second["blobs_uploaded"] == first["blobs_uploaded"]
 
 
 def test_poisoned_entries_fall_back_to_building(project, capsys, tmp_path, monkeypatch, patch_runs,
@@ -148,7 +160,7 @@ def test_poisoned_entries_fall_back_to_building(project, capsys, tmp_path, monke
     _fresh_runner(monkeypatch, tmp_path, "writer")
     code, first, err = project.build(capsys, "--cache-to", f"{cache.host}/{repo}", "--insecure-registry", cache.host)
     assert code == 0, err
-    key = first["cache"]["key"]
+    key = _key(first)
     entry = _entry(cache, repo, key)
     record_bytes = _blob(cache, repo, entry["config"]["digest"])
     record = json.loads(record_bytes)
@@ -171,21 +183,21 @@ def test_poisoned_entries_fall_back_to_building(project, capsys, tmp_path, monke
     stored.write_bytes(good)
 
     # 2. another build's record under this key (its inputs differ)
-    other = {**record, "inputs": {**record["inputs"], "sm": 86}}
+    other = {**record, "inputs": {**record["inputs"], "selection": ["P65", "P66"]}}
     config = _put_blob(cache, repo, json.dumps(other).encode())
-    _put_entry(cache, repo, entry_tag(key), {**entry, "config": {**entry["config"], **config}})
+    _put_entry(cache, repo, entry_tag(PATCHED, key), {**entry, "config": {**entry["config"], **config}})
     rebuild("other-key", "another build's")
 
     # 3. a coherent entry whose layer is other content (the record names it, the diff_id does not match)
     blob = _put_blob(cache, repo, _other_layer(record["layers"][0]["removals"]))
     lying = {**record, "layers": [{**record["layers"][0], "digest": blob["digest"], "size": blob["size"]}]}
     config = _put_blob(cache, repo, json.dumps(lying).encode())
-    _put_entry(cache, repo, entry_tag(key), {**entry, "config": {**entry["config"], **config},
+    _put_entry(cache, repo, entry_tag(PATCHED, key), {**entry, "config": {**entry["config"], **config},
                                                "layers": [{**entry["layers"][0], **blob}]})
     rebuild("wrong-content", "does not re-derive")
 
     # a good entry again (the writer's bytes): a hit, the same digest
-    _put_entry(cache, repo, entry_tag(key), entry)
+    _put_entry(cache, repo, entry_tag(PATCHED, key), entry)
     _fresh_runner(monkeypatch, tmp_path, "reader")
     runs = len(patch_runs)
     code, hit, err = project.build(capsys, *where)
@@ -212,7 +224,7 @@ def test_cache_key_takes_only_entries_its_key_signed(project, capsys, tmp_path, 
     _fresh_runner(monkeypatch, tmp_path, "writer")
     code, first, err = project.build(capsys, "--cache-to", cache_repo, "--sign-key", signer)
     assert code == 0, err
-    entry = _entry(registry, repo, first["cache"]["key"])
+    entry = _entry(registry, repo, _key(first))
     assert entry["config"]["mediaType"] == "application/vnd.dsse.envelope.v1+json"
 
     def read(name: str, public_key: str) -> dict:
@@ -231,7 +243,7 @@ def test_cache_key_takes_only_entries_its_key_signed(project, capsys, tmp_path, 
     # the same record, unsigned, under the key: refused by a reader that wants signatures
     envelope = json.loads(_blob(registry, repo, entry["config"]["digest"]))
     plain = _put_blob(registry, repo, base64.b64decode(envelope["payload"]))
-    _put_entry(registry, repo, entry_tag(first["cache"]["key"]),
+    _put_entry(registry, repo, entry_tag(PATCHED, _key(first)),
                {**entry, "config": {"mediaType": "application/vnd.kiln.cache.record.v1+json", **plain}})
     unsigned = read("unsigned", signer_pub)
     assert unsigned["cache"]["hit"] is None and len(patch_runs) == runs + 2
@@ -241,7 +253,7 @@ def test_cache_key_takes_only_entries_its_key_signed(project, capsys, tmp_path, 
 def test_concurrent_writers_and_readers_of_one_key(registry_plain, tmp_path):
     """Writers of one key race (their records differ as two runners' would: the compile seconds);
     readers racing them see no entry or a whole one, never a refused one; the last PUT wins."""
-    key, key_inputs = "ab" * 32, {"format": CACHE_ARTIFACT_TYPE, "test": tmp_path.name}
+    key, key_inputs = "ab" * 32, {"format": ARTIFACT_TYPES[KERNELS], "test": tmp_path.name}
     repo = f"test/{tmp_path.name.lower().replace('_', '-')}-race"
     contents = LayerContents({"opt/kiln/a.py": b"a = 1\n", "opt/kiln/b.py": bytes(range(256)) * 512},
                              ("usr/lib/gone.pyc",), "kiln bake test")
@@ -249,20 +261,18 @@ def test_concurrent_writers_and_readers_of_one_key(registry_plain, tmp_path):
     endpoint = RegistryConfig(insecure={registry_plain.host}).endpoint(registry_plain.host, push=True)
 
     def record(seconds: int) -> dict:
-        return {"key": key, "inputs": key_inputs, "base_manifest_digest": "sha256:" + "0" * 64,
-                "vllm_version": "0.20.1", "site_dir": "usr/lib/python3/site-packages", "outcomes": [],
-                "applied": [], "files_changed": 0, "env": {}, "triton": {"seconds": seconds},
+        return {"kind": KERNELS, "key": key, "inputs": key_inputs, "env": {}, "triton": {"seconds": seconds},
                 "layers": [{"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size,
                             "created_by": contents.created_by, "removals": list(contents.removals)}]}
 
     def write(seconds: int) -> str:
-        return write_entry(RegistryClient(endpoint), repo, key, record(seconds), [layer])
+        return write_entry(RegistryClient(endpoint), repo, KERNELS, key, record(seconds), [layer])
 
     def read(i: int):
         reporter = Recorder()
         workdir = tmp_path / f"read-{i}"
         workdir.mkdir()
-        found = read_entry(RegistryClient(endpoint), repo, key, key_inputs, workdir, reporter)
+        found = read_entry(RegistryClient(endpoint), repo, KERNELS, key, key_inputs, workdir, reporter)
         assert not reporter.warnings, reporter.warnings
         return found
 
@@ -276,29 +286,36 @@ def test_concurrent_writers_and_readers_of_one_key(registry_plain, tmp_path):
         assert found is None or (found.layers == [contents] and found.record["triton"]["seconds"] in range(8))
     final = read(99)
     assert final is not None and final.layers == [contents]
-    assert _entry(registry_plain, repo, key)["config"]["digest"] in {
+    assert _entry(registry_plain, repo, key, KERNELS)["config"]["digest"] in {
         "sha256:" + hashlib.sha256(json.dumps(record(i), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
         for i in range(8)}
 
 
-@pytest.mark.parametrize(("field", "value"), [("env", ["TRITON_CACHE_DIR"]), ("outcomes", [{"patch": "P65"}]),
-                                              ("files_changed", "1"), ("applied", [65])])
-def test_a_record_of_the_wrong_shape_is_a_miss(registry_plain, tmp_path, field, value):
-    key, key_inputs = "cd" * 32, {"format": CACHE_ARTIFACT_TYPE, "test": tmp_path.name}
+SITE = "usr/lib/python3/site-packages"
+
+
+@pytest.mark.parametrize(("kind", "field", "value"), [
+    (KERNELS, "env", ["TRITON_CACHE_DIR"]), (PATCHED, "outcomes", [{"patch": "P65"}]),
+    (PATCHED, "before", {"other.py": "0" * 64}), (PATCHED, "applied", [65]),
+    (PATCHED, "site_dir", "usr/lib/python3.12/site-packages")])  # its layer's files are not under it
+def test_a_record_of_the_wrong_shape_is_a_miss(registry_plain, tmp_path, kind, field, value):
+    key, key_inputs = "cd" * 32, {"format": ARTIFACT_TYPES[kind], "test": tmp_path.name}
     repo = f"test/{tmp_path.name.lower().replace('_', '-')}-shape"
-    contents = LayerContents({"opt/kiln/a.py": b"a = 1\n"}, (), "kiln bake test")
+    contents = LayerContents({f"{SITE}/vllm/envs.py": b"a = 1\n"}, (), "")
     layer = write_layer(contents, tmp_path / "layers")
     endpoint = RegistryConfig(insecure={registry_plain.host}).endpoint(registry_plain.host, push=True)
-    record = {"key": key, "inputs": key_inputs, "base_manifest_digest": "sha256:" + "0" * 64,
-              "vllm_version": "0.20.1", "site_dir": "usr/lib/python3/site-packages",
-              "outcomes": [{"patch": "P65", "verdict": "APPLIES"}], "applied": ["P65"], "files_changed": 1,
-              "env": {}, "triton": {},
+    fields = {PATCHED: {"base_manifest_digest": "sha256:" + "0" * 64, "vllm_version": "0.20.1", "site_dir": SITE,
+                        "outcomes": [{"patch": "P65", "verdict": "APPLIES"}], "applied": ["P65"],
+                        "before": {"envs.py": "1" * 64}},
+              KERNELS: {"env": {"TRITON_CACHE_DIR": "/opt/kiln/triton-cache"}, "triton": {"sm": 120}}}[kind]
+    record = {"kind": kind, "key": key, "inputs": key_inputs, **fields,
               "layers": [{"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size,
                           "created_by": contents.created_by, "removals": []}]}
     client = RegistryClient(endpoint)
-    write_entry(client, repo, key, record, [layer])
-    assert read_entry(client, repo, key, key_inputs, tmp_path, Recorder()) is not None  # the good one: a hit
-    write_entry(client, repo, key, {**record, field: value}, [layer])
+    write_entry(client, repo, kind, key, record, [layer])
+    good = read_entry(client, repo, kind, key, key_inputs, tmp_path, Recorder())  # the good one: a hit
+    assert good is not None and (kind == KERNELS or good.changed() == {"envs.py": "a = 1\n"})
+    write_entry(client, repo, kind, key, {**record, field: value}, [layer])
     reporter = Recorder()
-    assert read_entry(client, repo, key, key_inputs, tmp_path, reporter) is None
-    assert len(reporter.warnings) == 1 and field in reporter.warnings[0], reporter.warnings
+    assert read_entry(client, repo, kind, key, key_inputs, tmp_path, reporter) is None
+    assert len(reporter.warnings) == 1 and "refused" in reporter.warnings[0], reporter.warnings
