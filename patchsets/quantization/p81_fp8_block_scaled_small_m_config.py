@@ -18,8 +18,9 @@ Which images reach it (the kernel list ``_POSSIBLE_FP8_BLOCK_KERNELS`` in
 - 0.20.1: DeepGEMM (bf16 output only; kiln's 35B-A3B image serves float16), CUTLASS block FP8
   (sm_90 and up), Marlin (refuses compute capability >= 89 without
   ``VLLM_TEST_FORCE_FP8_MARLIN``, ``kernels/linear/scaled_mm/marlin.py:46-55``), then Triton: on
-  sm_89 (L40S, RTX 6000 Ada) every FP8 linear layer of the 35B-A3B runs this kernel, and vLLM
-  ships no tuned file for the model's (N, K) on those cards (hidden size 2048).
+  sm_89 (L40S, RTX 6000 Ada) every FP8 linear layer of the 35B-A3B runs this kernel; vLLM's
+  repository has no tuned L40S file for the model's largest shapes (N=9216 and 12288 at
+  K=2048, N=2048 at K=4096; hidden size 2048), so they take the fallback.
 - 0.33.0: Marlin accepts every compute capability from 7.5 (``marlin.py:35-45``) and stands
   before Triton in the list (``__init__.py:494-506``), so on CUDA the Triton kernel is reached
   only with ``--linear-backend``/``VLLM_DISABLED_KERNELS``; the patch is harmless there.
