@@ -149,11 +149,15 @@ def test_the_grid_exercises_acceptance_rejection_and_bonus(results):
     assert accepted >= 20 and rejected >= 10 and bonus >= 5, (accepted, rejected, bonus)
 
 
-def test_logsumexp_matches_torch(results):
+def test_logsumexp_matches_float64(results):
+    """The probabilities the kernels form are within fp32 rounding of float64's softmax, like stock's.
+
+    exp(logit - lse) carries a few ulps of lse (|lse| <= 40 here, ulp 4e-6) into p; stock's fp32
+    softmax has its own error of the same order (2.8e-5 on the 248320-token case, on CPU)."""
     for case, error in results["lse_error"].items():
-        assert error["lse"] < 1e-5, case  # |lse - torch.logsumexp| on finite rows
-        # |exp(logit - lse) - softmax| over the whole row: a few fp32 ulps of (logit - lse) near p = 1
-        assert error["prob"] < 1e-5, case
+        assert error["lse"] < 5e-6, case
+        assert error["prob"] < 5e-6, case
+        assert error["prob"] <= 2 * error["softmax"] + 1e-6, case
 
 
 def test_no_vocab_wide_fp32_tensor_once_patched(results):
@@ -288,14 +292,16 @@ def _probe(module, torch) -> list:
 
 
 def _lse_error(module, case, torch) -> dict:
+    """Errors against float64 (the reference): the kernel's lse and exp(logit - lse), torch's fp32 softmax."""
     logits = _inputs(case, torch)["logits"]
     finite = ~logits.isnan().any(-1)
     logits = logits[finite].contiguous()
     lse = module.compute_target_lse(logits)
-    probs = (logits - lse[:, None]).exp()
+    reference = logits.double().softmax(-1)
     return {
-        "lse": float((lse - torch.logsumexp(logits, -1)).abs().max()),
-        "prob": float((probs - logits.softmax(-1)).abs().max()),
+        "lse": float((lse.double() - torch.logsumexp(logits.double(), -1)).abs().max()),
+        "prob": float(((logits - lse[:, None]).exp().double() - reference).abs().max()),
+        "softmax": float((logits.softmax(-1).double() - reference).abs().max()),
     }
 
 
