@@ -37,9 +37,6 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from kiln import lifeline  # noqa: E402  (stdlib only: every step dies with this script, SIGKILL too)
-
 HERE = Path(__file__).resolve().parent
 REQUIREMENTS_LOCK = HERE / "requirements.lock"
 DEBIAN_LOCK = HERE / "debian-packages.lock"
@@ -73,9 +70,7 @@ def log(message: str) -> None:
 
 def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
     log(" ".join(argv[:6]) + (" ..." if len(argv) > 6 else ""))
-    parent = os.getpid()
-    done = subprocess.run(["nice", *argv], text=True, capture_output=True,
-                          preexec_fn=lambda: lifeline.child_of(parent), **kwargs)
+    done = subprocess.run(["nice", *argv], text=True, capture_output=True, **kwargs)
     if done.returncode != 0:
         lines = [line for line in (done.stderr or done.stdout).strip().splitlines() if not line.startswith("WARNING")]
         what = " ".join(Path(str(a)).name for a in argv[:4])
