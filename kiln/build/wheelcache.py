@@ -12,7 +12,7 @@ Public API:
 A build whose ``kernels`` entry misses compiles its SM, and on a fresh machine that needs the
 Triton toolchain: the wheel pip chooses (``kiln.triton.toolchain``). The index tells its sha256
 without the wheel being downloaded (pip's ``--dry-run --report``: PyPI serves each wheel's
-metadata apart), so that sha256 is the entry's key, tagged ``kiln-cache-toolchain-v1-<sha256>``.
+metadata apart, and pip 26 reads only that; pip 23.2 still downloads the wheel to choose it), so that sha256 is the entry's key, tagged ``kiln-cache-toolchain-v1-<sha256>``.
 The entry's one blob is the wheel itself, so its blob digest is ``sha256:<key>``: reading it
 back checks the manifest's layer is exactly that digest and the blob's bytes hash to it (the
 registry client's verifying reader), and the record names the same wheel file. The index, not
