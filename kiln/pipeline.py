@@ -38,6 +38,7 @@ from kiln.build.regcache import (
     entry_record,
     write_entry,
 )
+from kiln.build.wheelcache import write_wheel_entry
 from kiln.cache import cache_root
 from kiln.errors import KilnError
 from kiln.oci.endpoints import RegistryConfig
@@ -110,15 +111,16 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
         # and fails closed on every verdict, and the audit file records them all.
         reporter.warn(f"pin {inputs.pin.name} has no recorded verdicts in {record}; this build's verdicts "
                       f"are in its {AUDIT_PATH} (review them: `verify --pin {inputs.pin.name} --accept`)")
-    prepared = prepare_build(inputs, config, allow_unlocked, cache, reporter, budget,
-                             leave_out_unusable_kernels=leave_out_unusable_kernels, cache_from=cache_from,
-                             open_record=record_opener(cache_key))
-    clock = prepared.clock
-    budget.check_deadline("patch")  # and between the steps after it
     work_root = cache / "build"
     work_root.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(dir=work_root, prefix=".tmp-"))
     try:
+        prepared = prepare_build(inputs, config, allow_unlocked, cache, reporter, budget,
+                                 leave_out_unusable_kernels=leave_out_unusable_kernels, cache_from=cache_from,
+                                 open_record=record_opener(cache_key),
+                                 keep_wheels=workdir / "wheels" if cache_to else None)
+        clock = prepared.clock
+        budget.check_deadline("patch")  # and between the steps after it
         image = bake(prepared, workdir, reporter)
         image.attestations = attestations(image, sign_key)
         clock.lap("bake", sum(layer.size for layer in image.layers))  # kiln's layers, compressed
@@ -147,8 +149,9 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
         bytes_pushed=report.bytes_uploaded if report else 0,
         blobs_uploaded=len(report.uploaded) if report else 0, blobs_mounted=len(report.mounted) if report else 0,
         timings=clock.total(),
-        cache={"hit": [use.hit for use in prepared.cache if use.hit] or None,
-               "entries": [use.to_json() for use in prepared.cache], "written": written_to},
+        cache={"hit": [use.hit for use in prepared.cache if use.hit]
+               + [use["hit"] for use in prepared.wheels.uses if use["hit"]] or None,
+               "entries": [use.to_json() for use in prepared.cache] + prepared.wheels.uses, "written": written_to},
     )
 
 
@@ -192,6 +195,13 @@ def _write_cache(prepared, image, cache_to, config: RegistryConfig, budget: Budg
                 digest = write_entry(client, location.repository, use.kind, use.key, record, layers, seal=seal)
             except KilnError as err:
                 reporter.warn(f"build cache {location.name}: {use.kind} entry not written: {err}")
+                continue
+            written.append(f"{location.name}@{digest}")
+        for name, sha256, path in prepared.wheels.kept:  # the Triton wheel this build fetched from the index
+            try:
+                digest = write_wheel_entry(client, location.repository, name, sha256, path)
+            except KilnError as err:
+                reporter.warn(f"build cache {location.name}: toolchain entry not written: {err}")
                 continue
             written.append(f"{location.name}@{digest}")
     return written

@@ -43,6 +43,7 @@ from kiln.build.regcache import (
     plain_record,
     read_entry,
 )
+from kiln.build.wheelcache import RegistryWheels
 from kiln.cache import cache_root
 from kiln.errors import KilnError
 from kiln.lifeline import uninterrupted
@@ -111,6 +112,7 @@ class PreparedBuild:
     base_manifest_digest: str = ""  # the linux/amd64 manifest built on
     cache: list = field(default_factory=list)  # the registry build cache entries looked up (regcache.CacheUse)
     cache_mounts: dict = field(default_factory=dict)  # layer digest -> the cache repository it came from (a push mounts it)
+    wheels: RegistryWheels = field(default_factory=lambda: RegistryWheels([]))  # the toolchain wheel read from or kept for the registry cache
 
     @property
     def tag(self) -> str:
@@ -143,12 +145,14 @@ def check_lock(pin: Pin, resolved: str, allow_unlocked: bool, reporter: Reporter
 def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = None,
                   allow_unlocked: bool = False, cache: Path | None = None,
                   reporter: Reporter = SILENT, budget: Budget | None = None,
-                  leave_out_unusable_kernels: bool = False, cache_from=(), open_record=plain_record) -> PreparedBuild:
+                  leave_out_unusable_kernels: bool = False, cache_from=(), open_record=plain_record,
+                  keep_wheels: Path | None = None) -> PreparedBuild:
     """Resolve and check the base, read its pristine vLLM, patch it, and decide kiln's layers.
 
     ``budget``: the command's limits (its deadline already running); a new one when None.
     ``cache_from``: registry build caches (``ImageReference`` without tag) tried in order;
-    ``open_record``: how an entry's record is opened (and its signature checked: the pipeline's)."""
+    ``open_record``: how an entry's record is opened (and its signature checked: the pipeline's);
+    ``keep_wheels``: where a Triton wheel fetched from the index is kept (for ``--cache-to``)."""
     definition, pin, sm = inputs.definition, inputs.pin, inputs.sm
     config = registry_config or RegistryConfig.load()
     cache = cache or cache_root()
@@ -187,11 +191,13 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     # 3. patch (a selection patched before on exactly this source, code and target is reused),
     # with the Triton kernels compiling beside it when no selected patch touches their sources
     runtime_env = {**image_env(base_config), **definition.serve_env}
+    wheels = RegistryWheels([(RegistryClient(config.endpoint(loc.registry), stats=stats, budget=source.client.budget),
+                              loc.repository) for loc in cache_from], keep_wheels, reporter)
 
     def kernel_layer(changed: dict[str, str]):
         return triton_cache_layer(kernels, sm, found, changed, runtime_env, cache,
                                   f"{definition.path}: model.kernels", definition.name, reporter,
-                                  leave_out_unusable_kernels)
+                                  leave_out_unusable_kernels, wheels)
 
     selected = inputs.catalogue.closure(list(definition.patches))
     beside = bool(kernels) and not any(reads_source(kernels, rel) for pid in selected
@@ -268,7 +274,7 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
         client=source.client, stats=stats, outcomes=outcomes, applied=applied,
         files_changed=len(changed), layers=layers, labels=labels, clock=clock, env=env, triton=triton,
         vllm_version=vllm_version, site_dir=site_dir, base_manifest_digest=base_manifest_digest,
-        cache=uses, cache_mounts=mounts,
+        cache=uses, cache_mounts=mounts, wheels=wheels,
     )
 
 

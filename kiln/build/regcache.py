@@ -17,7 +17,8 @@ Public API:
 
 A build is a pure function of its inputs (reproducible by construction), so what it computes
 from the base's layers can be cached by a key of the inputs each part depends on. There are
-two kinds of entry, so that builds sharing part of their inputs share that part's entry:
+two kinds of entry (and the Triton wheel's, ``kiln.build.wheelcache``), so that builds
+sharing part of their inputs share that part's entry:
 
 * ``patched``: the patching's result: every verdict, the changed modules and the whiteouts of
   their stale bytecode (one layer), vLLM's version and site dir, each changed file's pristine

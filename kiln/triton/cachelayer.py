@@ -52,12 +52,14 @@ class TritonLayer:
 
 def triton_cache_layer(preset: KernelPreset, sm: int, found: ImageVllm, changed: dict[str, str],
                        runtime_env: dict[str, str], cache: Path, label: str, image_name: str,
-                       reporter: Reporter = SILENT, leave_out_unusable: bool = False) -> TritonLayer | None:
+                       reporter: Reporter = SILENT, leave_out_unusable: bool = False,
+                       wheels=None) -> TritonLayer | None:
     """``label`` names the preset in errors (``images/x.toml: model.kernels``); ``image_name`` the layer.
-    None: the image could not use the layer and ``leave_out_unusable`` left it out."""
+    None: the image could not use the layer and ``leave_out_unusable`` left it out.
+    ``wheels``: the registry build cache's toolchain wheels (``toolchain_for``)."""
     sources = KernelSources(changed, found.tree.root)
     check_kernels(preset, sources.read, label)
-    toolchain = toolchain_for(found.triton_version, found.image, cache, reporter)
+    toolchain = toolchain_for(found.triton_version, found.image, cache, reporter, wheels)
     python = _image_python(found.site_dir)
     keyed = runtime_key(found.triton_record, toolchain.record, python, toolchain.wheel_python,
                         read_key_sources(toolchain.site, toolchain.version))

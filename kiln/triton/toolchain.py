@@ -3,7 +3,8 @@
 Public API:
     Toolchain(version, site, fingerprint, wheel, wheel_sha256)   ``.record`` its wheel's RECORD text,
                               ``.libtriton_sha256``, ``.wheel_python`` ("3.11", from the wheel's tags)
-    toolchain_for(version, image, cache, reporter=SILENT) -> Toolchain
+    toolchain_for(version, image, cache, reporter=SILENT, wheels=None) -> Toolchain
+                              ``wheels``: where else the wheel may come from (``kiln.build.wheelcache``)
     toolchains_dir(cache) -> Path     where toolchains live (``$KILN_TRITON_TOOLCHAINS`` to share one)
     STAGE                     the fixed directory the worker sees sources and Triton under
     SOURCE_MTIME              the mtime of every file the compile reads (toolchain and sources)
@@ -27,7 +28,10 @@ machine.
 
 The entry keeps the sha256 of the wheel file kiln downloaded (``wheel_sha256`` in
 ``kiln-toolchain.json``, checked against the index's when it gives one) for the SBOM and the
-provenance. The wheel itself is not kept, so an entry whose marker lacks that hash (one an index
+provenance. ``wheels`` (the registry build cache's ``toolchain`` entries) may give the wheel
+the index chose, by its sha256, instead of a download: its bytes are checked against the
+index's sha256 all the same; and a wheel kiln downloaded is handed to ``wheels.keep`` before it
+is deleted (``--cache-to`` writes it). The wheel itself is not kept in the entry, so an entry whose marker lacks that hash (one an index
 without hashes filled) is completed by fetching the wheel again: its RECORD must match the
 entry's fingerprint, then the marker is replaced atomically.
 """
@@ -120,13 +124,14 @@ def stage_link(name: str, target: Path) -> Path:
     return link
 
 
-def toolchain_for(version: str | None, image: str, cache: Path, reporter: Reporter = SILENT) -> Toolchain:
+def toolchain_for(version: str | None, image: str, cache: Path, reporter: Reporter = SILENT,
+                  wheels=None) -> Toolchain:
     """The toolchain for the base image's Triton ``version`` (None: the base has none)."""
     if not version:
         raise KilnError(f"{image}: base image has no Triton (no triton-*.dist-info next to vLLM); "
                         "cannot compile its kernel cache")
     final = toolchains_dir(cache) / f"triton-{version}"
-    install_dir(final, lambda tmp: _fetch(version, image, tmp, reporter))
+    install_dir(final, lambda tmp: _fetch(version, image, tmp, reporter, wheels))
     marker = _read_marker(final)
     if not marker.get("wheel_sha256"):
         marker = _complete_wheel_sha256(final, version, marker, image, reporter)
@@ -173,14 +178,22 @@ def toolchains_dir(cache: Path) -> Path:
     return Path(shared) if shared else cache / "triton" / "toolchains"
 
 
-def _fetch(version: str, image: str, into: Path, reporter: Reporter) -> None:
+def _fetch(version: str, image: str, into: Path, reporter: Reporter, wheels=None) -> None:
     url, sha256 = _choose_wheel(version, image)
     name = unquote(PurePosixPath(urlsplit(url).path).name)
     wheel = into / name
-    sha256 = _download(url, sha256, wheel, f"Triton {version} ({name.split('-')[2]})", reporter)
+    label = f"Triton {version} ({name.split('-')[2]})"
+    # the index's sha256 names the wheel; a build cache entry of it is checked against it again here
+    if sha256 and wheels is not None and wheels.fetch(name, sha256, wheel) and _file_sha256(wheel) == sha256:
+        reporter.note(f"{label}: the wheel from the build cache (sha256 {sha256})")
+        downloaded = False
+    else:
+        sha256, downloaded = _download(url, sha256, wheel, label, reporter), True
     with reporter.status(f"unpacking Triton {version}"):
         record = _unpack(wheel, into)
-        wheel.unlink()
+        if downloaded and wheels is not None:
+            wheels.keep(name, sha256, wheel)  # may move it away: --cache-to writes it
+        wheel.unlink(missing_ok=True)
         # bytecode for the interpreter that runs the worker, valid for SOURCE_MTIME sources
         for source in sorted((into / "triton").rglob("*.py")):
             lifeline.check()  # a build told to stop does not finish the fetch first
@@ -238,6 +251,14 @@ def _download(url: str, sha256: str, path: Path, label: str, reporter: Reporter)
                             f"wheel: {err}") from None
     if sha256 and digest.hexdigest() != sha256:
         raise KilnError(f"{path.name}: sha256 {digest.hexdigest()} differs from the index's {sha256}")
+    return digest.hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as src:
+        while chunk := src.read(1 << 20):
+            digest.update(chunk)
     return digest.hexdigest()
 
 
