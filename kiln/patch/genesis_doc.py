@@ -199,7 +199,8 @@ def _status_cell(row: Row, record: Mapping[str, Mapping[str, str]], pins: list[s
 def render_genesis_doc(ledger: Ledger, catalogue: Catalogue, record: Mapping[str, Mapping[str, str]]) -> str:
     """The whole document. ``record``: the reviewed verdicts (``patchsets/verdicts.toml``)."""
     check_ledger(ledger, catalogue)
-    pins = sorted(record, key=lambda label: [int(x) if x.isdigit() else x for x in re.split(r"[.\-v]", label) if x])
+    pins = sorted(record, key=lambda label: [(0, int(x)) if x.isdigit() else (1, x)  # cpu-v0.32.0 last
+                                             for x in re.split(r"[.\-v]", label) if x])
     rows = sorted(ledger.rows, key=lambda r: (STATUSES.index(r.status), patch_sort_key(r.genesis_id), r.switch))
     counts = {s: sum(1 for r in ledger.rows if r.status == s) for s in STATUSES}
     per_preset = {key: sum(1 for r in ledger.rows if key in r.presets) for key in ledger.presets}

@@ -69,8 +69,11 @@ def test_rows_have_valid_statuses_and_ported_rows_name_catalogue_patches(catalog
             assert row.kiln or row.baked or row.aot, row.switch
             assert all(pid in catalogue.patches for pid in row.kiln), row.switch
             assert all((LEDGER.parent.parent / rel).is_file() for rel in row.baked), row.switch
-            for image in sorted((LEDGER.parent.parent / "images").glob("*.toml")):  # both shipped images
-                launchers = tomllib.loads(image.read_text())["model"].get("kernels", {}).get("launchers", [])
+            for image in sorted((LEDGER.parent.parent / "images").glob("*.toml")):  # both shipped GPU images
+                model = tomllib.loads(image.read_text())["model"]
+                if "kernels" not in model:  # the CPU image compiles no kernels (ci/serve_check)
+                    continue
+                launchers = model["kernels"].get("launchers", [])
                 assert set(row.aot) <= set(launchers), (row.switch, image.name)
         if row.status == "upstream":
             assert row.release and row.evidence, row.switch
