@@ -18,7 +18,7 @@ from kiln.pinning.rotate import write_bump
 from kiln.pins import current_pin, load_pins, rollback_pin
 
 _ACTION_STYLE = {"keep": "green", "new": "green", "retire": "cyan", "retired": "dim", "re-anchor": "red",
-                 "blocked": "red", "gated": "yellow", "-": "red"}
+                 "blocked": "red", "gated": "yellow", "out of range": "yellow", "-": "red"}
 
 
 def register(sub) -> None:

@@ -211,6 +211,9 @@ def test_preflight_0201_to_0330_report(capsys, work):
     assert f"retire (newly UPSTREAM): {', '.join(report['retire'])}" in out
     assert f"re-anchor (DRIFTED / TARGET_GONE): {', '.join(report['reanchor'])}" in out
     assert "P60b (requires P60, UPSTREAM)" in out
+    # a patch written for older releases (PN390: 0.20.1-0.29.0) reads OUT_OF_RANGE on the candidate
+    assert actions["PN390"] == "out of range" and any(
+        "PN390" in line and "out of range" in line for line in out.splitlines())
     assert "preflight FAILED" in err and "P22 is perf_critical" in err and "P5b is perf_critical" in err
     assert snapshot(work) == before
 
