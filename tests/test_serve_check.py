@@ -128,6 +128,27 @@ def test_the_chroot_server_leaves_no_mount_and_no_process_when_killed(tmp_path):
     shutil.rmtree(rootfs)  # nothing mounted under it: /dev and /sys of the host are not in there
 
 
+@pytest.mark.reliability
+@pytest.mark.parametrize("kind", ["folder", "file"])
+def test_a_work_folder_holding_anything_is_refused_and_left_alone(tmp_path, kind):
+    """The check removes its work folder when done: one that already holds something (someone
+    else's files) is refused before anything starts, and left as it was."""
+    assert os.geteuid() == 0 and not tools_missing(), f"serve_check needs root and {tools_missing()}"
+    work = tmp_path / "work"
+    if kind == "folder":
+        work.mkdir()
+        (work / "notes.txt").write_text("mine\n")
+    else:
+        work.write_text("mine\n")
+    done = subprocess.run([sys.executable, str(REPO / "ci" / "serve_check"), "--work", str(work)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip() == (f"error: serve_check: work: --work {work}: not a new or empty folder "
+                                   "(the check removes it when done)")
+    assert (work / "notes.txt" if kind == "folder" else work).read_text() == "mine\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
+
+
 BROKEN_PATCH = '''\
 import libcst.matchers as m
 from kiln.patch.model import Codemod, Patch
