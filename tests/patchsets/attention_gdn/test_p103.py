@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import pytest
 from kiln.patch.engine import isolated_run
 from kiln.patch.model import BuildTarget, Verdict
 from tests.patchsets.support.fla_interpret import OPS, ops_files
+from tests.patchsets.support.interpreted_child import run_child
 from tests.patchsets.support.patchlib import patched_files
 
 CHUNK = f"{OPS}/chunk.py"
@@ -65,14 +65,7 @@ def results(catalogue, sessions, tmp_path_factory):
     patched = {**pristine, CHUNK: patched_files(catalogue, new, "P103")[CHUNK]}
     for name, files in (("pristine", pristine), ("patched", patched)):
         (where / f"{name}.json").write_text(json.dumps(files))
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    repo = Path(__file__).resolve().parents[3]
-    proc = subprocess.run(
-        [sys.executable, "-c", f"from {__name__} import child_main; child_main()", str(where)],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(__name__, where, timeout=900)
 
 
 def test_the_grid_ran(results):

@@ -28,8 +28,6 @@ tiles (Triton may pick other MMA shapes per tile height); that needs a GPU run.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -38,6 +36,7 @@ import pytest
 
 from kiln.patch.engine import isolated_run
 from kiln.patch.model import BuildTarget, Verdict
+from tests.patchsets.support.interpreted_child import run_child
 from tests.patchsets.support.patchlib import extract_all, patched_files
 
 TARGET = "model_executor/layers/quantization/utils/fp8_utils.py"
@@ -107,14 +106,7 @@ def results(catalogue, sessions, tmp_path_factory):
             parts = extract_all(text, NAMES)
             # real files: Triton reads the kernel's source through inspect
             (where / f"{kind}_{pin.replace('.', '_')}.py").write_text(HEADER + "\n\n".join(parts[n] for n in NAMES))
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    repo = Path(__file__).resolve().parents[3]
-    proc = subprocess.run(
-        [sys.executable, "-c", f"from {__name__} import child_main; child_main()", str(where)],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=1200,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(__name__, where, timeout=1200)
 
 
 @pytest.mark.parametrize("pin", PINS)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import pytest
 
 from kiln.patch.engine import isolated_run
 from kiln.patch.model import BuildTarget, Verdict
+from tests.patchsets.support.interpreted_child import run_child
 from tests.patchsets.support.patchlib import extract, patched_files
 
 TARGET = "v1/sample/rejection_sampler.py"
@@ -75,14 +75,7 @@ def results(catalogue, sessions, tmp_path_factory):
     }
     for name, text in files.items():
         (where / f"{name}.py").write_text(text)  # real files: Triton reads kernel source through inspect
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    repo = Path(__file__).resolve().parents[3]
-    proc = subprocess.run(
-        [sys.executable, "-c", f"from {__name__} import child_main; child_main()", str(where)],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(__name__, where, timeout=900)
 
 
 def test_combine_mode_is_what_differs_on_nan(results):

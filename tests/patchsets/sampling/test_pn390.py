@@ -26,7 +26,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import pytest
 
 from kiln.patch.engine import isolated_run, run_selection
 from kiln.patch.model import BuildTarget, Verdict
+from tests.patchsets.support.interpreted_child import run_child
 from tests.patchsets.support.patchlib import patched_files
 
 TARGET = "v1/sample/rejection_sampler.py"
@@ -107,14 +107,7 @@ def results(catalogue, sessions, tmp_path_factory):
     }
     for name, text in files.items():
         (where / f"{name}.py").write_text(text)  # real files: Triton reads kernel source through inspect
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    repo = Path(__file__).resolve().parents[3]
-    proc = subprocess.run(
-        [sys.executable, "-c", f"from {__name__} import child_main; child_main()", str(where)],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=1500,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(__name__, where, timeout=1500)
 
 
 def test_every_case_ran(results):
