@@ -2,8 +2,9 @@
 """On a GPU: does the ahead-of-time kernel cache kiln built load, with 0 compiles, and compute right?
 And (``--step serve``) how fast and how clean is kiln's patched vLLM when it serves a model?
 
-Not run by CI (CI has no GPU), and not yet run on a GPU by anyone: see docs/TRITON.md and
-docs/BENCH.md.
+Not run by CI (CI has no GPU). The kernel step ran on an H200 on 2026-11-26 through a bundle
+(``--bundle`` here, ``--run-bundle`` there: ``ci/gpu_bundle.py``); the served-model step has not
+run on a GPU. See docs/TRITON.md, docs/BENCH.md and docs/BENCHMARKS.md (section ``gpu``).
 
     .venv/bin/python ci/gpu_check.py [--image qwen3.6-27b-tq] [--sm 90] [--cache DIR] [--json]
     .venv/bin/python ci/gpu_check.py --step serve [--model DIR] [--overlay DIR --against-stock]
@@ -174,11 +175,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sm", type=int, default=90, help="the GPU's SM (H100: 90)")
     parser.add_argument("--cache", type=Path, help="a built cache (as in the image) instead of building it here")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--pin", help="with --bundle: the pin whose source is built (default: the image's first)")
+    parser.add_argument("--bundle", type=Path, metavar="DIR",
+                        help="build here a self-contained kernel check for a GPU machine with no network, into DIR "
+                             "(new or empty); run it there with --run-bundle DIR")
+    parser.add_argument("--gpu-triton-record", type=Path, metavar="RECORD",
+                        help="with --bundle: the dist-info RECORD of the GPU machine's Triton (its version and "
+                             "libtriton.so key the cache, as the image's RECORD does in a build)")
+    parser.add_argument("--gpu-python", default="3.12", help="with --bundle: the GPU machine's Python (default: %(default)s)")
+    parser.add_argument("--kernel-block-size", type=int, default=32,
+                        help="with --bundle: the block size vLLM's TurboQuant kernels see at run time, for PN119's "
+                             "timings (vLLM splits the KV manager's block into the largest of 16/32/64/128 dividing "
+                             "it; default: %(default)s, the 27B on 0.33.0)")
+    parser.add_argument("--run-bundle", type=Path, metavar="DIR", help="on the GPU machine: run a --bundle DIR")
+    parser.add_argument("--pn119", choices=("all", "bench", "none"), default="all",
+                        help="with --run-bundle: PN119's stock-against-grouped grid and timings, the timings "
+                             "alone, or neither (default: %(default)s)")
+    parser.add_argument("--bench-doc", type=Path, nargs="+", metavar="REPORT",
+                        help="write docs/BENCHMARKS.md's gpu section from --run-bundle --json reports")
     parser.add_argument("--gpu-job", help=argparse.SUPPRESS)  # the fresh GPU process
     gpu_serve.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.gpu_job:
         return gpu_main(args.gpu_job)
+    if args.bench_doc:
+        import gpu_bundle
+
+        return gpu_bundle.write_bench_doc(args.bench_doc)
+    if args.bundle:
+        import gpu_bundle
+
+        return gpu_bundle.write_bundle(args)
+    if args.run_bundle:
+        import gpu_bundle
+
+        return gpu_bundle.run_bundle(args)
     if args.step == "serve":
         return gpu_serve.run_step(args)
     code = kernel_check(args)

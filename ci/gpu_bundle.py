@@ -1,0 +1,229 @@
+"""The kernel check of ``ci/gpu_check.py`` for a GPU machine that cannot reach the network.
+
+    .venv/bin/python ci/gpu_check.py --bundle DIR --gpu-triton-record RECORD [--image NAME] [--pin PIN] [--sm 90]
+    python3 ci/gpu_check.py --run-bundle DIR [--json]                    # on the GPU machine
+
+``--bundle`` (here, with kiln installed): applies the image's selection to the pin's source, builds
+the SM's kernel cache exactly as ``build.py build`` does for an image whose Triton is described by
+``RECORD`` (the GPU machine's ``triton-X.dist-info/RECORD``: its version picks the toolchain, its
+``libtriton.so`` keys the entries, ``kiln/triton/imagekey.py``), and writes into DIR:
+``cache/`` (the cache as the image holds it under ``/opt/kiln/triton-cache``), ``src/`` (the
+patched kernel sources the build compiled), ``stock/`` (the same files unpatched) and
+``job.json``. Nothing in DIR names a path of this machine.
+
+``--run-bundle`` (on the GPU machine: torch with CUDA and that Triton; kiln's own Python
+dependencies are not needed):
+1. refuses (exit 2) when the machine's Triton is not the version, or its ``libtriton.so`` not the
+   file, the bundle was keyed for, when the GPU is another SM, or when ``/opt/kiln/triton-cache``
+   already exists;
+2. copies ``cache/`` to ``/opt/kiln/triton-cache`` (where the image has it, so the group files'
+   paths hold) and runs ``gpu_check``'s GPU step in a fresh process: the build's launches on CUDA
+   tensors, compiles counted (0 expected), then the k8v4 numerics against a PyTorch reference;
+3. when the selection carries PN119, ``ci/gpu_pn119.py``: stock against grouped decode on the GPU.
+Exit 0 only when every step passed; 1 when one failed; 2 when the machine cannot run the check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RUNTIME_CACHE = Path("/opt/kiln/triton-cache")
+LIBTRITON = "triton/_C/libtriton.so"
+
+
+def _fail(message: str) -> int:
+    print(f"gpu_check: {message}", file=sys.stderr)
+    return 2
+
+
+def _record_version(record: str) -> str | None:
+    match = re.search(r"^triton-([^/]+)\.dist-info/RECORD,", record, re.MULTILINE)
+    return match.group(1) if match else None
+
+
+# -- here: build the bundle ------------------------------------------------------------------------
+
+
+def write_bundle(args) -> int:
+    sys.path.insert(0, str(REPO))
+    from kiln import paths
+    from kiln.cache import cache_root
+    from kiln.definitions import load_definition
+    from kiln.patch.catalog import load_catalogue
+    from kiln.patch.engine import Session, run_selection
+    from kiln.pins import load_pins
+    from kiln.source.wheel import WheelSource
+    from kiln.triton import aot
+    from kiln.triton.imagekey import runtime_key
+    from kiln.triton.keyfiles import read_key_sources
+    from kiln.triton.toolchain import toolchain_for
+
+    out: Path = args.bundle
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        return _fail(f"--bundle {out}: not a new or empty folder")
+    if not args.gpu_triton_record:
+        return _fail("--bundle needs --gpu-triton-record (the GPU machine's triton-X.dist-info/RECORD)")
+    record = args.gpu_triton_record.read_text()
+    version = _record_version(record)
+    if version is None:
+        return _fail(f"--gpu-triton-record {args.gpu_triton_record}: not a Triton dist-info RECORD")
+    catalogue = load_catalogue(paths.PATCHSETS)
+    pins = load_pins(paths.REPO / "pins.toml")
+    definition = load_definition(paths.REPO / "images", args.image, catalogue, pins)
+    preset = definition.model.kernels
+    if preset is None:
+        return _fail(f"{definition.path} declares no [model.kernels]")
+    names = definition.pins or tuple(pins)
+    pin_name = args.pin or names[0]
+    if pin_name not in names:
+        return _fail(f"--pin {pin_name}: {definition.name} is built for {', '.join(names)}")
+    pin = pins[pin_name]
+    tree = WheelSource(pin.vllm).fetch()
+    result = run_selection(catalogue, Session(tree), definition.target(pin, args.sm), list(definition.patches))
+    applied = sorted(pid for pid, outcome in result.outcomes.items() if outcome.verdict.name == "APPLIES")
+    sources = aot.KernelSources(result.changed_text(), tree.root)
+    toolchain = toolchain_for(version, definition.name, cache_root())
+    keyed = runtime_key(record, toolchain.record, args.gpu_python, toolchain.wheel_python,
+                        read_key_sources(toolchain.site, toolchain.version))
+    if keyed.problem:
+        return _fail(f"the GPU machine's Triton cannot read kiln's cache: {keyed.problem}")
+    built = aot.compile_kernel_caches(preset, [args.sm], sources, toolchain, cache_root(),
+                                      image_libtriton=keyed.libtriton_sha256)[args.sm]
+    staged, _ = aot._stage_sources(preset, sources)
+    stock, _ = aot._stage_sources(preset, aot.KernelSources({}, tree.root))
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(built.root, out / "cache")
+    shutil.copytree(staged, out / "src")
+    shutil.copytree(stock, out / "stock")
+    from kiln.triton.kernels import launch_plan
+
+    job = {"image": definition.name, "pin": pin.name, "vllm": str(pin.vllm), "sm": args.sm,
+           "patches": applied, "kernel_block_size": args.kernel_block_size,
+           "kv_cache_dtype": definition.model.kv_cache_dtype, "triton": version, "libtriton_sha256": keyed.libtriton_sha256,
+           "preset": preset.to_json(), "launches": launch_plan(preset),
+           "built": {"compiled": built.compiled, "from_cache": built.cached, "failures": built.failures}}
+    (out / "job.json").write_text(json.dumps(job, indent=1))
+    print(f"{out}: {definition.name} on {pin.name} for sm_{args.sm}, Triton {version} "
+          f"(libtriton.so {keyed.libtriton_sha256[:12]}), {len(applied)} patches applied")
+    return 0
+
+
+# -- there: run it -------------------------------------------------------------------------------
+
+
+def _installed_triton() -> tuple[str, str]:
+    import triton
+
+    lib = Path(triton.__file__).parent / "_C" / "libtriton.so"
+    digest = hashlib.sha256()
+    with open(lib, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(chunk)
+    return triton.__version__, digest.hexdigest()
+
+
+def run_bundle(args) -> int:
+    bundle: Path = args.run_bundle.resolve()
+    if not (bundle / "job.json").is_file():
+        return _fail(f"--run-bundle {args.run_bundle}: no job.json (write one with --bundle)")
+    job = json.loads((bundle / "job.json").read_text())
+    try:
+        version, libtriton = _installed_triton()
+    except ImportError as err:
+        return _fail(f"this machine cannot import Triton ({err})")
+    if version != job["triton"] or libtriton != job["libtriton_sha256"]:
+        return _fail(f"this machine's Triton is {version} (libtriton.so {libtriton[:12]}); the bundle was keyed "
+                     f"for {job['triton']} ({job['libtriton_sha256'][:12]})")
+    if RUNTIME_CACHE.exists():
+        return _fail(f"{RUNTIME_CACHE} exists: the check puts the bundle's cache there and removes nothing")
+    RUNTIME_CACHE.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(bundle / "cache", RUNTIME_CACHE)
+    report_path = bundle.parent / f"{bundle.name}-kernels.json"
+    gpu_job = {"sm": job["sm"], "roots": [str(bundle / "src")], "preset": job["preset"],
+               "launches": job["launches"], "report": str(report_path)}
+    (bundle.parent / f"{bundle.name}-gpu-job.json").write_text(json.dumps(gpu_job))
+    env = {**os.environ, "TRITON_CACHE_DIR": str(RUNTIME_CACHE)}
+    env.pop("TRITON_STORE_BINARY_ONLY", None)
+    try:
+        proc = subprocess.run([sys.executable, str(REPO / "ci" / "gpu_check.py"), "--gpu-job",
+                               str(bundle.parent / f"{bundle.name}-gpu-job.json")], env=env)
+        if proc.returncode != 0:
+            return proc.returncode
+        report = json.loads(report_path.read_text())
+    finally:
+        shutil.rmtree(RUNTIME_CACHE)
+    report.update(image=job["image"], pin=job["pin"], sm=job["sm"], triton=version)
+    report["cache_ok"] = not report["compiles"] and report["hits"] > 0
+    report["numerics_ok"] = all(n.get("ok", True) for n in report["numerics"])
+    code = 0 if report["cache_ok"] and report["numerics_ok"] else 1
+    if "PN119" in job["patches"] and args.pn119 != "none":
+        import gpu_pn119
+
+        report["pn119"] = gpu_pn119.compare(bundle, job, grid=args.pn119 == "all")
+        code = max(code, 0 if report["pn119"]["ok"] else 1)
+    report["ok"] = code == 0
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(f"{report['gpu']} (sm_{job['sm']}), {job['image']} on {job['pin']}: {report['hits']} kernel(s) "
+              f"loaded from kiln's cache, {len(report['compiles'])} compiled {report['compiles'] or ''}")
+        for item in report["numerics"]:
+            print(f"  numerics {item}")
+        if "pn119" in report:
+            print(f"  PN119: {report['pn119']['summary']}")
+        print("OK" if code == 0 else "FAILED")
+    return code
+
+
+# -- here again: the figures -----------------------------------------------------------------------
+
+
+def write_bench_doc(reports: list[Path]) -> int:
+    """The ``gpu`` section of docs/BENCHMARKS.md from ``--run-bundle --json`` reports."""
+    import benchlib
+
+    loaded = [json.loads(path.read_text()) for path in reports]
+    lines = ["## gpu (issues 20 and 21: kiln's kernels on a GPU)", "",
+             "Reproduce: build the bundles here, run them on the GPU machine, write this section from "
+             "their reports:", "", "```bash",
+             ".venv/bin/python ci/gpu_check.py --bundle B --gpu-triton-record RECORD --image IMAGE --pin PIN "
+             "--sm 90 --kernel-block-size N",
+             "python3 ci/gpu_check.py --run-bundle B [--pn119 all|bench] --json > B.json     # on the GPU",
+             ".venv/bin/python ci/gpu_check.py --bench-doc B.json ...", "```", ""]
+    for report in loaded:
+        lines += [f"### {report['image']} on {report['pin']}, {report['gpu']} (sm_{report['sm']}), "
+                  f"Triton {report['triton']}", "",
+                  f"- kiln's ahead-of-time cache: {report['hits']} kernel(s) loaded, {len(report['compiles'])} "
+                  f"compiled; k8v4 decode against the PyTorch reference: max abs error "
+                  f"{max(n.get('max_abs_error', 0) for n in report['numerics']):.1e}"]
+        pn119 = report.get("pn119")
+        if not pn119:
+            lines.append("")
+            continue
+        cases = pn119.get("cases", [])
+        grid = [c for c in cases if "stock_ms" not in c and "error" not in c]
+        if grid:
+            lines.append(f"- PN119 stock against grouped, compiled: {sum(c['ok'] for c in grid)}/{len(grid)} grid "
+                         f"cases within the tolerance, largest difference {max(c['max_abs_diff'] for c in grid):.1e}")
+        timed = [c for c in cases if "stock_ms" in c]
+        if timed:
+            lines += ["", f"Decode time (ms, median of {len(timed[0]['rounds_ms']['stock'])} interleaved rounds, "
+                      "each the median of `triton.testing.do_bench`), query/KV heads x head dim, kernel block "
+                      f"size {timed[0]['block_size']}, {timed[0]['splits']} KV splits:", "",
+                      "| heads | batch | context | stock | PN119 | speed-up | max abs diff |",
+                      "| --- | --- | --- | --- | --- | --- | --- |"]
+            lines += [f"| {c['hq']}/{c['hk']} x {c['d']} | {len(c['seq_lens'])} | {c['seq_lens'][0]} | "
+                      f"{c['stock_ms']:.3f} | {c['patched_ms']:.3f} | {c['speedup']:.2f}x | {c['max_abs_diff']:.1e} |"
+                      for c in timed]
+        lines.append("")
+    benchlib.write_section("gpu", "\n".join(lines))
+    print(f"{benchlib.BENCHMARKS}: section gpu written from {len(loaded)} report(s)")
+    return 0
