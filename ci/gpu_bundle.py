@@ -103,6 +103,16 @@ def write_bundle(args) -> int:
     shutil.copytree(built.root, out / "cache")
     shutil.copytree(staged, out / "src")
     shutil.copytree(stock, out / "stock")
+    if "P103" in applied:  # the GDN prefill ops, stock and patched, for ci/gpu_p103.py
+        import gpu_p103
+
+        changed = result.changed_text()
+        for name, files in (("fla_stock", {}), ("fla_src", changed)):
+            (out / name).mkdir()
+            for path in sorted((tree.root / "vllm" / gpu_p103.OPS).glob("*.py")):
+                rel = f"{gpu_p103.OPS}/{path.name}"
+                text = "" if path.name == "__init__.py" else files.get(rel, path.read_text())
+                (out / name / path.name).write_text(text)  # the package's own __init__ imports far more
     from kiln.triton.kernels import launch_plan
 
     job = {"image": definition.name, "pin": pin.name, "vllm": str(pin.vllm), "sm": args.sm,
@@ -169,6 +179,11 @@ def run_bundle(args) -> int:
 
         report["pn119"] = gpu_pn119.compare(bundle, job, grid=args.pn119 == "all")
         code = max(code, 0 if report["pn119"]["ok"] else 1)
+    if "P103" in job["patches"] and (bundle / "fla_src").is_dir():
+        import gpu_p103
+
+        report["p103"] = gpu_p103.compare(bundle)
+        code = max(code, 0 if report["p103"]["ok"] else 1)
     report["ok"] = code == 0
     if args.json:
         print(json.dumps(report, indent=1))
@@ -177,8 +192,9 @@ def run_bundle(args) -> int:
               f"loaded from kiln's cache, {len(report['compiles'])} compiled {report['compiles'] or ''}")
         for item in report["numerics"]:
             print(f"  numerics {item}")
-        if "pn119" in report:
-            print(f"  PN119: {report['pn119']['summary']}")
+        for name in ("pn119", "p103"):
+            if name in report:
+                print(f"  {name.upper()}: {report[name]['summary']}")
         print("OK" if code == 0 else "FAILED")
     return code
 
