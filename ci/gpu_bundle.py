@@ -220,6 +220,19 @@ def write_bench_doc(reports: list[Path]) -> int:
                   f"- kiln's ahead-of-time cache: {report['hits']} kernel(s) loaded, {len(report['compiles'])} "
                   f"compiled; k8v4 decode against the PyTorch reference: max abs error "
                   f"{max(n.get('max_abs_error', 0) for n in report['numerics']):.1e}"]
+        p103 = report.get("p103")
+        if p103 and p103.get("cases"):
+            cases = p103["cases"]
+            lines += ["", "P103, GDN chunked prefill (`chunk_gated_delta_rule`, two sequences, 16 key / 48 value "
+                      "heads, dim 128, fp16; first autotune config on both sides), stock against 64-chunk "
+                      f"windows; time: median of {len(cases[0].get('rounds_ms', {}).get('stock', []))} interleaved "
+                      "rounds of `do_bench` medians:", "",
+                      "| tokens | peak MiB stock | peak MiB P103 | ms stock | ms P103 | max abs diff (o / state) |",
+                      "| --- | --- | --- | --- | --- | --- |"]
+            lines += [f"| {c['tokens']} | {c['stock_peak_mib']:.0f} | {c['patched_peak_mib']:.0f} | {c['stock_ms']:.1f} | "
+                      f"{c['patched_ms']:.1f} | {c['o_max_abs_diff']:.1e} / {c['state_max_abs_diff']:.1e} |"
+                      for c in cases if "error" not in c]
+            lines += [f"| {c['tokens']} | {c['error']} | | | | |" for c in cases if "error" in c]
         pn119 = report.get("pn119")
         if not pn119:
             lines.append("")
