@@ -223,7 +223,7 @@ def kernel_check(args) -> int:
         copy = Path(tmp) / "cache"
         shutil.copytree(built_root, copy)
         aot.rewrite_group_prefix(copy, RUNTIME_CACHE_DIR, str(copy))
-        job = {"sm": args.sm, "roots": [str(staged)], "preset": preset.to_json(), "launches": launch_plan(preset),
+        job = {"sm": args.sm, "roots": [str(staged)], "preset": preset.to_json(), "launches": launch_plan(preset, sources.runtime_layout()),
                "report": str(Path(tmp) / "report.json")}
         (Path(tmp) / "job.json").write_text(json.dumps(job))
         env = {**os.environ, "TRITON_CACHE_DIR": str(copy)}
