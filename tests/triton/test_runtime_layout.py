@@ -38,6 +38,7 @@ from kiln.pins import load_pins
 from kiln.triton import worker
 from kiln.triton.aot import KernelSources
 from kiln.triton.kernels import launch_plan
+from kiln.triton.runtime_layout import block_table_width, kernel_block_size, layout_for, vllm_version
 from tests.patchsets.support.patchlib import extract, extract_all
 
 TQ = "v1/attention/backends/turboquant_attn.py"
@@ -286,3 +287,24 @@ def test_kernel_block_sizes_of_the_shipped_presets(trees):
         tree = trees(pin)
         assert [runtime_kernel_block_size(tree, b) for b in (3136, 2080, 4192, 2768)] == [64, 32, 32, 16]
         assert runtime_kernel_block_size(tree, 64) == 64
+
+
+def test_kiln_rule_agrees_with_select_common_block_size_on_every_multiple_of_16(trees):
+    for pin in PINS:
+        tree = trees(pin)
+        for manager in range(16, 4097, 16):
+            assert kernel_block_size(manager) == runtime_kernel_block_size(tree, manager), (pin, manager)
+    assert kernel_block_size(100) is None
+
+
+def test_layout_follows_the_source_version():
+    assert vllm_version("__version__ = version = '0.33.0'\n") == (0, 33, 0)
+    assert vllm_version("__version__ = version = '0.21.0rc2.dev145+g0123abc'\n") == (0, 21, 0)
+    assert vllm_version("version = 'x'") is None
+    assert not layout_for((0, 20, 1)).continuation_seq_lens_sliced and layout_for((0, 20, 1)).name == "0.20.1"
+    assert layout_for((0, 21, 0)).continuation_seq_lens_sliced and layout_for((0, 31, 0)).table_token_alignment is None
+    assert layout_for((0, 33, 0)).table_token_alignment == 128 and layout_for((0, 40, 0)).name == "0.33.0"
+    # the 35B-A3B at 262144 tokens: 63 manager blocks of 4192 -> 131 kernel blocks each (0.20.1);
+    # 95 blocks of 2768 padded to 96 (128-token rows) -> 173 kernel blocks each (0.33.0)
+    assert block_table_width(layout_for((0, 20, 1)), 4192, 262144) == 63 * 131
+    assert block_table_width(layout_for((0, 33, 0)), 2768, 262144) == 96 * 173

@@ -238,6 +238,8 @@ def test_kernel_missing_from_the_patched_source_is_named(tree_0201):
     ({"num_heads": 5}, "model.kernels.num_heads: 5 is not a multiple of num_kv_heads 2"),
     ({"head_dim": "64"}, "model.kernels.head_dim: must be an integer"),
     ({"block_sizes": [0]}, "model.kernels.block_sizes: must be a non-empty list of positive integers"),
+    ({"block_sizes": [16, 100]},
+     "model.kernels.block_sizes: 100 is not a multiple of any TurboQuant kernel block size (16, 32, 64, 128)"),
     ({"kv_cache_presets": ["fp8"]}, "model.kernels.kv_cache_presets: 'fp8' is not a TurboQuant preset"),
     ({"dtype": "float32"}, "model.kernels.dtype: 'float32' is not one of"),
     ({"head_dims": 64}, "model.kernels.head_dims: unknown field"),
