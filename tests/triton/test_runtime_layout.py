@@ -38,7 +38,12 @@ from kiln.pins import load_pins
 from kiln.triton import worker
 from kiln.triton.aot import KernelSources
 from kiln.triton.kernels import launch_plan
-from kiln.triton.runtime_layout import block_table_width, kernel_block_size, layout_for, vllm_version
+from kiln.triton.runtime_layout import (
+    block_table_width,
+    kernel_block_size,
+    layout_for,
+    vllm_version,
+)
 from tests.patchsets.support.patchlib import extract, extract_all
 
 TQ = "v1/attention/backends/turboquant_attn.py"
