@@ -112,7 +112,9 @@ def gpu_main(job_path: str) -> int:
         if kv_preset != "turboquant_k8v4":
             report["numerics"].append({"kv_preset": kv_preset, "skipped": "reference covers k8v4 only"})
             continue
-        for block_size in preset["block_sizes"]:
+        # the kernel block sizes the runtime cuts from the manager's (the plan's decode launches)
+        for block_size in sorted({launch["params"]["kernel_block_size"] for launch in job["launches"]
+                                  if launch["builder"] == "decode"}):
             report["numerics"].append(_numerics(preset, kv_preset, block_size))
     Path(job["report"]).write_text(json.dumps(report))
     return 0
