@@ -113,7 +113,9 @@ def gpu_main(job_path: str) -> int:
         if kv_preset != "turboquant_k8v4":
             report["numerics"].append({"kv_preset": kv_preset, "skipped": "reference covers k8v4 only"})
             continue
-        for block_size in preset["block_sizes"]:
+        # the kernel block sizes the runtime cuts from the manager's (the plan's decode launches)
+        for block_size in sorted({launch["params"]["kernel_block_size"] for launch in job["launches"]
+                                  if launch["builder"] == "decode"}):
             report["numerics"].append(_numerics(preset, kv_preset, block_size))
     Path(job["report"]).write_text(json.dumps(report))
     return 0
@@ -254,7 +256,7 @@ def kernel_check(args) -> int:
         copy = Path(tmp) / "cache"
         shutil.copytree(built_root, copy)
         aot.rewrite_group_prefix(copy, RUNTIME_CACHE_DIR, str(copy))
-        job = {"sm": args.sm, "roots": [str(staged)], "preset": preset.to_json(), "launches": launch_plan(preset),
+        job = {"sm": args.sm, "roots": [str(staged)], "preset": preset.to_json(), "launches": launch_plan(preset, sources.runtime_layout()),
                "report": str(Path(tmp) / "report.json")}
         (Path(tmp) / "job.json").write_text(json.dumps(job))
         env = {**os.environ, "TRITON_CACHE_DIR": str(copy)}

@@ -49,6 +49,7 @@ from kiln.pausepoint import pause_point
 from kiln.triton import standin_torch
 from kiln.triton import worker as worker_module
 from kiln.triton.kernels import KERNELS, RUNTIME_CACHE_DIR, KernelPreset, launch_plan
+from kiln.triton.runtime_layout import RuntimeLayout, layout_for, vllm_version
 from kiln.triton.toolchain import SOURCE_MTIME, Toolchain, stage_dir
 
 KERNEL_AUDIT_PATH = "opt/kiln/triton-kernels.json"
@@ -76,6 +77,13 @@ class KernelSources:
             return self.changed[rel]
         path = self.pristine_root / "vllm" / rel
         return path.read_text(encoding="utf-8") if path.is_file() else None
+
+    def runtime_layout(self) -> RuntimeLayout:
+        """What this vLLM version hands the kernels (``runtime_layout.py``), from ``vllm/_version.py``."""
+        version = vllm_version(self.read("_version.py"))
+        if version is None:
+            raise KilnError("vllm/_version.py: no vLLM version, so the kernels' block table layout is unknown")
+        return layout_for(version)
 
 
 @dataclass
@@ -360,7 +368,7 @@ def compile_kernel_caches(preset: KernelPreset, sms: list[int], sources: KernelS
     if not runtime_dir.startswith("/"):
         raise KilnError(f"Triton cache path {runtime_dir!r}: must be absolute")
     env = key_environment(runtime_env or {})
-    plan = launch_plan(preset)
+    plan = launch_plan(preset, sources.runtime_layout())
     own = toolchain.libtriton_sha256
     key_libtriton = {"own": own, "image": image_libtriton} if image_libtriton and image_libtriton != own else None
     staged, source_hash = _stage_sources(preset, sources)

@@ -7,7 +7,7 @@ Public API:
     KernelPreset             head dim, heads, dtype, block sizes, KV presets, spec tokens, ...
     parse_kernel_preset(raw, model_dtype, kv_cache_dtype, spec_tokens, fail) -> KernelPreset
     check_kernels(preset, read) -> None     every launcher exists in the patched source
-    launch_plan(preset) -> list[dict]       what the worker calls, in order (JSON-ready)
+    launch_plan(preset, layout) -> list[dict]   what the worker calls, in order (JSON-ready)
 
 An image definition declares, in ``[model.kernels]``, what its model will launch::
 
@@ -16,7 +16,7 @@ An image definition declares, in ``[model.kernels]``, what its model will launch
     head_dim = 256
     num_heads = 24          # query heads per GPU (tensor parallel 1)
     num_kv_heads = 4
-    block_sizes = [2080]    # the attention block size vLLM picks for the model
+    block_sizes = [2080]    # the KV cache manager's block size vLLM picks for the model
     max_model_len = 131072  # --max-model-len: the block table's row stride
     max_num_seqs = 4        # --max-num-seqs: rows of the decode buffers
     # dtype (default: model.dtype), kv_cache_presets (default: [model.kv_cache_dtype]),
@@ -24,6 +24,8 @@ An image definition declares, in ``[model.kernels]``, what its model will launch
 
 Every value that reaches a Triton argument matters: constexprs (head dim, block size, KV
 preset, fp8 flavour) pick a kernel, and plain ints are specialised by divisibility by 16.
+The kernels see the runtime's kernel block size and block table, not the manager's block size:
+``runtime_layout.py`` derives them per vLLM version.
 To add a launcher: a ``Kernel`` here and a builder of the same name in ``worker.BUILDERS``
 that calls it with CPU tensors of the shapes the runtime passes.
 """
@@ -33,6 +35,13 @@ from __future__ import annotations
 import ast
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+
+from kiln.triton.runtime_layout import (
+    TURBOQUANT_KERNEL_BLOCK_SIZES,
+    RuntimeLayout,
+    block_table_width,
+    kernel_block_size,
+)
 
 RUNTIME_CACHE_DIR = "/opt/kiln/triton-cache"
 DTYPES = ("float16", "bfloat16")
@@ -115,6 +124,10 @@ def parse_kernel_preset(raw: object, model_dtype: str, kv_cache_dtype: str, spec
     if not isinstance(blocks, list) or not blocks or not all(
             isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in blocks):
         fail("model.kernels.block_sizes", "must be a non-empty list of positive integers")
+    for block in blocks:
+        if kernel_block_size(block) is None:
+            sizes = ", ".join(map(str, TURBOQUANT_KERNEL_BLOCK_SIZES))
+            fail("model.kernels.block_sizes", f"{block} is not a multiple of any TurboQuant kernel block size ({sizes})")
     head_dim = _int(raw, "head_dim", fail, minimum=8)
     num_heads = _int(raw, "num_heads", fail)
     num_kv_heads = _int(raw, "num_kv_heads", fail)
@@ -147,21 +160,30 @@ def check_kernels(preset: KernelPreset, read: Callable[[str], str | None], where
                             f"{kernel.function} in the patched source")
 
 
-def launch_plan(preset: KernelPreset) -> list[dict]:
-    """The launches that cover what the runtime computes for this preset, in a fixed order."""
+def launch_plan(preset: KernelPreset, layout: RuntimeLayout) -> list[dict]:
+    """The launches that cover what the runtime computes for this preset, in a fixed order.
+
+    ``block_size`` names the manager's block size; ``kernel_block_size`` and ``table_width`` are
+    what the kernels get from it on ``layout``'s vLLM (``runtime_layout.py``)."""
     plan = []
     for name in preset.launchers:
         kernel = KERNELS[name]
         for kv_preset in preset.kv_cache_presets:
             for block_size in preset.block_sizes:
+                shape = {"block_size": block_size, "kernel_block_size": kernel_block_size(block_size)}
                 variants: list[dict] = [{}]
                 if kernel.builder == "store":
                     variants = [{"tokens": preset.max_num_seqs * (1 + preset.spec_tokens)}]
                 elif kernel.builder == "decode":
-                    # the decode path (per-layer buffers) and the continuation-prefill fast path
-                    variants = [{"batch": preset.max_num_seqs}, {"batch": 1 + preset.spec_tokens, "continuation": True}]
+                    # the decode path (per-layer buffers) and the continuation-prefill fast path,
+                    # whose seq_lens may be a slice at any int32 offset (then not 16-byte aligned)
+                    shape["table_width"] = block_table_width(layout, block_size, preset.max_model_len)
+                    continuation = {"batch": 1 + preset.spec_tokens, "continuation": True}
+                    variants = [{"batch": preset.max_num_seqs}, continuation]
+                    if layout.continuation_seq_lens_sliced:
+                        variants.append({**continuation, "seq_lens_offset": 1})
                 for extra in variants:
                     plan.append({"kernel": name, "module": kernel.module, "function": kernel.function,
                                  "builder": kernel.builder,
-                                 "params": {"kv_preset": kv_preset, "block_size": block_size, **extra}})
+                                 "params": {"kv_preset": kv_preset, **shape, **extra}})
     return plan

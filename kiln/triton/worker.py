@@ -205,7 +205,9 @@ def _dtype(name: str):
 def _kv_cache(preset: dict, cfg, block_size: int, num_blocks: int = 2):
     import torch
 
-    # TurboQuantAttentionBackend.get_kv_cache_shape: (blocks, block_size, Hk, slot_size_aligned)
+    # (kernel blocks, kernel block size, Hk, slot_size_aligned), contiguous: 0.20.1's view of the
+    # layer's buffer, and the strides 0.33.0's LBNHC view gets after the backend's transpose(1, 2)
+    # (kiln/triton/runtime_layout.py; tests/triton/test_runtime_layout.py derives both)
     return torch.zeros(num_blocks, block_size, preset["num_kv_heads"], cfg.slot_size_aligned,
                        dtype=torch.uint8, device=_DEVICE)
 
@@ -233,22 +235,27 @@ def build_store(fn, preset: dict, params: dict) -> None:
     value = torch.zeros(n, hk, d, dtype=dtype, device=_DEVICE)
     slots = torch.full((n,), -1, dtype=torch.int64, device=_DEVICE)  # vLLM's slot_mapping buffer is int64
     c = _centroids(cfg).sort().values
-    fn(key, value, _kv_cache(preset, cfg, params["block_size"]), slots, _rotation(d), (c[:-1] + c[1:]) / 2,
+    fn(key, value, _kv_cache(preset, cfg, params["kernel_block_size"]), slots, _rotation(d), (c[:-1] + c[1:]) / 2,
        mse_bits=cfg.key_mse_bits, key_packed_size=cfg.key_packed_size,
        value_quant_bits=cfg.effective_value_quant_bits, key_fp8=cfg.key_fp8)
 
 
 def build_decode(fn, preset: dict, params: dict) -> None:
-    """``_decode_attention`` (per-layer buffers) or the continuation fast path (expanded table)."""
+    """``_decode_attention`` (per-layer buffers) or the continuation fast path (expanded table).
+
+    ``kernel_block_size`` and ``table_width`` (the block table's row stride) are the runtime's
+    (kiln/triton/runtime_layout.py); ``seq_lens_offset`` starts seq_lens that many int32 into
+    its buffer, as the continuation's slice of a cached arange does."""
     import torch
 
     cfg = _tq_config(preset, params["kv_preset"])
-    d, hq, block_size = preset["head_dim"], preset["num_heads"], params["block_size"]
+    d, hq, block_size = preset["head_dim"], preset["num_heads"], params["kernel_block_size"]
     dtype = _dtype(preset["dtype"])
     batch = params["batch"]
-    blocks_per_req = math.ceil(preset["max_model_len"] / block_size)
+    blocks_per_req = params["table_width"]
     query = torch.zeros(batch, hq, d, dtype=dtype, device=_DEVICE)
-    seq_lens = torch.ones(batch, dtype=torch.int32, device=_DEVICE)
+    offset = params.get("seq_lens_offset", 0)
+    seq_lens = torch.ones(offset + batch, dtype=torch.int32, device=_DEVICE)[offset:]
     splits = preset["max_num_kv_splits"]
     common = dict(Pi=_rotation(d), centroids=_centroids(cfg), scale=1.0 / math.sqrt(d),
                   mse_bits=cfg.key_mse_bits, key_packed_size=cfg.key_packed_size,

@@ -33,8 +33,11 @@ from kiln.triton.kernels import (
     launch_plan,
     parse_kernel_preset,
 )
+from kiln.triton.runtime_layout import layout_for
 from kiln.triton.toolchain import SOURCE_MTIME, toolchain_for
 from tests.support.registry import TOOLCHAIN_CACHE
+
+LAYOUT_0201 = layout_for((0, 20, 1))  # the tree these tests compile from
 
 SMS = (86, 89, 90, 120)
 SMALL = {"launchers": ["turboquant_store", "turboquant_decode"], "head_dim": 64, "num_heads": 6,
@@ -132,7 +135,7 @@ def test_fresh_process_rerun_compiles_nothing(built, toolchain, sources, tmp_pat
     staged, _ = aot._stage_sources(preset(), sources)
     job = {"mode": "check", "sm": 90, "toolchain_site": str(toolchain.staged_site()), "roots": [str(staged)],
            "standin_torch": str(aot._STANDIN_TORCH), "preset": preset().to_json(),
-           "launches": launch_plan(preset()), "report": str(tmp_path / "r.json")}
+           "launches": launch_plan(preset(), LAYOUT_0201), "report": str(tmp_path / "r.json")}
     (tmp_path / "job.json").write_text(json.dumps(job))
     env = aot._worker_env(copy, tmp_path, {}, False)
     subprocess.run([sys.executable, str(Path(aot.__file__).parent / "worker.py"), str(tmp_path / "job.json")],
@@ -179,10 +182,10 @@ def test_a_line_shift_is_a_named_miss(built, toolchain, tree_0201, tmp_path):
     build_dir = tmp_path / "cache"
     shutil.copytree(caches[120].root, build_dir)
     job = {"sm": 120, "toolchain_site": str(toolchain.staged_site()), "roots": [str(staged)],
-           "standin_torch": str(aot._STANDIN_TORCH), "preset": preset().to_json(), "launches": launch_plan(preset())}
+           "standin_torch": str(aot._STANDIN_TORCH), "preset": preset().to_json(), "launches": launch_plan(preset(), LAYOUT_0201)}
     (tmp_path / "home").mkdir()
     with pytest.raises(KilnError) as err:
-        aot._self_check(120, launch_plan(preset()), job, caches[120].launches, toolchain, tmp_path, build_dir,
+        aot._self_check(120, launch_plan(preset(), LAYOUT_0201), job, caches[120].launches, toolchain, tmp_path, build_dir,
                         RUNTIME_CACHE_DIR, {})
     assert "sm_120: self-check: kernel turboquant_decode" in str(err.value)
     assert "_tq_decode_stage1 again" in str(err.value) and "line numbers" in str(err.value)
@@ -235,6 +238,8 @@ def test_kernel_missing_from_the_patched_source_is_named(tree_0201):
     ({"num_heads": 5}, "model.kernels.num_heads: 5 is not a multiple of num_kv_heads 2"),
     ({"head_dim": "64"}, "model.kernels.head_dim: must be an integer"),
     ({"block_sizes": [0]}, "model.kernels.block_sizes: must be a non-empty list of positive integers"),
+    ({"block_sizes": [16, 100]},
+     "model.kernels.block_sizes: 100 is not a multiple of any TurboQuant kernel block size (16, 32, 64, 128)"),
     ({"kv_cache_presets": ["fp8"]}, "model.kernels.kv_cache_presets: 'fp8' is not a TurboQuant preset"),
     ({"dtype": "float32"}, "model.kernels.dtype: 'float32' is not one of"),
     ({"head_dims": 64}, "model.kernels.head_dims: unknown field"),
