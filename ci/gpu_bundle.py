@@ -115,10 +115,12 @@ def write_bundle(args) -> int:
                 (out / name / path.name).write_text(text)  # the package's own __init__ imports far more
     from kiln.triton.kernels import launch_plan
 
+    plan = launch_plan(preset, sources.runtime_layout())
+
     job = {"image": definition.name, "pin": pin.name, "vllm": str(pin.vllm), "sm": args.sm,
-           "patches": applied, "kernel_block_size": args.kernel_block_size,
+           "patches": applied,
            "kv_cache_dtype": definition.model.kv_cache_dtype, "triton": version, "libtriton_sha256": keyed.libtriton_sha256,
-           "preset": preset.to_json(), "launches": launch_plan(preset),
+           "preset": preset.to_json(), "launches": plan,
            "built": {"compiled": built.compiled, "from_cache": built.cached, "failures": built.failures}}
     (out / "job.json").write_text(json.dumps(job, indent=1))
     print(f"{out}: {definition.name} on {pin.name} for sm_{args.sm}, Triton {version} "
@@ -242,8 +244,8 @@ def write_bench_doc(reports: list[Path]) -> int:
         if grid:
             lines.append(f"- PN119 stock against grouped, compiled: {sum(c['ok'] for c in grid)}/{len(grid)} grid "
                          f"cases within the tolerance, largest difference {max(c['max_abs_diff'] for c in grid):.1e}")
-        timed = [c for c in cases if "stock_ms" in c]
-        if timed:
+        for size in sorted({c["block_size"] for c in cases if "stock_ms" in c}):
+            timed = [c for c in cases if "stock_ms" in c and c["block_size"] == size]
             lines += ["", f"Decode time (ms, median of {len(timed[0]['rounds_ms']['stock'])} interleaved rounds, "
                       "each the median of `triton.testing.do_bench`), query/KV heads x head dim, kernel block "
                       f"size {timed[0]['block_size']}, {timed[0]['splits']} KV splits:", "",

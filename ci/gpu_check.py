@@ -185,10 +185,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --bundle: the dist-info RECORD of the GPU machine's Triton (its version and "
                              "libtriton.so key the cache, as the image's RECORD does in a build)")
     parser.add_argument("--gpu-python", default="3.12", help="with --bundle: the GPU machine's Python (default: %(default)s)")
-    parser.add_argument("--kernel-block-size", type=int, default=32,
-                        help="with --bundle: the block size vLLM's TurboQuant kernels see at run time, for PN119's "
-                             "timings (vLLM splits the KV manager's block into the largest of 16/32/64/128 dividing "
-                             "it; default: %(default)s, the 27B on 0.33.0)")
     parser.add_argument("--run-bundle", type=Path, metavar="DIR", help="on the GPU machine: run a --bundle DIR")
     parser.add_argument("--pn119", choices=("all", "bench", "none"), default="all",
                         help="with --run-bundle: PN119's stock-against-grouped grid and timings, the timings "

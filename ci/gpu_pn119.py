@@ -33,7 +33,7 @@ TOLERANCE = 2e-2
 ROUNDS = 5
 
 
-def cases(preset: dict, kernel_block_size: int, grid: bool = True) -> list[dict]:
+def cases(preset: dict, kernel_block_sizes: list[int], grid: bool = True) -> list[dict]:
     """A grid over the presets' key/value formats, GQA groups and head dims (``grid``), and the bench shapes."""
     seed = 0
     chosen = []
@@ -46,21 +46,27 @@ def cases(preset: dict, kernel_block_size: int, grid: bool = True) -> list[dict]
                                  seq_lens=[1, 37, 517, 2050][: 2 + seed % 3], splits=(8, 32, 3)[seed % 3],
                                  dtype=("float16", "bfloat16")[seed % 4 == 3], seed=seed))
                 seed += 1
-    # the image's own attention shape: numerics at long contexts, and the timings
-    for batch in (1, 4):
-        for context in (4096, 32768, 131072):
+    # the image's own attention shape at each kernel block size the runtime uses: numerics at long
+    # contexts, and the timings
+    for kernel_block_size in kernel_block_sizes:
+        for batch, context in ((b, c) for b in (1, 4) for c in (4096, 32768, 131072)):
             chosen.append(dict(kv_preset=preset["kv_cache_dtype"], hq=preset["num_heads"], hk=preset["num_kv_heads"],
-                             d=preset["head_dim"], block_size=kernel_block_size, seq_lens=[context] * batch,
-                             splits=preset["max_num_kv_splits"], dtype=preset["dtype"], seed=seed, bench=True))
+                               d=preset["head_dim"], block_size=kernel_block_size, seq_lens=[context] * batch,
+                               splits=preset["max_num_kv_splits"], dtype=preset["dtype"], seed=seed, bench=True))
             seed += 1
     return chosen
+
+
+def kernel_block_sizes(job: dict) -> list[int]:
+    """The block sizes the decode kernel sees at run time (the plan's, ``kiln/triton/runtime_layout.py``)."""
+    return sorted({launch["params"]["kernel_block_size"] for launch in job["launches"] if launch["builder"] == "decode"})
 
 
 def compare(bundle: Path, job: dict, grid: bool = True) -> dict:
     """Run the child on the GPU; its report (``ok``, ``summary``, per-case results)."""
     preset = dict(job["preset"], kv_cache_dtype=job["kv_cache_dtype"])
     spec = {"stock": str(bundle / "stock"), "patched": str(bundle / "src"), "sm": job["sm"],
-            "cases": cases(preset, job["kernel_block_size"], grid)}
+            "cases": cases(preset, kernel_block_sizes(job), grid)}
     spec_path = bundle.parent / f"{bundle.name}-pn119.json"
     spec_path.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
