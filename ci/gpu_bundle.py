@@ -181,7 +181,7 @@ def run_bundle(args) -> int:
 
         report["pn119"] = gpu_pn119.compare(bundle, job, grid=args.pn119 == "all")
         code = max(code, 0 if report["pn119"]["ok"] else 1)
-    if "P103" in job["patches"] and (bundle / "fla_src").is_dir():
+    if "P103" in job["patches"] and (bundle / "fla_src").is_dir() and args.p103 == "run":
         import gpu_p103
 
         report["p103"] = gpu_p103.compare(bundle)

@@ -189,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pn119", choices=("all", "bench", "none"), default="all",
                         help="with --run-bundle: PN119's stock-against-grouped grid and timings, the timings "
                              "alone, or neither (default: %(default)s)")
+    parser.add_argument("--p103", choices=("run", "none"), default="run",
+                        help="with --run-bundle: P103's stock-against-windowed GDN prefill when the selection carries "
+                             "it, or not (default: %(default)s)")
     parser.add_argument("--bench-doc", type=Path, nargs="+", metavar="REPORT",
                         help="write docs/BENCHMARKS.md's gpu section from --run-bundle --json reports")
     parser.add_argument("--gpu-job", help=argparse.SUPPRESS)  # the fresh GPU process
