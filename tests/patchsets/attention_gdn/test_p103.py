@@ -13,7 +13,15 @@ of 1 to 3 chunks (the patched module's ``KILN_P103_WINDOW_CHUNKS``, set small so
 stays fast). Checked: the patched ``o`` and ``final_state`` equal the pristine ones bit for bit;
 both match an independent float64 recurrence (so the interpreter computed the real rule); a torch
 dispatch mode records every 5-D allocation (the chunk states ``h``): the pristine code allocates
-all chunks of the step at once, more than the window, the patched code never more than the window.
+all chunks of the step at once, more than the window, the patched code never more than the window;
+no window's stock call runs ``prepare_chunk_indices``/``prepare_chunk_offsets`` (a GPU sync and a
+copy each). An empty sequence after a non-empty one is held to the float64 recurrence only: the
+stock chunk indices misnumber the sequences after it.
+
+Host work (the stock forward of each window stubbed out, so only the windowed forward's own work
+is seen): a dispatch mode counts the aten ops it issues on CPU tensors for steps of 10, 20 and 30
+windows, twice on each step's metadata (its first GDN layer, then the next): a fixed setup, then
+one copy and a few views per window; one allowed sync and one host tensor per step.
 """
 
 from __future__ import annotations
