@@ -5,8 +5,8 @@ the caller's choosing (so a pristine and a patched copy load side by side) and i
 ``chunk`` module, with stand-ins for the vLLM modules the ops import: ``vllm.triton_utils`` (the
 real ``triton``, ``tl`` and libdevice), ``vllm.platforms`` (a platform that is neither CUDA nor
 ROCm), ``vllm.utils.gpu_sync_debug`` (``gpu_sync_allowed`` as a no-op context) and
-``vllm.utils.torch_utils`` (``async_tensor_h2d`` as a plain copy). Call it in a process with
-``TRITON_INTERPRET=1`` set before anything imports Triton.
+``vllm.utils.torch_utils`` (``async_tensor_h2d`` of a list, array or tensor as a plain copy).
+Call it in a process with ``TRITON_INTERPRET=1`` set before anything imports Triton.
 
 Three gaps of the interpreter (Triton 3.7) that these kernels reach, and what ``load_fla`` does
 about each, none of which changes what a kernel computes:
@@ -84,6 +84,13 @@ def _forward_builtin_aliases(module) -> None:
             setattr(module, name, forward)
 
 
+def _async_tensor_h2d(data, device=None, dtype=None):
+    """vLLM's ``async_tensor_h2d`` without pinned memory: a list, array or tensor to ``device``."""
+    import torch
+
+    return torch.as_tensor(data, dtype=dtype).to(device=device, dtype=dtype)
+
+
 def _stand_ins() -> None:
     import triton
     import triton.language as tl
@@ -96,7 +103,7 @@ def _stand_ins() -> None:
         "vllm.platforms": {"current_platform": platform},
         "vllm.utils": {},
         "vllm.utils.gpu_sync_debug": {"gpu_sync_allowed": contextlib.nullcontext},
-        "vllm.utils.torch_utils": {"async_tensor_h2d": lambda t, device, dtype: t.to(device=device, dtype=dtype)},
+        "vllm.utils.torch_utils": {"async_tensor_h2d": _async_tensor_h2d},
     }
     for name, attrs in modules.items():
         module = types.ModuleType(name)
