@@ -229,12 +229,15 @@ def write_bench_doc(reports: list[Path]) -> int:
                       "heads, dim 128, fp16; first autotune config on both sides), stock against 64-chunk "
                       f"windows; time: median of {len(cases[0].get('rounds_ms', {}).get('stock', []))} interleaved "
                       "rounds of `do_bench` medians:", "",
-                      "| tokens | peak MiB stock | peak MiB P103 | ms stock | ms P103 | max abs diff (o / state) |",
-                      "| --- | --- | --- | --- | --- | --- |"]
+                      "| tokens | peak MiB stock | peak MiB P103 | ms stock | ms P103 | first layer ms stock | "
+                      "first layer ms P103 | max abs diff (o / state) |",
+                      "| --- | --- | --- | --- | --- | --- | --- | --- |"]
             lines += [f"| {c['tokens']} | {c['stock_peak_mib']:.0f} | {c['patched_peak_mib']:.0f} | {c['stock_ms']:.1f} | "
-                      f"{c['patched_ms']:.1f} | {c['o_max_abs_diff']:.1e} / {c['state_max_abs_diff']:.1e} |"
+                      f"{c['patched_ms']:.1f} | {c.get('stock_first_layer_ms', float('nan')):.1f} | "
+                      f"{c.get('patched_first_layer_ms', float('nan')):.1f} | "
+                      f"{c['o_max_abs_diff']:.1e} / {c['state_max_abs_diff']:.1e} |"
                       for c in cases if "error" not in c]
-            lines += [f"| {c['tokens']} | {c['error']} | | | | |" for c in cases if "error" in c]
+            lines += [f"| {c['tokens']} | {c['error']} | | | | | | |" for c in cases if "error" in c]
         pn119 = report.get("pn119")
         if not pn119:
             lines.append("")
