@@ -233,9 +233,10 @@ def groups(files: list[str]) -> dict[str, list[str]]:
 
 def run_side(venv: Path, tests_root: Path, files: list[str], overlay: Path, work: Path,
              coverage: Path | None = None, timeout: int = RUN_SECONDS) -> dict[str, dict]:
-    """Every test's outcome on one side: each folder in one pytest process; a folder whose
-    process dies (no report written) is run again file by file, and a file whose process dies
-    is recorded as one failed entry ``<file>::<process died>`` with the last line it printed."""
+    """Every test's outcome on one side: each folder in one pytest process. A process that dies
+    (no report written; a CPU build's missing kernel aborts the interpreter) is recorded as one
+    failed entry ``<file>::<process died>`` for the test file its fatal traceback names (the
+    rest of the folder runs again without it); with no file named, the folder runs file by file."""
     results: dict[str, dict] = {}
     deadline = time.monotonic() + timeout
     runs = 0
@@ -244,22 +245,29 @@ def run_side(venv: Path, tests_root: Path, files: list[str], overlay: Path, work
         while pending:
             batch, runs = pending.pop(0), runs + 1
             xml = work / f"{overlay.name}-{runs}.xml"
-            ran, out = _pytest(venv, tests_root, batch, overlay, xml, coverage, deadline)
+            ran, out, culprit = _pytest(venv, tests_root, batch, overlay, xml, coverage, deadline)
             if xml.is_file():
                 results.update(_junit(xml))
-            elif len(batch) > 1:
+                continue
+            died = culprit or (batch[0] if len(batch) == 1 else None)
+            if died is None:
                 pending[:0] = [[name] for name in batch]
-            else:
-                results[f"{batch[0]}::<process died>"] = {"outcome": "failed",
-                                                          "message": f"exit {ran}: {out}"[:200]}
+                continue
+            results[f"{died}::<process died>"] = {"outcome": "failed", "message": f"exit {ran}: {out}"[:200]}
+            rest = [name for name in batch if name != died]
+            if rest:
+                pending.insert(0, rest)
     return results
 
 
 def _pytest(venv: Path, tests_root: Path, files: list[str], overlay: Path, xml: Path,
-            coverage: Path | None, deadline: float) -> tuple[int, str]:
-    """Run pytest on ``files``; its exit status and the line that says why it stopped."""
-    cov = ([f"--cov={overlay / 'vllm'}", f"--cov-report=json:{coverage}", "--cov-branch", "--cov-append"]
-           if coverage else [])
+            coverage: Path | None, deadline: float) -> tuple[int, str, str | None]:
+    """Run pytest on ``files``: its exit status, the line that says why it stopped, and the file
+    of ``files`` innermost in a fatal error's traceback (faulthandler's, most recent call first)."""
+    cov = []
+    if coverage:  # only the folders of kiln's files (written, not linked): tracing all of vLLM is too slow
+        kiln_dirs = sorted({str(f.parent) for f in (overlay / "vllm").rglob("*.py") if not f.is_symlink()})
+        cov = [*(f"--cov={d}" for d in kiln_dirs), f"--cov-report=json:{coverage}", "--cov-branch", "--cov-append"]
     env = dict(os.environ, PYTHONPATH=str(overlay), VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
                PYTHONDONTWRITEBYTECODE="1")
     if coverage:
@@ -272,8 +280,13 @@ def _pytest(venv: Path, tests_root: Path, files: list[str], overlay: Path, xml: 
                           f"--junitxml={xml}", "-o", "junit_family=xunit1", *cov, *files],
                          cwd=tests_root, env=env, capture_output=True, text=True, timeout=left)
     lines = (ran.stdout + ran.stderr).strip().splitlines() or ["no output"]
-    fatal = [line for line in lines if line.startswith("Fatal Python error")]
-    return ran.returncode, (fatal or lines)[-1 if not fatal else 0]
+    fatal = [i for i, line in enumerate(lines) if "Fatal Python error" in line]  # after pytest's dots
+    if not fatal:
+        return ran.returncode, lines[-1], None
+    frames = [line.strip() for line in lines[fatal[0]:] if line.strip().startswith('File "')]
+    culprit = next((name for frame in frames for name in files if f'/{name}"' in frame), None)
+    first = lines[fatal[0]]
+    return ran.returncode, first[first.index("Fatal Python error"):], culprit
 
 
 def _junit(xml: Path) -> dict[str, dict]:

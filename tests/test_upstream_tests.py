@@ -55,8 +55,8 @@ def test_a_test_passing_on_pristine_and_failing_patched_is_a_regression():
 
 
 def test_a_test_that_kills_its_interpreter_costs_its_folder_a_rerun_not_the_side(tmp_path):
-    """Real pytest processes (this environment's): a folder whose process aborts is run again file
-    by file; the aborting file is one failed entry, its neighbours' tests keep their outcomes."""
+    """Real pytest processes (this environment's): a folder whose process aborts runs again without
+    the file its traceback names; that file is one failed entry, its neighbours keep their outcomes."""
     import sys
 
     root = _write(tmp_path / "sdist", {
@@ -77,6 +77,9 @@ def test_a_test_that_kills_its_interpreter_costs_its_folder_a_rerun_not_the_side
         "tests.v1.core.test_sched::test_b": "failed",
     }
     assert "Fatal Python error: Aborted" in results["tests/kernels/test_abort.py::<process died>"]["message"]
+    # the first process named test_abort.py in its traceback: the folder ran again without it
+    # (3 processes, not one per file), and the one that died wrote no report
+    assert sorted(p.name for p in tmp_path.glob("*.xml")) == ["pristine-2.xml", "pristine-3.xml"]
     assert "no hub" in results["tests.v1.core.test_sched::test_b"]["message"]
 
 
