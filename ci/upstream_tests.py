@@ -277,6 +277,9 @@ def _pytest(venv: Path, tests_root: Path, files: list[str], overlay: Path, xml: 
         raise subprocess.TimeoutExpired("pytest", 0)
     ran = subprocess.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "--continue-on-collection-errors",  # a file that cannot import is listed, not fatal
+                          # one line per failure: formatting thousands of GPU-only failures' full
+                          # tracebacks (source parsed per frame) costs more than running them
+                          "--tb=line",
                           f"--junitxml={xml}", "-o", "junit_family=xunit1", *cov, *files],
                          cwd=tests_root, env=env, capture_output=True, text=True, timeout=left)
     lines = (ran.stdout + ran.stderr).strip().splitlines() or ["no output"]
