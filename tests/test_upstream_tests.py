@@ -52,3 +52,47 @@ def test_a_test_passing_on_pristine_and_failing_patched_is_a_regression():
     assert verdict["passing_only_when_patched"] == ["e"]
     # a test missing on the patched side (collection broke there) is a regression too
     assert upstream.compare({"x": passed}, {})["regressions"] == ["x"]
+
+
+def test_a_test_that_kills_its_interpreter_costs_its_folder_a_rerun_not_the_side(tmp_path):
+    """Real pytest processes (this environment's): a folder whose process aborts runs again without
+    the file its traceback names; that file is one failed entry, its neighbours keep their outcomes."""
+    import sys
+
+    root = _write(tmp_path / "sdist", {
+        "tests/kernels/test_fine.py": "def test_one():\n    pass\n",
+        "tests/kernels/test_abort.py": "import os\n\ndef test_boom():\n    os.abort()\n",
+        "tests/v1/core/test_sched.py": "def test_a():\n    pass\n\ndef test_b():\n    raise OSError('no hub')\n",
+    })
+    overlay = tmp_path / "pristine"
+    overlay.mkdir()
+    files = ["tests/kernels/test_fine.py", "tests/kernels/test_abort.py", "tests/v1/core/test_sched.py"]
+    assert upstream.groups(files) == {"tests/kernels": files[:2], "tests/v1/core": files[2:]}
+    venv = Path(sys.executable).parent.parent
+    results = upstream.run_side(venv, root, files, overlay, tmp_path, timeout=300)
+    assert {name: r["outcome"] for name, r in results.items()} == {
+        "tests.kernels.test_fine::test_one": "passed",
+        "tests/kernels/test_abort.py::<process died>": "failed",
+        "tests.v1.core.test_sched::test_a": "passed",
+        "tests.v1.core.test_sched::test_b": "failed",
+    }
+    assert "Fatal Python error: Aborted" in results["tests/kernels/test_abort.py::<process died>"]["message"]
+    # the first process named test_abort.py in its traceback: the folder ran again without it
+    # (3 processes, not one per file), and the one that died wrote no report
+    assert sorted(p.name for p in tmp_path.glob("*.xml")) == ["pristine-2.xml", "pristine-3.xml"]
+    assert "no hub" in results["tests.v1.core.test_sched::test_b"]["message"]
+
+
+def test_the_committed_record_holds_every_outcome_and_the_command_that_remakes_it():
+    passed, failed = {"outcome": "passed", "message": ""}, {"outcome": "failed", "message": "OSError: hub"}
+    raw = {"vllm": "0.32.0", "sdist": {"file": "vllm-0.32.0.tar.gz", "sha256": "0" * 64}, "only": [],
+           "patched_files": {}, "selected": {"tests/a.py": ["vllm.a"]}, "seconds": {}, "kiln_lines_reached": None,
+           "results": {"pristine": {"t1": passed, "t2": failed, "t3": passed},
+                       "patched": {"t1": passed, "t2": failed, "t3": {"outcome": "failed", "message": "KeyError: x"}}}}
+    record = upstream.compact(raw)
+    assert record["outcomes"] == {"t1": ["passed", "passed"], "t2": ["failed", "failed"], "t3": ["passed", "failed"]}
+    assert record["regressions"] == ["t3"] and record["regression_messages"] == {"t3": "KeyError: x"}
+    assert record["not_runnable"] == [{"test": "t2", "why": "OSError: hub"}]
+    assert record["pin"] == "cpu-v0.32.0"  # pins.toml's CPU pin on that release
+    assert record["command"] == ".venv/bin/python ci/upstream_tests.py --vllm 0.32.0 --record ci/upstream/cpu-v0.32.0.json"
+    assert "results" not in record

