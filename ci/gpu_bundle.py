@@ -156,17 +156,25 @@ def run_bundle(args) -> int:
                      f"for {job['triton']} ({job['libtriton_sha256'][:12]})")
     if RUNTIME_CACHE.exists():
         return _fail(f"{RUNTIME_CACHE} exists: the check puts the bundle's cache there and removes nothing")
+    import tempfile
+
+    # working files in a folder of the check's own: nothing is written beside the user's bundle
+    with tempfile.TemporaryDirectory(prefix="kiln-gpu-bundle-") as tmp:
+        return _run_in(bundle, job, version, Path(tmp), args)
+
+
+def _run_in(bundle: Path, job: dict, version: str, work: Path, args) -> int:
     RUNTIME_CACHE.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(bundle / "cache", RUNTIME_CACHE)
-    report_path = bundle.parent / f"{bundle.name}-kernels.json"
+    report_path = work / "kernels.json"
     gpu_job = {"sm": job["sm"], "roots": [str(bundle / "src")], "preset": job["preset"],
                "launches": job["launches"], "report": str(report_path)}
-    (bundle.parent / f"{bundle.name}-gpu-job.json").write_text(json.dumps(gpu_job))
+    (work / "gpu-job.json").write_text(json.dumps(gpu_job))
     env = {**os.environ, "TRITON_CACHE_DIR": str(RUNTIME_CACHE)}
     env.pop("TRITON_STORE_BINARY_ONLY", None)
     try:
         proc = subprocess.run([sys.executable, str(REPO / "ci" / "gpu_check.py"), "--gpu-job",
-                               str(bundle.parent / f"{bundle.name}-gpu-job.json")], env=env)
+                               str(work / "gpu-job.json")], env=env)
         if proc.returncode != 0:
             return proc.returncode
         report = json.loads(report_path.read_text())
@@ -179,25 +187,21 @@ def run_bundle(args) -> int:
     if "PN119" in job["patches"] and args.pn119 != "none":
         import gpu_pn119
 
-        report["pn119"] = gpu_pn119.compare(bundle, job, grid=args.pn119 == "all")
+        report["pn119"] = gpu_pn119.compare(bundle, job, work, grid=args.pn119 == "all")
         code = max(code, 0 if report["pn119"]["ok"] else 1)
     if "P103" in job["patches"] and (bundle / "fla_src").is_dir() and args.p103 == "run":
         import gpu_p103
 
-        report["p103"] = gpu_p103.compare(bundle)
+        report["p103"] = gpu_p103.compare(bundle, work)
         code = max(code, 0 if report["p103"]["ok"] else 1)
     report["ok"] = code == 0
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        print(f"{report['gpu']} (sm_{job['sm']}), {job['image']} on {job['pin']}: {report['hits']} kernel(s) "
-              f"loaded from kiln's cache, {len(report['compiles'])} compiled {report['compiles'] or ''}")
-        for item in report["numerics"]:
-            print(f"  numerics {item}")
-        for name in ("pn119", "p103"):
-            if name in report:
-                print(f"  {name.upper()}: {report[name]['summary']}")
-        print("OK" if code == 0 else "FAILED")
+        from gpu_check import print_kernel_report
+
+        print_kernel_report(report, f"sm_{job['sm']}, {job['image']} on {job['pin']}",
+                            [f"{name.upper()}: {report[name]['summary']}" for name in ("pn119", "p103") if name in report])
     return code
 
 

@@ -269,12 +269,19 @@ def kernel_check(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"{report['gpu']} (sm_{args.sm}): {report['hits']} kernel(s) loaded from the cache, "
-              f"{len(report['compiles'])} compiled {report['compiles'] or ''}")
-        for item in report["numerics"]:
-            print(f"  numerics {item}")
-        print("OK" if ok else "FAILED")
+        print_kernel_report(report, f"sm_{args.sm}")
     return 0 if ok else 1
+
+
+def print_kernel_report(report: dict, where: str, more: list[str] = ()) -> None:
+    """The human form of a kernel check's report (``report["ok"]`` decides the last line)."""
+    print(f"{report['gpu']} ({where}): {report['hits']} kernel(s) loaded from the cache, "
+          f"{len(report['compiles'])} compiled {report['compiles'] or ''}")
+    for item in report["numerics"]:
+        print(f"  numerics {item}")
+    for line in more:
+        print(f"  {line}")
+    print("OK" if report["ok"] else "FAILED")
 
 
 if __name__ == "__main__":

@@ -41,12 +41,13 @@ KEY_HEADS, VALUE_HEADS, DIM = 16, 48, 128
 TOKENS = (4096, 16384, 65536, 131072)
 
 
-def compare(bundle: Path) -> dict:
-    spec_path = bundle.parent / f"{bundle.name}-p103.json"
+def compare(bundle: Path, work: Path) -> dict:
+    """Run the child on the GPU (its files in ``work``); its report (``ok``, ``summary``, ``cases``)."""
+    spec_path = work / "p103.json"
     spec_path.write_text(json.dumps({"stock": str(bundle / "fla_stock"), "patched": str(bundle / "fla_src"),
                                      "tokens": list(TOKENS)}))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
-    env["TRITON_CACHE_DIR"] = str(bundle.parent / f"{bundle.name}-p103-triton")
+    env["TRITON_CACHE_DIR"] = str(work / "p103-triton")
     proc = subprocess.run([sys.executable, __file__, str(spec_path)], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"ok": False, "summary": f"the comparison failed: {proc.stderr.strip()[-2000:]}"}

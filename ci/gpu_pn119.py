@@ -62,15 +62,15 @@ def kernel_block_sizes(job: dict) -> list[int]:
     return sorted({launch["params"]["kernel_block_size"] for launch in job["launches"] if launch["builder"] == "decode"})
 
 
-def compare(bundle: Path, job: dict, grid: bool = True) -> dict:
-    """Run the child on the GPU; its report (``ok``, ``summary``, per-case results)."""
+def compare(bundle: Path, job: dict, work: Path, grid: bool = True) -> dict:
+    """Run the child on the GPU (its files in ``work``); its report (``ok``, ``summary``, per-case results)."""
     preset = dict(job["preset"], kv_cache_dtype=job["kv_cache_dtype"])
     spec = {"stock": str(bundle / "stock"), "patched": str(bundle / "src"), "sm": job["sm"],
             "cases": cases(preset, kernel_block_sizes(job), grid)}
-    spec_path = bundle.parent / f"{bundle.name}-pn119.json"
+    spec_path = work / "pn119.json"
     spec_path.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
-    env["TRITON_CACHE_DIR"] = str(bundle.parent / f"{bundle.name}-pn119-triton")  # its own, never the image's
+    env["TRITON_CACHE_DIR"] = str(work / "pn119-triton")  # its own, never the image's
     proc = subprocess.run([sys.executable, __file__, str(spec_path)], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"ok": False, "summary": f"the comparison failed: {proc.stderr.strip()[-2000:]}"}
