@@ -28,11 +28,11 @@ import importlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import types
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
 OPS = "third_party/flash_linear_attention/ops"
 ROUNDS = 3
 # Qwen3.6-27B's Gated DeltaNet layers: 16 key heads, 48 value heads, head dims 128 (model card;
@@ -48,7 +48,10 @@ def compare(bundle: Path, work: Path) -> dict:
                                      "tokens": list(TOKENS)}))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
     env["TRITON_CACHE_DIR"] = str(work / "p103-triton")
-    proc = subprocess.run([sys.executable, __file__, str(spec_path)], env=env, capture_output=True, text=True)
+    sys.path.insert(0, str(REPO))
+    from kiln import lifeline
+
+    proc = lifeline.run([sys.executable, __file__, str(spec_path)], env=env)  # dies with us, SIGKILL too
     if proc.returncode != 0:
         return {"ok": False, "summary": f"the comparison failed: {proc.stderr.strip()[-2000:]}"}
     cases = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -71,7 +70,10 @@ def compare(bundle: Path, job: dict, work: Path, grid: bool = True) -> dict:
     spec_path.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
     env["TRITON_CACHE_DIR"] = str(work / "pn119-triton")  # its own, never the image's
-    proc = subprocess.run([sys.executable, __file__, str(spec_path)], env=env, capture_output=True, text=True)
+    sys.path.insert(0, str(REPO))
+    from kiln import lifeline
+
+    proc = lifeline.run([sys.executable, __file__, str(spec_path)], env=env)  # dies with us, SIGKILL too
     if proc.returncode != 0:
         return {"ok": False, "summary": f"the comparison failed: {proc.stderr.strip()[-2000:]}"}
     results = json.loads(proc.stdout.strip().splitlines()[-1])
