@@ -117,13 +117,7 @@ def write_bundle(args) -> int:
     if "P103" in applied:  # the GDN prefill ops, stock and patched, for ci/gpu_p103.py
         import gpu_p103
 
-        changed = result.changed_text()
-        for name, files in (("fla_stock", {}), ("fla_src", changed)):
-            (out / name).mkdir()
-            for path in sorted((tree.root / "vllm" / gpu_p103.OPS).glob("*.py")):
-                rel = f"{gpu_p103.OPS}/{path.name}"
-                text = "" if path.name == "__init__.py" else files.get(rel, path.read_text())
-                (out / name / path.name).write_text(text)  # the package's own __init__ imports far more
+        gpu_p103.write_packages(tree.root / "vllm" / gpu_p103.OPS, result.changed_text(), out)
     from kiln.triton.kernels import launch_plan
 
     plan = launch_plan(preset, sources.runtime_layout())

@@ -91,7 +91,10 @@ def compare(bundle: Path, job: dict, work: Path, grid: bool = True) -> dict:
 # -- the child (on the GPU) ------------------------------------------------------------------------
 
 
-class _Counted:
+class Counted:
+    """A kernel (``kernel[grid](...)``) or a launcher, counting its calls under ``name`` in ``counts``
+    (also PN119's CPU test's: ``tests/patchsets/attention_turboquant/test_pn119.py``)."""
+
     def __init__(self, real, name: str, counts: dict):
         self.real, self.name, self.counts = real, name, counts
 
@@ -119,7 +122,7 @@ def _load(root: str, sm: int):
     counts: dict = {}
     for name in ("_tq_decode_stage1", "tq_grouped_decode_stage1"):
         if name in decode.__dict__:
-            decode.__dict__[name] = _Counted(decode.__dict__[name], name, counts)
+            decode.__dict__[name] = Counted(decode.__dict__[name], name, counts)
     return types.SimpleNamespace(
         decode=decode.triton_turboquant_decode_attention, counts=counts,
         store=importlib.import_module(STORE).triton_turboquant_store,

@@ -9,6 +9,9 @@
 - PN119's GPU comparison, run under Triton's interpreter on real 0.33.0 source: the grouped
   decode matches stock on a GQA case (and gpu_check's k8v4 reference), and a grouped kernel with
   the classic head-mapping slip fails the same comparison (so the GPU run can fail).
+- P103's GPU comparison (``ci/gpu_p103.py``'s child and verdict) likewise, on the ops packages a
+  bundle holds (``write_packages``), tiny heads and 2-chunk windows: P103 equals stock exactly, and
+  a windowed forward that does not carry each sequence's state into its next window fails it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ from tests.test_lifeline import _session
 REPO = Path(__file__).resolve().parent.parent
 GPU_CHECK = REPO / "ci" / "gpu_check.py"
 CONFIG = "model_executor/layers/quantization/turboquant/config.py"
+sys.path.insert(0, str(REPO / "ci"))
+import gpu_p103  # noqa: E402  (ci/gpu_p103.py)
+
+# P103's windowed forward: the line that carries each sequence's state into its next window
+CARRY = "        states[rows] = part_final\n"
 
 
 def _gpu_check(*args, cwd=REPO, env=None):
@@ -205,3 +213,47 @@ def test_the_gpu_comparison_fails_a_wrong_head_mapping(roots, tmp_path):
     (result,) = _compare(roots, "slipped", tmp_path)
     assert result["patched_launched"] == {"tq_grouped_decode_stage1": 1}
     assert not result["ok"] and result["max_abs_diff"] > 0.1
+
+
+@pytest.fixture(scope="module")
+def fla_bundles(catalogue, sessions, tmp_path_factory):
+    """Bundle folders holding 0.33.0's GDN ops stock and P103-patched, and stock and slipped (the
+    windows' states not carried), as ``--bundle`` writes them."""
+    where = tmp_path_factory.mktemp("gpu-p103")
+    session = sessions("v0.33.0")
+    changed = patched_files(catalogue, session, "P103")
+    chunk = f"{gpu_p103.OPS}/chunk.py"
+    assert changed[chunk].count(CARRY) == 1
+    slipped = {**changed, chunk: changed[chunk].replace(CARRY, "        pass\n")}
+    made = {}
+    for name, files in (("patched", changed), ("slipped", slipped)):
+        made[name] = where / name
+        made[name].mkdir()
+        gpu_p103.write_packages(session.tree.root / "vllm" / gpu_p103.OPS, files, made[name])
+    return made
+
+
+def _compare_p103(bundle: Path, tmp_path) -> dict:
+    spec = tmp_path / "p103.json"
+    spec.write_text(json.dumps({"stock": str(bundle / "fla_stock"), "patched": str(bundle / "fla_src"),
+                                "tokens": [200], "device": "cpu", "key_heads": 1, "value_heads": 2, "dim": 32,
+                                "window_chunks": 2}))  # sequences of 150 and 50 tokens: 4 chunks, 2 windows
+    proc = subprocess.run([sys.executable, str(REPO / "ci" / "gpu_p103.py"), str(spec)], cwd=REPO,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return gpu_p103.report(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def test_the_gpu_comparison_finds_p103_equal_to_stock(fla_bundles, tmp_path):
+    verdict = _compare_p103(fla_bundles["patched"], tmp_path)
+    (case,) = verdict["cases"]
+    assert "error" not in case, case
+    assert verdict["ok"] and case["o_finite"], verdict["summary"]
+    assert (case["o_max_abs_diff"], case["state_max_abs_diff"]) == (0, 0)
+
+
+def test_the_gpu_comparison_fails_windows_that_drop_the_state(fla_bundles, tmp_path):
+    verdict = _compare_p103(fla_bundles["slipped"], tmp_path)
+    (case,) = verdict["cases"]
+    assert "error" not in case, case
+    assert not verdict["ok"] and case["o_max_abs_diff"] > 0.01 and case["state_max_abs_diff"] > 0.01, verdict
