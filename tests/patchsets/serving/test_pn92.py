@@ -28,7 +28,7 @@ from kiln.patch.anchor import find
 from kiln.patch.engine import Session, isolated_run
 from kiln.patch.model import BuildTarget, Verdict
 from kiln.source.wheel import WheelSource
-from tests.patchsets.support.patchlib import extract_all, patched_files
+from tests.patchsets.support.patchlib import patched_files, run_defs
 
 TARGET = "utils/import_utils.py"
 LOGGER = "vllm.utils.import_utils"
@@ -37,10 +37,8 @@ MISSING_CUDART = "libcudart.so.12: cannot open shared object file: No such file 
 
 
 def _checks(source: str) -> dict:
-    ns = {"importlib": importlib, "cache": functools.cache, "logger": logging.getLogger(LOGGER)}
-    for code in extract_all(source, NAMES).values():
-        exec(compile("from __future__ import annotations\n" + code, f"vllm/{TARGET}", "exec"), ns)
-    return ns
+    return run_defs(source, NAMES, {"importlib": importlib, "cache": functools.cache,
+                                    "logger": logging.getLogger(LOGGER)}, TARGET)
 
 
 @pytest.fixture

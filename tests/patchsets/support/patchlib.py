@@ -48,3 +48,29 @@ def extract_all(source: str, dotted_names: list[str]) -> dict[str, str]:
     """``extract`` for several names, parsing ``source`` once (large files parse slowly)."""
     module = cst.parse_module(source)
     return {dotted: textwrap.dedent(module.code_for_node(_find(module, dotted.split(".")))) for dotted in dotted_names}
+
+
+def _overload(node: cst.FunctionDef) -> bool:
+    return any(isinstance(d.decorator, cst.Name) and d.decorator.value == "overload"
+               or isinstance(d.decorator, cst.Attribute) and d.decorator.attr.value == "overload"
+               for d in node.decorators)
+
+
+def run_defs(source: str, names: list[str], namespace: dict, rel: str, optional: tuple[str, ...] = ()) -> dict:
+    """``namespace`` (the module's other globals: stand-ins) with the top-level functions ``names``
+    of ``source`` (vLLM's ``rel``) defined in it by running their own code, decorators included,
+    as the module does (``from __future__ import annotations``; ``vllm/<rel>`` in tracebacks). A
+    function's ``@overload`` stubs are passed over for its definition. A name in ``optional`` that
+    ``source`` does not define is left out of ``namespace`` (``name in namespace`` says whether it was
+    there: a patch's helper); any other must be defined exactly once."""
+    module = cst.parse_module(source)
+    found: dict[str, list[str]] = {name: [] for name in names}
+    for node in module.body:
+        if isinstance(node, cst.FunctionDef) and node.name.value in found and not _overload(node):
+            found[node.name.value].append(module.code_for_node(node))
+    for name in names:
+        codes = found[name]
+        assert len(codes) == 1 or (not codes and name in optional), f"vllm/{rel}: {len(codes)} definitions of {name}"
+        for code in codes:
+            exec(compile("from __future__ import annotations\n" + code, f"vllm/{rel}", "exec"), namespace)
+    return namespace
