@@ -16,7 +16,7 @@ from kiln.patch.engine import isolated_run
 from kiln.patch.model import BuildTarget, Verdict
 from tests.patchsets.support import kvspecs
 from tests.patchsets.support.kvspecs import BLOCK_SIZE, MAMBA_PADDED_PAGE, TORCH, TQ_PAGE
-from tests.patchsets.support.patchlib import patched_files
+from tests.patchsets.support.patchlib import assert_applies_once, patched_files
 
 TARGET = "v1/core/kv_cache_utils.py"
 
@@ -95,10 +95,7 @@ def test_verdicts(catalogue, sessions, label, expected):
 
 def test_applying_twice_changes_nothing(catalogue, sessions):
     session = sessions("v0.20.1")
-    target = BuildTarget(Version("0.20.1"))
-    first = isolated_run(catalogue, session, target, "P5")
-    second = isolated_run(catalogue, session.overlay(first.state.changed), target, "P5")
-    assert second.outcomes["P5"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, session, "P5", version="0.20.1")
 
 
 def test_upstream_from_0210_by_the_platform_turboquant_page():

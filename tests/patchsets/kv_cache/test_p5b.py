@@ -31,7 +31,7 @@ from tests.patchsets.support.kvspecs import (
     TQ_K8V4_SLOT,
     TQ_PAGE,
 )
-from tests.patchsets.support.patchlib import extract, patched_files
+from tests.patchsets.support.patchlib import assert_applies_once, extract, patched_files
 
 UTILS = "v1/core/kv_cache_utils.py"
 RUNNER = "v1/worker/gpu_model_runner.py"
@@ -201,10 +201,7 @@ def test_is_a_variant_conflicting_with_p5(catalogue):
 
 def test_applying_twice_changes_nothing(catalogue, sessions):
     session = sessions("v0.20.1")
-    target = BuildTarget(Version("0.20.1"))
-    first = isolated_run(catalogue, session, target, "P5b")
-    second = isolated_run(catalogue, session.overlay(first.state.changed), target, "P5b")
-    assert second.outcomes["P5b"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, session, "P5b", version="0.20.1")
 
 
 def test_upstream_from_0210_by_the_platform_turboquant_page():

@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from tests.patchsets.support.patchlib import patched_files
+from tests.patchsets.support.patchlib import assert_applies_once, patched_files
 from tests.patchsets.support.qwen3_parsers import (
     DELEGATING,
     PARSER,
@@ -98,11 +98,7 @@ def test_verdicts(catalogue, sessions):
     from kiln.patch.model import BuildTarget, Verdict
 
     old = sessions("v0.20.1")
-    target = BuildTarget(old.tree.vllm_version)
-    first = isolated_run(catalogue, old, target, "K2")
-    assert first.outcomes["K2"].verdict is Verdict.APPLIES
-    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "K2")
-    assert again.outcomes["K2"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, old, "K2")
 
     new = sessions("v0.33.0")
     outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "K2").outcomes[

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.patchsets.support.patchlib import extract, patched_files
+from tests.patchsets.support.patchlib import assert_applies_once, extract, patched_files
 
 PARAMS = "sampling_params.py"
 BUILTIN = "v1/sample/logits_processor/builtin.py"
@@ -165,11 +165,7 @@ def test_verdicts(catalogue, sessions):
     from kiln.patch.model import BuildTarget, Verdict
 
     old = sessions("v0.20.1")
-    target = BuildTarget(old.tree.vllm_version)
-    first = isolated_run(catalogue, old, target, "P109")
-    assert first.outcomes["P109"].verdict is Verdict.APPLIES
-    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "P109")
-    assert again.outcomes["P109"].verdict is Verdict.ALREADY_PATCHED  # its own code is not "upstream"
+    assert_applies_once(catalogue, old, "P109")
 
     new = sessions("v0.33.0")
     outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "P109").outcomes[

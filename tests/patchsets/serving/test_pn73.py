@@ -28,7 +28,7 @@ from packaging.version import Version
 from kiln.patch.engine import Session, isolated_run
 from kiln.patch.model import BuildTarget, Verdict
 from kiln.source.wheel import WheelSource
-from tests.patchsets.support.patchlib import patched_files, run_defs
+from tests.patchsets.support.patchlib import assert_applies_once, patched_files, run_defs
 
 TARGET = "entrypoints/chat_utils.py"
 TEMPLATE = (Path(__file__).parents[3] / "images/files/chat-templates/qwen3.6.jinja").read_text()
@@ -184,11 +184,7 @@ def test_other_messages_and_empty_tool_calls_untouched(catalogue, release_sessio
 
 def test_verdicts(catalogue, release_sessions, sessions):
     old = sessions("v0.20.1")
-    target = BuildTarget(old.tree.vllm_version)
-    first = isolated_run(catalogue, old, target, "PN73")
-    assert first.outcomes["PN73"].verdict is Verdict.APPLIES
-    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "PN73")
-    assert again.outcomes["PN73"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, old, "PN73")
 
     for label, where in (("v0.33.0", "renderers/chat_utils/chat_message.py:739"),):
         new = sessions(label)

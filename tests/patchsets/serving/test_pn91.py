@@ -20,7 +20,7 @@ import jinja2.ext
 import jinja2.sandbox
 import pytest
 
-from tests.patchsets.support.patchlib import patched_files, run_defs
+from tests.patchsets.support.patchlib import assert_applies_once, patched_files, run_defs
 
 HF = "renderers/hf.py"
 TEMPLATE = (Path(__file__).parents[3] / "images/files/chat-templates/qwen3.6.jinja").read_text()
@@ -126,11 +126,7 @@ def test_verdicts(catalogue, sessions):
     from kiln.patch.model import BuildTarget, Verdict
 
     old = sessions("v0.20.1")
-    target = BuildTarget(old.tree.vllm_version)
-    first = isolated_run(catalogue, old, target, "PN91")
-    assert first.outcomes["PN91"].verdict is Verdict.APPLIES
-    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "PN91")
-    assert again.outcomes["PN91"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, old, "PN91")
 
     new = sessions("v0.33.0")
     outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "PN91").outcomes["PN91"]

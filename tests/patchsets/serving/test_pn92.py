@@ -28,7 +28,7 @@ from kiln.patch.anchor import find
 from kiln.patch.engine import Session, isolated_run
 from kiln.patch.model import BuildTarget, Verdict
 from kiln.source.wheel import WheelSource
-from tests.patchsets.support.patchlib import patched_files, run_defs
+from tests.patchsets.support.patchlib import assert_applies_once, patched_files, run_defs
 
 TARGET = "utils/import_utils.py"
 LOGGER = "vllm.utils.import_utils"
@@ -105,11 +105,7 @@ def test_what_the_answer_guards_on_0201(sessions):
 
 def test_verdicts(catalogue, sessions):
     old = sessions("v0.20.1")
-    target = BuildTarget(old.tree.vllm_version)
-    first = isolated_run(catalogue, old, target, "PN92")
-    assert first.outcomes["PN92"].verdict is Verdict.APPLIES
-    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "PN92")
-    assert again.outcomes["PN92"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, old, "PN92")
 
     new = sessions("v0.33.0")
     outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "PN92").outcomes["PN92"]

@@ -14,7 +14,7 @@ import libcst as cst
 from packaging.version import Version
 
 from kiln.patch.engine import isolated_run
-from kiln.patch.model import BuildTarget
+from kiln.patch.model import BuildTarget, Verdict
 
 
 def patched_files(catalogue, session, patch_id: str, version: str | None = None) -> dict[str, str]:
@@ -24,6 +24,17 @@ def patched_files(catalogue, session, patch_id: str, version: str | None = None)
     outcome = result.outcomes[patch_id]
     assert outcome.verdict.ok, f"{patch_id}: {outcome.verdict} {outcome.detail}"
     return result.changed_text()
+
+
+def assert_applies_once(catalogue, session, patch_id: str, version: str | None = None) -> None:
+    """``patch_id`` (with its requires) APPLIES to ``session``'s tree and, run again on the tree it
+    wrote, is ALREADY_PATCHED: a patch never applies twice."""
+    target = BuildTarget(Version(version) if version else session.tree.vllm_version)
+    first = isolated_run(catalogue, session, target, patch_id)
+    outcome = first.outcomes[patch_id]
+    assert outcome.verdict is Verdict.APPLIES, f"{patch_id}: {outcome.verdict} {outcome.detail}"
+    again = isolated_run(catalogue, session.overlay(first.state.changed), target, patch_id).outcomes[patch_id]
+    assert again.verdict is Verdict.ALREADY_PATCHED, f"{patch_id} again: {again.verdict} {again.detail}"
 
 
 def _find(module: cst.Module, path: list[str]) -> cst.CSTNode:

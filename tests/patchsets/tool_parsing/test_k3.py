@@ -23,7 +23,7 @@ import pytest
 
 from kiln.patch.anchor import resolve
 from kiln.patch.shapes import cls, func
-from tests.patchsets.support.patchlib import extract, patched_files
+from tests.patchsets.support.patchlib import assert_applies_once, extract, patched_files
 from tests.patchsets.support.qwen3_parsers import PARSER as CODER
 from tests.patchsets.support.qwen3_parsers import Tokenizer, _parser_cls, reasoning_parser_cls
 
@@ -212,11 +212,7 @@ def test_verdicts(catalogue, sessions):
     from kiln.patch.model import BuildTarget, Verdict
 
     old = sessions("v0.20.1")
-    target = BuildTarget(old.tree.vllm_version)
-    first = isolated_run(catalogue, old, target, "K3")
-    assert first.outcomes["K3"].verdict is Verdict.APPLIES
-    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "K3")
-    assert again.outcomes["K3"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, old, "K3")
 
     new = sessions("v0.33.0")
     outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "K3").outcomes[

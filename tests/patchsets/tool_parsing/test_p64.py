@@ -28,7 +28,7 @@ import json
 
 import pytest
 
-from tests.patchsets.support.patchlib import patched_files
+from tests.patchsets.support.patchlib import assert_applies_once, patched_files
 from tests.patchsets.support.qwen3_parsers import (
     PARSER,
     Serving,
@@ -120,11 +120,7 @@ def test_verdicts(catalogue, sessions):
     from kiln.patch.model import BuildTarget, Verdict
 
     old = sessions("v0.20.1")
-    target = BuildTarget(old.tree.vllm_version)
-    first = isolated_run(catalogue, old, target, "P64")
-    assert first.outcomes["P64"].verdict is Verdict.APPLIES
-    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "P64")
-    assert again.outcomes["P64"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, old, "P64")
 
     # 0.33.0: the old parser file is gone and qwen3_coder is served by the streaming parser
     # engine, which emits every event of a delta in one message: UPSTREAM, with the places.
