@@ -166,17 +166,20 @@ def run_bundle(args) -> int:
     from kiln.errors import Interrupted
 
     runtime_cache = Path(os.environ.get("KILN_GPU_CHECK_RUNTIME_CACHE", RUNTIME_CACHE))
+    refused = None
     try:
         with lifeline.stop_on_signals():
-            refused = _claim_runtime_cache(runtime_cache, bundle / "cache")
-            if refused:
-                return _fail(refused)
             try:
+                with lifeline.uninterrupted():  # a signal waits until the claim is made or refused
+                    refused = _claim_runtime_cache(runtime_cache, bundle / "cache")
+                if refused:
+                    return _fail(refused)
                 # working files in a folder of the check's own: nothing is written beside the user's bundle
                 with tempfile.TemporaryDirectory(prefix="kiln-gpu-bundle-") as tmp:
                     return _run_in(bundle, job, version, Path(tmp), runtime_cache, args)
             finally:
-                shutil.rmtree(runtime_cache, ignore_errors=True)
+                if refused is None:  # made by this run (or never made): nobody else's to keep
+                    shutil.rmtree(runtime_cache, ignore_errors=True)
     except Interrupted as stop:
         print(f"gpu_check: stopped by {stop}; {runtime_cache} removed", file=sys.stderr)
         return 128 + stop.signum
@@ -220,6 +223,7 @@ def _claim_runtime_cache(root: Path, cache: Path) -> str | None:
     that no longer runs; a live check's is refused, and so is a folder kiln did not make."""
     from kiln import staging
 
+    owner = None
     if root.exists() or root.is_symlink():
         try:
             owner = json.loads((root / OWNER).read_text())
@@ -228,17 +232,20 @@ def _claim_runtime_cache(root: Path, cache: Path) -> str | None:
             return f"{root} exists and holds no readable {OWNER}: not a kiln GPU check's, so nothing is removed"
         if _owner_alive(owner):
             return f"{root} is in use by a running GPU check (pid {owner['pid']}); run one check at a time"
-        shutil.rmtree(root)
-        print(f"gpu_check: removed {root}, left by a killed check (pid {owner['pid']})", file=sys.stderr)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    staging.remove_dead_stages(root.parent)  # a claim killed halfway through its copy
-    stage = staging.stage_dir(root)
+    stage = None
     try:
+        if owner is not None:
+            shutil.rmtree(root)
+            print(f"gpu_check: removed {root}, left by a killed check (pid {owner['pid']})", file=sys.stderr)
+        root.parent.mkdir(parents=True, exist_ok=True)
+        staging.remove_dead_stages(root.parent)  # a claim killed halfway through its copy
+        stage = staging.stage_dir(root)
         shutil.copytree(cache, stage, dirs_exist_ok=True)
         (stage / OWNER).write_text(json.dumps(_owner_of_this_process()))
         os.rename(stage, root)  # the folder appears whole, owner file and all
     except OSError as err:
-        shutil.rmtree(stage, ignore_errors=True)
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
         return f"{root}: cannot put the bundle's cache there ({err.strerror or err})"
     return None
 
