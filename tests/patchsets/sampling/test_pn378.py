@@ -31,10 +31,13 @@ from pathlib import Path
 
 import pytest
 
-from kiln.patch.engine import isolated_run
-from kiln.patch.model import BuildTarget, Verdict
 from tests.patchsets.support.interpreted_child import load_module, run_child
-from tests.patchsets.support.patchlib import assert_applies_once, extract, patched_files
+from tests.patchsets.support.patchlib import (
+    assert_applies_once,
+    assert_upstream,
+    extract,
+    patched_files,
+)
 
 TARGET = "v1/sample/rejection_sampler.py"
 KERNEL = "sample_recovered_tokens_kernel"
@@ -51,9 +54,8 @@ def test_verdicts(catalogue, sessions):
     assert_applies_once(catalogue, old, "PN378")
 
     new = sessions("v0.33.0")
-    outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "PN378").outcomes["PN378"]
-    assert outcome.verdict is Verdict.UPSTREAM, outcome.detail
-    assert f"{TARGET}:1143" in outcome.detail and f"{TARGET}:1150" in outcome.detail
+    detail = assert_upstream(catalogue, new, "PN378")
+    assert f"{TARGET}:1143" in detail and f"{TARGET}:1150" in detail
 
 
 # -- the interpreter run -------------------------------------------------------------------------

@@ -20,7 +20,12 @@ import jinja2.ext
 import jinja2.sandbox
 import pytest
 
-from tests.patchsets.support.patchlib import assert_applies_once, patched_files, run_defs
+from tests.patchsets.support.patchlib import (
+    assert_applies_once,
+    assert_upstream,
+    patched_files,
+    run_defs,
+)
 
 HF = "renderers/hf.py"
 TEMPLATE = (Path(__file__).parents[3] / "images/files/chat-templates/qwen3.6.jinja").read_text()
@@ -122,13 +127,9 @@ def test_template_that_knows_the_role_gets_it(patched):
 
 
 def test_verdicts(catalogue, sessions):
-    from kiln.patch.engine import isolated_run
-    from kiln.patch.model import BuildTarget, Verdict
-
     old = sessions("v0.20.1")
     assert_applies_once(catalogue, old, "PN91")
 
     new = sessions("v0.33.0")
-    outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "PN91").outcomes["PN91"]
-    assert outcome.verdict is Verdict.UPSTREAM, outcome.detail
-    assert "renderers/hf.py:604" in outcome.detail
+    detail = assert_upstream(catalogue, new, "PN91")
+    assert "renderers/hf.py:604" in detail

@@ -25,10 +25,14 @@ import pytest
 from packaging.version import Version
 
 from kiln.patch.anchor import find
-from kiln.patch.engine import Session, isolated_run
-from kiln.patch.model import BuildTarget, Verdict
+from kiln.patch.engine import Session
 from kiln.source.wheel import WheelSource
-from tests.patchsets.support.patchlib import assert_applies_once, patched_files, run_defs
+from tests.patchsets.support.patchlib import (
+    assert_applies_once,
+    assert_upstream,
+    patched_files,
+    run_defs,
+)
 
 TARGET = "utils/import_utils.py"
 LOGGER = "vllm.utils.import_utils"
@@ -108,9 +112,6 @@ def test_verdicts(catalogue, sessions):
     assert_applies_once(catalogue, old, "PN92")
 
     new = sessions("v0.33.0")
-    outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "PN92").outcomes["PN92"]
-    assert outcome.verdict is Verdict.UPSTREAM, outcome.detail
-    assert outcome.detail.startswith("utils/import_utils.py:412")
+    assert assert_upstream(catalogue, new, "PN92").startswith("utils/import_utils.py:412")
     fixed = Session(WheelSource(Version("0.23.0")).fetch())
-    outcome = isolated_run(catalogue, fixed, BuildTarget(fixed.tree.vllm_version), "PN92").outcomes["PN92"]
-    assert outcome.verdict is Verdict.UPSTREAM, outcome.detail
+    assert_upstream(catalogue, fixed, "PN92")

@@ -37,6 +37,13 @@ def assert_applies_once(catalogue, session, patch_id: str, version: str | None =
     assert again.verdict is Verdict.ALREADY_PATCHED, f"{patch_id} again: {again.verdict} {again.detail}"
 
 
+
+def assert_upstream(catalogue, session, patch_id: str) -> str:
+    """``patch_id``'s verdict on ``session``'s tree is UPSTREAM; its detail (where upstream fixed it)."""
+    outcome = isolated_run(catalogue, session, BuildTarget(session.tree.vllm_version), patch_id).outcomes[patch_id]
+    assert outcome.verdict is Verdict.UPSTREAM, f"{patch_id}: {outcome.verdict} {outcome.detail}"
+    return outcome.detail
+
 def _find(module: cst.Module, path: list[str]) -> cst.CSTNode:
     body = module.body
     node = None
