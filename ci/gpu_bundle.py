@@ -166,22 +166,23 @@ def run_bundle(args) -> int:
     from kiln.errors import Interrupted
 
     runtime_cache = Path(os.environ.get("KILN_GPU_CHECK_RUNTIME_CACHE", RUNTIME_CACHE))
-    refused = None
+    claimed = False
     try:
         with lifeline.stop_on_signals():
             try:
                 with lifeline.uninterrupted():  # a signal waits until the claim is made or refused
                     refused = _claim_runtime_cache(runtime_cache, bundle / "cache")
+                    claimed = refused is None
                 if refused:
                     return _fail(refused)
                 # working files in a folder of the check's own: nothing is written beside the user's bundle
                 with tempfile.TemporaryDirectory(prefix="kiln-gpu-bundle-") as tmp:
                     return _run_in(bundle, job, version, Path(tmp), runtime_cache, args)
             finally:
-                if refused is None:  # made by this run (or never made): nobody else's to keep
+                if claimed:  # made by this run: only then is it this run's to remove
                     shutil.rmtree(runtime_cache, ignore_errors=True)
     except Interrupted as stop:
-        print(f"gpu_check: stopped by {stop}; {runtime_cache} removed", file=sys.stderr)
+        print(f"gpu_check: stopped by {stop}" + (f"; {runtime_cache} removed" if claimed else ""), file=sys.stderr)
         return 128 + stop.signum
 
 
@@ -211,6 +212,8 @@ def _owner_alive(owner: dict) -> bool:
         os.kill(owner["pid"], 0)
     except ProcessLookupError:
         return False
+    except (OverflowError, ValueError):
+        return True  # no pid of this machine: not provably dead, so kept
     except PermissionError:
         pass  # another user's live process: its start time tells
     return owner.get("start") is None or start_time(owner["pid"]) in (None, owner["start"])
