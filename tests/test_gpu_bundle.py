@@ -158,7 +158,9 @@ def test_a_stopped_check_stops_its_gpu_step_and_removes_its_cache(keyed_bundle):
         if _session(check.pid):
             os.killpg(check.pid, signal.SIGKILL)
         check.wait()
-    assert check.returncode == 128 + signal.SIGTERM, check.communicate()
+    _, err = check.communicate()
+    assert check.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == f"gpu_check: stopped by SIGTERM; {root} removed"
     assert not root.exists() and not any(root.parent.iterdir())
 
 
