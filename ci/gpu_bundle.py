@@ -15,12 +15,23 @@ patched kernel sources the build compiled), ``stock/`` (the same files unpatched
 dependencies are not needed):
 1. refuses (exit 2) when the machine's Triton is not the version, or its ``libtriton.so`` not the
    file, the bundle was keyed for, when the GPU is another SM, or when ``/opt/kiln/triton-cache``
-   already exists;
+   is there and not a dead check's (below);
 2. copies ``cache/`` to ``/opt/kiln/triton-cache`` (where the image has it, so the group files'
    paths hold) and runs ``gpu_check``'s GPU step in a fresh process: the build's launches on CUDA
    tensors, compiles counted (0 expected), then the k8v4 numerics against a PyTorch reference;
-3. when the selection carries PN119, ``ci/gpu_pn119.py``: stock against grouped decode on the GPU.
+3. when the selection carries PN119, ``ci/gpu_pn119.py``: stock against grouped decode on the GPU;
+   when it carries P103, ``ci/gpu_p103.py``: stock against windowed GDN prefill.
 Exit 0 only when every step passed; 1 when one failed; 2 when the machine cannot run the check.
+
+Nothing outlives a killed check: every child process is started through ``kiln/lifeline.py``
+(stdlib only; the kernel sends it SIGKILL when this process dies, SIGKILL included), and SIGTERM
+or SIGINT remove the cache before exiting (128 + the signal). Only a SIGKILL leaves
+``/opt/kiln/triton-cache`` behind, and it carries ``OWNER`` (the pid, its start time and the boot
+id of the process that made it; the folder appears whole, with it, by one rename): the next run
+removes a dead owner's folder and says so, refuses a live one's, and refuses a folder without
+that file (kiln did not make it, so kiln does not remove it). ``KILN_GPU_CHECK_RUNTIME_CACHE``
+moves the folder (tests: the group files name ``/opt/kiln/triton-cache``, so only there do the
+kernels load without compiling).
 """
 
 from __future__ import annotations
@@ -30,12 +41,12 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RUNTIME_CACHE = Path("/opt/kiln/triton-cache")
+OWNER = ".kiln-gpu-check-owner.json"  # in the runtime cache: which process made it
 LIBTRITON = "triton/_C/libtriton.so"
 
 
@@ -106,13 +117,7 @@ def write_bundle(args) -> int:
     if "P103" in applied:  # the GDN prefill ops, stock and patched, for ci/gpu_p103.py
         import gpu_p103
 
-        changed = result.changed_text()
-        for name, files in (("fla_stock", {}), ("fla_src", changed)):
-            (out / name).mkdir()
-            for path in sorted((tree.root / "vllm" / gpu_p103.OPS).glob("*.py")):
-                rel = f"{gpu_p103.OPS}/{path.name}"
-                text = "" if path.name == "__init__.py" else files.get(rel, path.read_text())
-                (out / name / path.name).write_text(text)  # the package's own __init__ imports far more
+        gpu_p103.write_packages(tree.root / "vllm" / gpu_p103.OPS, result.changed_text(), out)
     from kiln.triton.kernels import launch_plan
 
     plan = launch_plan(preset, sources.runtime_layout())
@@ -154,32 +159,116 @@ def run_bundle(args) -> int:
     if version != job["triton"] or libtriton != job["libtriton_sha256"]:
         return _fail(f"this machine's Triton is {version} (libtriton.so {libtriton[:12]}); the bundle was keyed "
                      f"for {job['triton']} ({job['libtriton_sha256'][:12]})")
-    if RUNTIME_CACHE.exists():
-        return _fail(f"{RUNTIME_CACHE} exists: the check puts the bundle's cache there and removes nothing")
     import tempfile
 
-    # working files in a folder of the check's own: nothing is written beside the user's bundle
-    with tempfile.TemporaryDirectory(prefix="kiln-gpu-bundle-") as tmp:
-        return _run_in(bundle, job, version, Path(tmp), args)
+    sys.path.insert(0, str(REPO))
+    from kiln import lifeline
+    from kiln.errors import Interrupted
+
+    runtime_cache = Path(os.environ.get("KILN_GPU_CHECK_RUNTIME_CACHE", RUNTIME_CACHE))
+    claimed = False
+    try:
+        with lifeline.stop_on_signals():
+            try:
+                with lifeline.uninterrupted():  # a signal waits until the claim is made or refused
+                    refused = _claim_runtime_cache(runtime_cache, bundle / "cache")
+                    claimed = refused is None
+                if refused:
+                    return _fail(refused)
+                # working files in a folder of the check's own: nothing is written beside the user's bundle
+                with tempfile.TemporaryDirectory(prefix="kiln-gpu-bundle-") as tmp:
+                    return _run_in(bundle, job, version, Path(tmp), runtime_cache, args)
+            finally:
+                if claimed:  # made by this run: only then is it this run's to remove
+                    shutil.rmtree(runtime_cache, ignore_errors=True)
+    except Interrupted as stop:
+        print(f"gpu_check: stopped by {stop}" + (f"; {runtime_cache} removed" if claimed else ""), file=sys.stderr)
+        return 128 + stop.signum
 
 
-def _run_in(bundle: Path, job: dict, version: str, work: Path, args) -> int:
-    RUNTIME_CACHE.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(bundle / "cache", RUNTIME_CACHE)
+# -- the runtime cache: made whole by one rename, owned by this process ---------------------------
+
+
+def _owner_of_this_process() -> dict:
+    from kiln.staging import start_time
+
+    return {"pid": os.getpid(), "start": start_time(os.getpid()), "boot": _boot_id()}
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _owner_alive(owner: dict) -> bool:
+    """Whether the process ``owner`` describes still runs (a reused pid, or another boot, does not)."""
+    from kiln.staging import start_time
+
+    if owner.get("boot") != _boot_id():
+        return False
+    try:
+        os.kill(owner["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except (OverflowError, ValueError):
+        return True  # no pid of this machine: not provably dead, so kept
+    except PermissionError:
+        pass  # another user's live process: its start time tells
+    return owner.get("start") is None or start_time(owner["pid"]) in (None, owner["start"])
+
+
+def _claim_runtime_cache(root: Path, cache: Path) -> str | None:
+    """Put ``cache`` at ``root`` with this process's owner file; why not, or None once it is there.
+
+    A folder already at ``root`` is removed (and said so) only when its owner file names a process
+    that no longer runs; a live check's is refused, and so is a folder kiln did not make."""
+    from kiln import staging
+
+    owner = None
+    if root.exists() or root.is_symlink():
+        try:
+            owner = json.loads((root / OWNER).read_text())
+            owner["pid"] = int(owner["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"{root} exists and holds no readable {OWNER}: not a kiln GPU check's, so nothing is removed"
+        if _owner_alive(owner):
+            return f"{root} is in use by a running GPU check (pid {owner['pid']}); run one check at a time"
+    stage = None
+    try:
+        if owner is not None:
+            shutil.rmtree(root)
+            print(f"gpu_check: removed {root}, left by a killed check (pid {owner['pid']})", file=sys.stderr)
+        root.parent.mkdir(parents=True, exist_ok=True)
+        staging.remove_dead_stages(root.parent)  # a claim killed halfway through its copy
+        stage = staging.stage_dir(root)
+        shutil.copytree(cache, stage, dirs_exist_ok=True)
+        (stage / OWNER).write_text(json.dumps(_owner_of_this_process()))
+        os.rename(stage, root)  # the folder appears whole, owner file and all
+    except OSError as err:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+        return f"{root}: cannot put the bundle's cache there ({err.strerror or err})"
+    return None
+
+
+def _run_in(bundle: Path, job: dict, version: str, work: Path, runtime_cache: Path, args) -> int:
+    from kiln import lifeline
+
     report_path = work / "kernels.json"
     gpu_job = {"sm": job["sm"], "roots": [str(bundle / "src")], "preset": job["preset"],
                "launches": job["launches"], "report": str(report_path)}
     (work / "gpu-job.json").write_text(json.dumps(gpu_job))
-    env = {**os.environ, "TRITON_CACHE_DIR": str(RUNTIME_CACHE)}
+    env = {**os.environ, "TRITON_CACHE_DIR": str(runtime_cache)}
     env.pop("TRITON_STORE_BINARY_ONLY", None)
-    try:
-        proc = subprocess.run([sys.executable, str(REPO / "ci" / "gpu_check.py"), "--gpu-job",
-                               str(work / "gpu-job.json")], env=env)
-        if proc.returncode != 0:
-            return proc.returncode
-        report = json.loads(report_path.read_text())
-    finally:
-        shutil.rmtree(RUNTIME_CACHE)
+    proc = lifeline.run([sys.executable, str(REPO / "ci" / "gpu_check.py"), "--gpu-job",
+                         str(work / "gpu-job.json")], env=env)
+    # its lines (a launch that failed, why it could not run) on stderr: stdout may be --json
+    sys.stderr.write(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        return proc.returncode
+    report = json.loads(report_path.read_text())
     report.update(image=job["image"], pin=job["pin"], sm=job["sm"], triton=version)
     report["cache_ok"] = not report["compiles"] and report["hits"] > 0
     report["numerics_ok"] = all(n.get("ok", True) for n in report["numerics"])

@@ -33,7 +33,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -260,7 +259,10 @@ def kernel_check(args) -> int:
         (Path(tmp) / "job.json").write_text(json.dumps(job))
         env = {**os.environ, "TRITON_CACHE_DIR": str(copy)}
         env.pop("TRITON_STORE_BINARY_ONLY", None)
-        proc = subprocess.run([sys.executable, __file__, "--gpu-job", str(Path(tmp) / "job.json")], env=env)
+        from kiln import lifeline  # the child dies with this process, SIGKILL too
+
+        proc = lifeline.run([sys.executable, __file__, "--gpu-job", str(Path(tmp) / "job.json")], env=env)
+        sys.stderr.write(proc.stdout + proc.stderr)  # stdout may be --json
         if proc.returncode != 0:
             return proc.returncode
         report = json.loads((Path(tmp) / "report.json").read_text())

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -71,7 +70,10 @@ def compare(bundle: Path, job: dict, work: Path, grid: bool = True) -> dict:
     spec_path.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
     env["TRITON_CACHE_DIR"] = str(work / "pn119-triton")  # its own, never the image's
-    proc = subprocess.run([sys.executable, __file__, str(spec_path)], env=env, capture_output=True, text=True)
+    sys.path.insert(0, str(REPO))
+    from kiln import lifeline
+
+    proc = lifeline.run([sys.executable, __file__, str(spec_path)], env=env)  # dies with us, SIGKILL too
     if proc.returncode != 0:
         return {"ok": False, "summary": f"the comparison failed: {proc.stderr.strip()[-2000:]}"}
     results = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -89,7 +91,10 @@ def compare(bundle: Path, job: dict, work: Path, grid: bool = True) -> dict:
 # -- the child (on the GPU) ------------------------------------------------------------------------
 
 
-class _Counted:
+class Counted:
+    """A kernel (``kernel[grid](...)``) or a launcher, counting its calls under ``name`` in ``counts``
+    (also PN119's CPU test's: ``tests/patchsets/attention_turboquant/test_pn119.py``)."""
+
     def __init__(self, real, name: str, counts: dict):
         self.real, self.name, self.counts = real, name, counts
 
@@ -117,7 +122,7 @@ def _load(root: str, sm: int):
     counts: dict = {}
     for name in ("_tq_decode_stage1", "tq_grouped_decode_stage1"):
         if name in decode.__dict__:
-            decode.__dict__[name] = _Counted(decode.__dict__[name], name, counts)
+            decode.__dict__[name] = Counted(decode.__dict__[name], name, counts)
     return types.SimpleNamespace(
         decode=decode.triton_turboquant_decode_attention, counts=counts,
         store=importlib.import_module(STORE).triton_turboquant_store,

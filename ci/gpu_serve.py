@@ -124,7 +124,7 @@ def installed_vllm(python: str, env: dict) -> tuple[Path, str]:
     probe = ("import importlib.metadata as m, vllm\n"
              "try:\n    v = m.version('vllm')\nexcept m.PackageNotFoundError:\n    v = vllm.__version__\n"
              "print(vllm.__path__[0]); print(v)")
-    proc = subprocess.run([python, "-c", probe], capture_output=True, text=True, env=env)
+    proc = _lifeline().run([python, "-c", probe], env=env)  # dies with this process, SIGKILL too
     if proc.returncode != 0:
         raise StepError(f"{python} cannot import vllm: {proc.stderr.strip().splitlines()[-1:]}")
     path, version = proc.stdout.split()
@@ -184,15 +184,24 @@ def serve_env(base: dict, overlay: Path | None) -> dict:
     return env
 
 
+def _lifeline():
+    sys.path.insert(0, str(REPO))
+    from kiln import lifeline  # stdlib only
+
+    return lifeline
+
+
 class Server:
-    """One ``vllm serve`` process in its own session, its output in a log file."""
+    """One ``vllm serve`` process in its own session, its output in a log file; it gets SIGKILL from
+    the kernel when this process dies (``kiln/lifeline.py``), SIGKILL included."""
 
     def __init__(self, command: list[str], env: dict, log: Path):
         self.command, self.log = command, log
         self.url = f"http://127.0.0.1:{command[command.index('--port') + 1]}"
+        parent, lifeline = os.getpid(), _lifeline()
         with open(log, "wb") as out:
             self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            start_new_session=True, preexec_fn=lambda: lifeline.child_of(parent))
 
     def wait_ready(self, timeout: float, poll: float = 1.0):
         """The endpoint once ``GET /v1/models`` answers; StepError when the process dies first."""

@@ -217,3 +217,46 @@ def test_the_step_refuses_a_machine_without_a_patched_vllm(tmp_path, capsys):
     assert code == 2
     assert capsys.readouterr().err.startswith("gpu_check: no kiln-patched vLLM: run inside a kiln image")
     assert gpu_check.main(["--step", "serve", "--model", str(model), "--against-stock"]) == 2
+
+
+SERVER_PARENT = """
+import os, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import gpu_serve
+server = gpu_serve.Server([sys.executable, "-c", "import time; time.sleep(600)", "--port", "1"], dict(os.environ),
+                          Path(sys.argv[2]))
+print(server.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat.rpartition(b")")[2].split()[0] != b"Z"
+
+
+@pytest.mark.reliability
+def test_the_served_model_dies_with_a_killed_check(tmp_path):
+    """The ``vllm serve`` process (here a sleeper in its place) runs in a session of its own, so a
+    SIGKILLed check could not stop it: the kernel does (``kiln/lifeline.py``), within 2 s."""
+    import signal
+    import time
+
+    parent = subprocess.Popen([sys.executable, "-c", SERVER_PARENT, str(SCRIPT.parent), str(tmp_path / "log")],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    server = int(parent.stdout.readline())
+    try:
+        assert _running(server)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 2.0
+        while _running(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(server), "the server outlived its killed check by 2 s"
+    finally:
+        if _running(server):
+            os.kill(server, signal.SIGKILL)

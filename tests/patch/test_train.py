@@ -21,7 +21,7 @@ from kiln.patch.catalog import Catalogue
 from kiln.patch.memo import VerdictMemo
 from kiln.patch.model import Codemod, Patch
 from kiln.patch.record import load_record
-from kiln.patch.shapes import assign_to, cls, func, insert_after, marked, statements, with_marker
+from kiln.patch.shapes import cls, func, marked, statements, with_marker
 from kiln.patch.train import (
     accepted_train_text,
     compare_with_record,
@@ -33,6 +33,7 @@ from kiln.patch.train import (
 from kiln.report import Reporter, Task
 from kiln.source.tree import SourceTree
 from kiln.source.wheel import list_releases
+from tests.patch.test_engine import AddHelper  # the engine tests' codemod: adds Builder.helper
 
 V = Version
 
@@ -114,17 +115,6 @@ def test_list_releases_names_an_unreachable_index(monkeypatch):
 
 
 # --- the matrix on small trees whose shape moves between releases ------------------------------
-
-
-class AddHelper(Codemod):
-    target = "mod.py"
-    anchor = (cls("Builder"), assign_to("support"))
-    patched = (cls("Builder"), func("helper", leading_lines=marked("P1")))
-    upstream = (cls("Builder"), func("upstream_helper"))
-
-    def rewrite(self, node):
-        (method,) = statements("def helper(self):\n    return 1\n")
-        return insert_after(node, with_marker(method, "P1", "test"))
 
 
 class RaisesOnNewShape(Codemod):

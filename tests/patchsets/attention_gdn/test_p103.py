@@ -39,7 +39,7 @@ from kiln.patch.engine import isolated_run
 from kiln.patch.model import BuildTarget, Verdict
 from tests.patchsets.support.fla_interpret import OPS, ops_files
 from tests.patchsets.support.interpreted_child import run_child
-from tests.patchsets.support.patchlib import patched_files
+from tests.patchsets.support.patchlib import assert_applies_once, patched_files
 
 CHUNK = f"{OPS}/chunk.py"
 
@@ -67,11 +67,7 @@ VIEWS = {"slice", "view", "select", "alias", "as_strided", "unsqueeze", "squeeze
 
 def test_verdicts(catalogue, sessions):
     new = sessions("v0.33.0")
-    target = BuildTarget(new.tree.vllm_version)
-    first = isolated_run(catalogue, new, target, "P103")
-    assert first.outcomes["P103"].verdict is Verdict.APPLIES, first.outcomes["P103"].detail
-    again = isolated_run(catalogue, new.overlay(first.state.changed), target, "P103")
-    assert again.outcomes["P103"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, new, "P103")
 
     old = sessions("v0.20.1")
     outcome = isolated_run(catalogue, old, BuildTarget(old.tree.vllm_version), "P103").outcomes["P103"]

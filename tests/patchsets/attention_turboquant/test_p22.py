@@ -13,7 +13,7 @@ import torch  # CPU build, from the test extras
 from kiln.patch.engine import isolated_run  # noqa: E402
 from kiln.patch.model import BuildTarget, Verdict  # noqa: E402
 from tests.patchsets.support import turboquant_standins as tq  # noqa: E402
-from tests.patchsets.support.patchlib import patched_files  # noqa: E402
+from tests.patchsets.support.patchlib import assert_applies_once, patched_files  # noqa: E402
 
 METHOD = "TurboQuantAttentionImpl._continuation_prefill"
 
@@ -131,7 +131,4 @@ def test_verdicts(catalogue, sessions):
 
 def test_applying_twice_is_already_patched(catalogue, sessions):
     session = sessions("v0.20.1")
-    target = BuildTarget(session.tree.vllm_version)
-    first = isolated_run(catalogue, session, target, "P22")
-    again = isolated_run(catalogue, session.overlay(first.state.changed), target, "P22")
-    assert again.outcomes["P22"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, session, "P22")

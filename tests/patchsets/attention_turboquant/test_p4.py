@@ -19,7 +19,7 @@ from packaging.version import Version
 from kiln.patch.anchor import resolve
 from kiln.patch.engine import isolated_run
 from kiln.patch.model import BuildTarget, Verdict
-from tests.patchsets.support.patchlib import extract, patched_files
+from tests.patchsets.support.patchlib import assert_applies_once, extract, patched_files
 
 TARGET = "engine/arg_utils.py"
 TQ_CONFIG = "vllm.model_executor.layers.quantization.turboquant.config"
@@ -133,7 +133,4 @@ def test_gated_to_turboquant(catalogue, sessions):
 
 def test_applying_twice_changes_nothing(catalogue, sessions):
     session = sessions("v0.20.1")
-    target = BuildTarget(Version("0.20.1"))
-    first = isolated_run(catalogue, session, target, "P4")
-    second = isolated_run(catalogue, session.overlay(first.state.changed), target, "P4")
-    assert second.outcomes["P4"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, session, "P4", version="0.20.1")

@@ -61,6 +61,9 @@ from tests.patchsets.support import tq_interpret as tq
 from tests.patchsets.support.patchlib import patched_files
 from tests.support.registry import TOOLCHAIN_CACHE
 
+sys.path.insert(0, str(paths.REPO / "ci"))
+from gpu_pn119 import Counted  # noqa: E402  (ci/gpu_pn119.py: the same counter on the GPU)
+
 TARGET = "v1/attention/ops/triton_turboquant_decode.py"
 KERNEL = "v1/attention/ops/triton_turboquant_grouped_decode.py"
 LABELS = ["v0.20.1", "v0.33.0"]
@@ -286,21 +289,6 @@ def _fp16_bytes(values: torch.Tensor) -> torch.Tensor:
     return values.half().unsqueeze(-1).view(torch.uint8)
 
 
-class _Counted:
-    """A kernel (``kernel[grid](...)``) or a launcher, counting its calls under ``name``."""
-
-    def __init__(self, real, name, counts):
-        self.real, self.name, self.counts = real, name, counts
-
-    def __getitem__(self, grid):
-        self.counts[self.name] = self.counts.get(self.name, 0) + 1
-        return self.real[grid]
-
-    def __call__(self, *args, **kwargs):
-        self.counts[self.name] = self.counts.get(self.name, 0) + 1
-        return self.real(*args, **kwargs)
-
-
 class _Cache:
     """A TurboQuant cache of random valid slots, its block table, queries, and what bounds need."""
 
@@ -402,10 +390,10 @@ def _load(root: str, mp) -> types.ModuleType:
 def _run(decode, case: dict, data: _Cache, centroids, pi) -> tuple[dict, torch.Tensor, torch.Tensor]:
     counts: dict = {}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(decode, "_tq_decode_stage1", _Counted(decode._tq_decode_stage1, "stock", counts))
+        mp.setattr(decode, "_tq_decode_stage1", Counted(decode._tq_decode_stage1, "stock", counts))
         if hasattr(decode, "tq_grouped_decode_stage1"):
             mp.setattr(decode, "tq_grouped_decode_stage1",
-                       _Counted(decode.tq_grouped_decode_stage1, "grouped", counts))
+                       Counted(decode.tq_grouped_decode_stage1, "grouped", counts))
         mp.setitem(decode._FP8_E4B15, 0, 1 if case["e4b15"] else 0)
         b, hq, d = data.query.shape
         mid_o = torch.full((b, hq, case["splits"], d + 1), float("nan"))

@@ -17,7 +17,7 @@ import torch
 from kiln.patch.engine import isolated_run, run_selection
 from kiln.patch.model import BuildTarget, Verdict
 from tests.patchsets.support import tq_prefill as tp
-from tests.patchsets.support.patchlib import patched_files
+from tests.patchsets.support.patchlib import assert_applies_once, patched_files
 
 LABELS = ["v0.20.1", "v0.33.0"]
 PATCHED_BUILDER = ("build", "_prefill_has_cached_prefix")
@@ -131,10 +131,7 @@ def test_composes_with_the_other_turboquant_patches(catalogue, sessions):
 
 def test_applying_twice_is_already_patched(catalogue, sessions):
     session = sessions("v0.33.0")
-    target = BuildTarget(session.tree.vllm_version)
-    first = isolated_run(catalogue, session, target, "PN401")
-    again = isolated_run(catalogue, session.overlay(first.state.changed), target, "PN401")
-    assert again.outcomes["PN401"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, session, "PN401")
 
 
 def test_reference_is_not_trivial():

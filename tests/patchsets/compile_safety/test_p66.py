@@ -14,7 +14,7 @@ import pytest
 
 from kiln.patch.engine import isolated_run
 from kiln.patch.model import BuildTarget, Verdict
-from tests.patchsets.support.patchlib import extract, patched_files
+from tests.patchsets.support.patchlib import assert_applies_once, extract, patched_files
 
 TARGET = "config/vllm.py"
 
@@ -140,7 +140,4 @@ def test_verdicts(catalogue, sessions):
 
 def test_applying_twice_is_already_patched(catalogue, sessions):
     session = sessions("v0.20.1")
-    target = BuildTarget(session.tree.vllm_version)
-    first = isolated_run(catalogue, session, target, "P66")
-    again = isolated_run(catalogue, session.overlay(first.state.changed), target, "P66")
-    assert again.outcomes["P66"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, session, "P66")

@@ -10,13 +10,12 @@ modules import torch and CUDA extensions.
 from dataclasses import replace
 
 import pytest
-from packaging.version import Version
 
 from kiln.patch.engine import isolated_run
 from kiln.patch.model import BuildTarget, Verdict
 from tests.patchsets.support import kvspecs
 from tests.patchsets.support.kvspecs import BLOCK_SIZE, MAMBA_PADDED_PAGE, TORCH, TQ_PAGE
-from tests.patchsets.support.patchlib import patched_files
+from tests.patchsets.support.patchlib import assert_applies_once, patched_files
 
 TARGET = "v1/core/kv_cache_utils.py"
 
@@ -95,29 +94,11 @@ def test_verdicts(catalogue, sessions, label, expected):
 
 def test_applying_twice_changes_nothing(catalogue, sessions):
     session = sessions("v0.20.1")
-    target = BuildTarget(Version("0.20.1"))
-    first = isolated_run(catalogue, session, target, "P5")
-    second = isolated_run(catalogue, session.overlay(first.state.changed), target, "P5")
-    assert second.outcomes["P5"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, session, "P5", version="0.20.1")
 
 
 def test_upstream_from_0210_by_the_platform_turboquant_page():
     """0.21.0: the platform sizes the hybrid attention page from TurboQuant's packed layout
     (vllm#39931), so the Mamba page is padded to the real TurboQuant page and unify never sees
     pages that do not divide; the verdict names the branch, in the pristine file's lines."""
-    from kiln import paths
-    from kiln.patch.catalog import load_catalogue
-    from kiln.patch.engine import Session
-    from kiln.source.wheel import WheelSource
-
-    catalogue = load_catalogue(paths.PATCHSETS)
-    for version, applies in (("0.20.2", True), ("0.21.0", False)):
-        session = Session(WheelSource(Version(version)).fetch())
-        outcome = isolated_run(catalogue, session, BuildTarget(Version(version)), "P5").outcomes["P5"]
-        if applies:
-            assert outcome.verdict is Verdict.APPLIES, outcome.detail
-            continue
-        assert outcome.verdict is Verdict.UPSTREAM, outcome.detail
-        lines = session.tree.read("platforms/interface.py").splitlines()
-        branch = next(n for n, text in enumerate(lines, 1) if 'cache_dtype.startswith("turboquant_")' in text)
-        assert outcome.detail.startswith(f"platforms/interface.py:{branch}: Platform._align_hybrid_block_size")
+    kvspecs.assert_upstream_from_0210_by_the_platform_page("P5")

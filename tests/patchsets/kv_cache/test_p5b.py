@@ -17,7 +17,6 @@ from dataclasses import replace
 import libcst as cst
 import libcst.matchers as m
 import pytest
-from packaging.version import Version
 
 from kiln.patch.anchor import resolve
 from kiln.patch.engine import isolated_run
@@ -31,7 +30,7 @@ from tests.patchsets.support.kvspecs import (
     TQ_K8V4_SLOT,
     TQ_PAGE,
 )
-from tests.patchsets.support.patchlib import extract, patched_files
+from tests.patchsets.support.patchlib import assert_applies_once, extract, patched_files
 
 UTILS = "v1/core/kv_cache_utils.py"
 RUNNER = "v1/worker/gpu_model_runner.py"
@@ -201,29 +200,11 @@ def test_is_a_variant_conflicting_with_p5(catalogue):
 
 def test_applying_twice_changes_nothing(catalogue, sessions):
     session = sessions("v0.20.1")
-    target = BuildTarget(Version("0.20.1"))
-    first = isolated_run(catalogue, session, target, "P5b")
-    second = isolated_run(catalogue, session.overlay(first.state.changed), target, "P5b")
-    assert second.outcomes["P5b"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, session, "P5b", version="0.20.1")
 
 
 def test_upstream_from_0210_by_the_platform_turboquant_page():
     """0.21.0: the platform sizes the hybrid attention page from TurboQuant's packed layout
     (vllm#39931), so the Mamba page is padded to the real TurboQuant page and unify never sees
     pages that do not divide; the verdict names the branch, in the pristine file's lines."""
-    from kiln import paths
-    from kiln.patch.catalog import load_catalogue
-    from kiln.patch.engine import Session
-    from kiln.source.wheel import WheelSource
-
-    catalogue = load_catalogue(paths.PATCHSETS)
-    for version, applies in (("0.20.2", True), ("0.21.0", False)):
-        session = Session(WheelSource(Version(version)).fetch())
-        outcome = isolated_run(catalogue, session, BuildTarget(Version(version)), "P5b").outcomes["P5b"]
-        if applies:
-            assert outcome.verdict is Verdict.APPLIES, outcome.detail
-            continue
-        assert outcome.verdict is Verdict.UPSTREAM, outcome.detail
-        lines = session.tree.read("platforms/interface.py").splitlines()
-        branch = next(n for n, text in enumerate(lines, 1) if 'cache_dtype.startswith("turboquant_")' in text)
-        assert outcome.detail.startswith(f"platforms/interface.py:{branch}: Platform._align_hybrid_block_size")
+    kvspecs.assert_upstream_from_0210_by_the_platform_page("P5b")

@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from tests.patchsets.support.patchlib import patched_files
+from tests.patchsets.support.patchlib import assert_applies_once, assert_upstream, patched_files
 from tests.patchsets.support.qwen3_parsers import (
     DELEGATING,
     PARSER,
@@ -94,19 +94,9 @@ def test_single_token_boundary_is_unchanged(patched, pristine):
 
 
 def test_verdicts(catalogue, sessions):
-    from kiln.patch.engine import isolated_run
-    from kiln.patch.model import BuildTarget, Verdict
-
     old = sessions("v0.20.1")
-    target = BuildTarget(old.tree.vllm_version)
-    first = isolated_run(catalogue, old, target, "K2")
-    assert first.outcomes["K2"].verdict is Verdict.APPLIES
-    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "K2")
-    assert again.outcomes["K2"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, old, "K2")
 
     new = sessions("v0.33.0")
-    outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "K2").outcomes[
-        "K2"
-    ]
-    assert outcome.verdict is Verdict.UPSTREAM, outcome.detail
-    assert "parser/abstract_parser.py:947" in outcome.detail
+    detail = assert_upstream(catalogue, new, "K2")
+    assert "parser/abstract_parser.py:947" in detail

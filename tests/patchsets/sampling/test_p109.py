@@ -24,7 +24,12 @@ from typing import Any
 import pytest
 import torch
 
-from tests.patchsets.support.patchlib import extract, patched_files
+from tests.patchsets.support.patchlib import (
+    assert_applies_once,
+    assert_upstream,
+    extract,
+    patched_files,
+)
 
 PARAMS = "sampling_params.py"
 BUILTIN = "v1/sample/logits_processor/builtin.py"
@@ -161,22 +166,12 @@ def test_other_validators_still_run_first(patched, error_cls):
 
 
 def test_verdicts(catalogue, sessions):
-    from kiln.patch.engine import isolated_run
-    from kiln.patch.model import BuildTarget, Verdict
-
     old = sessions("v0.20.1")
-    target = BuildTarget(old.tree.vllm_version)
-    first = isolated_run(catalogue, old, target, "P109")
-    assert first.outcomes["P109"].verdict is Verdict.APPLIES
-    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "P109")
-    assert again.outcomes["P109"].verdict is Verdict.ALREADY_PATCHED  # its own code is not "upstream"
+    assert_applies_once(catalogue, old, "P109")
 
     new = sessions("v0.33.0")
-    outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "P109").outcomes[
-        "P109"
-    ]
-    assert outcome.verdict is Verdict.UPSTREAM, outcome.detail
-    assert "sampling_params.py:1050" in outcome.detail and "sampling_params.py:914" in outcome.detail
+    detail = assert_upstream(catalogue, new, "P109")
+    assert "sampling_params.py:1050" in detail and "sampling_params.py:914" in detail
     # and 0.33.0's own validator refuses the same request
     tree = new.tree
     new_error = _error_cls(tree)

@@ -24,7 +24,6 @@ it holds for; healthy rows agree in both.
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import sys
@@ -32,10 +31,13 @@ from pathlib import Path
 
 import pytest
 
-from kiln.patch.engine import isolated_run
-from kiln.patch.model import BuildTarget, Verdict
-from tests.patchsets.support.interpreted_child import run_child
-from tests.patchsets.support.patchlib import extract, patched_files
+from tests.patchsets.support.interpreted_child import load_module, run_child
+from tests.patchsets.support.patchlib import (
+    assert_applies_once,
+    assert_upstream,
+    extract,
+    patched_files,
+)
 
 TARGET = "v1/sample/rejection_sampler.py"
 KERNEL = "sample_recovered_tokens_kernel"
@@ -49,16 +51,11 @@ KERNEL_HEADER = "import torch\nimport triton\nimport triton.language as tl\n\n\n
 
 def test_verdicts(catalogue, sessions):
     old = sessions("v0.20.1")
-    target = BuildTarget(old.tree.vllm_version)
-    first = isolated_run(catalogue, old, target, "PN378")
-    assert first.outcomes["PN378"].verdict is Verdict.APPLIES, first.outcomes["PN378"].detail
-    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "PN378")
-    assert again.outcomes["PN378"].verdict is Verdict.ALREADY_PATCHED  # its own lines are not "upstream"
+    assert_applies_once(catalogue, old, "PN378")
 
     new = sessions("v0.33.0")
-    outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "PN378").outcomes["PN378"]
-    assert outcome.verdict is Verdict.UPSTREAM, outcome.detail
-    assert f"{TARGET}:1143" in outcome.detail and f"{TARGET}:1150" in outcome.detail
+    detail = assert_upstream(catalogue, new, "PN378")
+    assert f"{TARGET}:1143" in detail and f"{TARGET}:1150" in detail
 
 
 # -- the interpreter run -------------------------------------------------------------------------
@@ -132,33 +129,6 @@ def test_pristine_kernel_returns_vocab_size_on_nan_rows(results):
 
 
 # -- the child process ----------------------------------------------------------------------------
-
-
-def _load(path: Path, name: str):
-    """Import ``path`` as module ``name`` with stand-ins for its ``from vllm... import`` lines."""
-    import importlib.util
-    import logging
-    import types
-
-    import triton
-    import triton.language as tl
-
-    for node in ast.parse(path.read_text()).body:
-        if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm")):
-            continue
-        module = types.ModuleType(node.module)
-        for alias in node.names:
-            setattr(module, alias.name, type(alias.name, (), {}))  # never called on this path
-        if node.module == "vllm.triton_utils":
-            module.triton, module.tl = triton, tl
-        if node.module == "vllm.logger":
-            module.init_logger = logging.getLogger
-        sys.modules[node.module] = module
-    spec = importlib.util.spec_from_file_location(name, path)
-    loaded = importlib.util.module_from_spec(spec)
-    sys.modules[name] = loaded
-    spec.loader.exec_module(loaded)
-    return loaded
 
 
 def _set_mode(mode: str) -> None:
@@ -266,8 +236,8 @@ def child_main() -> None:
     import torch
 
     where = Path(sys.argv[1])
-    modules = {name: _load(where / f"{name}.py", f"pn378_{name}") for name in ("pristine", "patched")}
-    upstream = _load(where / "upstream.py", "pn378_upstream")
+    modules = {name: load_module(where / f"{name}.py", f"pn378_{name}") for name in ("pristine", "patched")}
+    upstream = load_module(where / "upstream.py", "pn378_upstream")
     results = {"probe": {}, "step": {}, "kernel": {}}
     for mode in ("interpreter", "combine"):
         _set_mode(mode)

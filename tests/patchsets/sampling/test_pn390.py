@@ -23,7 +23,6 @@ once patched.
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import sys
@@ -33,8 +32,8 @@ import pytest
 
 from kiln.patch.engine import isolated_run, run_selection
 from kiln.patch.model import BuildTarget, Verdict
-from tests.patchsets.support.interpreted_child import run_child
-from tests.patchsets.support.patchlib import patched_files
+from tests.patchsets.support.interpreted_child import load_module, run_child
+from tests.patchsets.support.patchlib import assert_applies_once, patched_files
 
 TARGET = "v1/sample/rejection_sampler.py"
 MODULES = ("pristine", "pn390", "pn378", "both")
@@ -60,11 +59,7 @@ NAN_ROW = {"k1-batch3", "draft-probs"}  # request 0's logits all NaN: PN378 with
 
 def test_verdicts(catalogue, sessions):
     old = sessions("v0.20.1")
-    target = BuildTarget(old.tree.vllm_version)
-    first = isolated_run(catalogue, old, target, "PN390")
-    assert first.outcomes["PN390"].verdict is Verdict.APPLIES, first.outcomes["PN390"].detail
-    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "PN390")
-    assert again.outcomes["PN390"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, old, "PN390")
 
     new = sessions("v0.33.0")
     outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "PN390").outcomes["PN390"]
@@ -162,33 +157,6 @@ def test_no_vocab_wide_fp32_tensor_once_patched(results):
 
 
 # -- the child process ----------------------------------------------------------------------------
-
-
-def _load(path: Path, name: str):
-    """Import ``path`` as module ``name`` with stand-ins for its ``from vllm... import`` lines."""
-    import importlib.util
-    import logging
-    import types
-
-    import triton
-    import triton.language as tl
-
-    for node in ast.parse(path.read_text()).body:
-        if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm")):
-            continue
-        module = types.ModuleType(node.module)
-        for alias in node.names:
-            setattr(module, alias.name, type(alias.name, (), {}))  # never called on this path
-        if node.module == "vllm.triton_utils":
-            module.triton, module.tl = triton, tl
-        if node.module == "vllm.logger":
-            module.init_logger = logging.getLogger
-        sys.modules[node.module] = module
-    spec = importlib.util.spec_from_file_location(name, path)
-    loaded = importlib.util.module_from_spec(spec)
-    sys.modules[name] = loaded
-    spec.loader.exec_module(loaded)
-    return loaded
 
 
 def _inputs(case, torch) -> dict:
@@ -304,7 +272,7 @@ def child_main() -> None:
     import torch
 
     where = Path(sys.argv[1])
-    modules = {name: _load(where / f"{name}.py", f"pn390_{name}") for name in MODULES}
+    modules = {name: load_module(where / f"{name}.py", f"pn390_{name}") for name in MODULES}
     results = {"steps": {}, "lse_error": {}, "probe": {}}
     for case in CASES:
         inputs = _inputs(case, torch)

@@ -28,7 +28,7 @@ from packaging.version import Version
 from kiln.patch.engine import Session, isolated_run
 from kiln.patch.model import BuildTarget, Verdict
 from kiln.source.wheel import WheelSource
-from tests.patchsets.support.patchlib import extract_all, patched_files
+from tests.patchsets.support.patchlib import assert_applies_once, patched_files, run_defs
 
 TARGET = "entrypoints/chat_utils.py"
 TEMPLATE = (Path(__file__).parents[3] / "images/files/chat-templates/qwen3.6.jinja").read_text()
@@ -38,15 +38,12 @@ LOGGER = "vllm.entrypoints.chat_utils"
 
 def _postprocess(source: str):
     """The real ``_postprocess_messages`` of ``source`` (and the patch's helper, when there)."""
-    names = ["_postprocess_messages"] + ([HELPER] if f"def {HELPER}(" in source else [])
-    ns = {
+    ns = run_defs(source, ["_postprocess_messages", HELPER], {
         "json": json,
         "logger": logging.getLogger(LOGGER),
         "VLLMValidationError": type("VLLMValidationError", (ValueError,), {}),
         "ConversationMessage": dict,
-    }
-    for code in extract_all(source, names).values():
-        exec(compile("from __future__ import annotations\n" + code, f"vllm/{TARGET}", "exec"), ns)
+    }, TARGET, optional=(HELPER,))
     return ns["_postprocess_messages"], HELPER in ns
 
 
@@ -187,11 +184,7 @@ def test_other_messages_and_empty_tool_calls_untouched(catalogue, release_sessio
 
 def test_verdicts(catalogue, release_sessions, sessions):
     old = sessions("v0.20.1")
-    target = BuildTarget(old.tree.vllm_version)
-    first = isolated_run(catalogue, old, target, "PN73")
-    assert first.outcomes["PN73"].verdict is Verdict.APPLIES
-    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "PN73")
-    assert again.outcomes["PN73"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, old, "PN73")
 
     for label, where in (("v0.33.0", "renderers/chat_utils/chat_message.py:739"),):
         new = sessions(label)

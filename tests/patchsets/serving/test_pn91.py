@@ -18,10 +18,14 @@ from pathlib import Path
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
-import libcst as cst
 import pytest
 
-from tests.patchsets.support.patchlib import patched_files
+from tests.patchsets.support.patchlib import (
+    assert_applies_once,
+    assert_upstream,
+    patched_files,
+    run_defs,
+)
 
 HF = "renderers/hf.py"
 TEMPLATE = (Path(__file__).parents[3] / "images/files/chat-templates/qwen3.6.jinja").read_text()
@@ -46,15 +50,8 @@ class Tokenizer:
 
 def _apply_function(source: str):
     """The real ``safe_apply_chat_template`` (and the patch's helper, when there) of ``source``."""
-    module = cst.parse_module(source)
-    defs = {}
-    for node in module.body:
-        if not isinstance(node, cst.FunctionDef):
-            continue
-        overload = any(isinstance(d.decorator, cst.Name) and d.decorator.value == "overload" for d in node.decorators)
-        if node.name.value in ("safe_apply_chat_template", "_developer_messages_as_system") and not overload:
-            defs[node.name.value] = module.code_for_node(node)
-    ns = {
+    helper = "_developer_messages_as_system"
+    ns = run_defs(source, ["safe_apply_chat_template", helper], {
         "Any": object,
         "HfTokenizer": object,
         "ConversationMessage": dict,
@@ -62,10 +59,8 @@ def _apply_function(source: str):
         "logger": logging.getLogger("vllm.renderers.hf"),
         "resolve_chat_template": lambda tokenizer, chat_template, tools, model_config: chat_template,
         "resolve_chat_template_kwargs": lambda tokenizer, chat_template, chat_template_kwargs: chat_template_kwargs,
-    }
-    for code in defs.values():
-        exec(compile("from __future__ import annotations\n" + code, f"vllm/{HF}", "exec"), ns)
-    return ns["safe_apply_chat_template"], "_developer_messages_as_system" in defs
+    }, HF, optional=(helper,))
+    return ns["safe_apply_chat_template"], helper in ns
 
 
 @pytest.fixture(scope="module")
@@ -132,17 +127,9 @@ def test_template_that_knows_the_role_gets_it(patched):
 
 
 def test_verdicts(catalogue, sessions):
-    from kiln.patch.engine import isolated_run
-    from kiln.patch.model import BuildTarget, Verdict
-
     old = sessions("v0.20.1")
-    target = BuildTarget(old.tree.vllm_version)
-    first = isolated_run(catalogue, old, target, "PN91")
-    assert first.outcomes["PN91"].verdict is Verdict.APPLIES
-    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "PN91")
-    assert again.outcomes["PN91"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, old, "PN91")
 
     new = sessions("v0.33.0")
-    outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "PN91").outcomes["PN91"]
-    assert outcome.verdict is Verdict.UPSTREAM, outcome.detail
-    assert "renderers/hf.py:604" in outcome.detail
+    detail = assert_upstream(catalogue, new, "PN91")
+    assert "renderers/hf.py:604" in detail

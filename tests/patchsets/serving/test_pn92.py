@@ -25,10 +25,14 @@ import pytest
 from packaging.version import Version
 
 from kiln.patch.anchor import find
-from kiln.patch.engine import Session, isolated_run
-from kiln.patch.model import BuildTarget, Verdict
+from kiln.patch.engine import Session
 from kiln.source.wheel import WheelSource
-from tests.patchsets.support.patchlib import extract_all, patched_files
+from tests.patchsets.support.patchlib import (
+    assert_applies_once,
+    assert_upstream,
+    patched_files,
+    run_defs,
+)
 
 TARGET = "utils/import_utils.py"
 LOGGER = "vllm.utils.import_utils"
@@ -37,10 +41,8 @@ MISSING_CUDART = "libcudart.so.12: cannot open shared object file: No such file 
 
 
 def _checks(source: str) -> dict:
-    ns = {"importlib": importlib, "cache": functools.cache, "logger": logging.getLogger(LOGGER)}
-    for code in extract_all(source, NAMES).values():
-        exec(compile("from __future__ import annotations\n" + code, f"vllm/{TARGET}", "exec"), ns)
-    return ns
+    return run_defs(source, NAMES, {"importlib": importlib, "cache": functools.cache,
+                                    "logger": logging.getLogger(LOGGER)}, TARGET)
 
 
 @pytest.fixture
@@ -107,16 +109,9 @@ def test_what_the_answer_guards_on_0201(sessions):
 
 def test_verdicts(catalogue, sessions):
     old = sessions("v0.20.1")
-    target = BuildTarget(old.tree.vllm_version)
-    first = isolated_run(catalogue, old, target, "PN92")
-    assert first.outcomes["PN92"].verdict is Verdict.APPLIES
-    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "PN92")
-    assert again.outcomes["PN92"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, old, "PN92")
 
     new = sessions("v0.33.0")
-    outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "PN92").outcomes["PN92"]
-    assert outcome.verdict is Verdict.UPSTREAM, outcome.detail
-    assert outcome.detail.startswith("utils/import_utils.py:412")
+    assert assert_upstream(catalogue, new, "PN92").startswith("utils/import_utils.py:412")
     fixed = Session(WheelSource(Version("0.23.0")).fetch())
-    outcome = isolated_run(catalogue, fixed, BuildTarget(fixed.tree.vllm_version), "PN92").outcomes["PN92"]
-    assert outcome.verdict is Verdict.UPSTREAM, outcome.detail
+    assert_upstream(catalogue, fixed, "PN92")

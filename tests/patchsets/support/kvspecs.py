@@ -4,7 +4,8 @@ The classes ``KVQuantMode``, ``KVCacheSpec``, ``AttentionSpec``, ``FullAttention
 ``TQFullAttentionSpec`` and ``MambaSpec`` are extracted from the pristine
 ``v1/kv_cache_interface.py`` of a source tree and executed with a tiny torch stand-in (a dtype
 is just a name and an item size), so ``page_size_bytes``, ``real_page_size_bytes`` and
-``page_size_padded`` behave exactly as in vLLM.
+``page_size_padded`` behave exactly as in vLLM. ``assert_upstream_from_0210_by_the_platform_page``
+is the verdict both patches share from 0.21.0 on.
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ import typing
 from dataclasses import dataclass, fields, replace
 from enum import IntEnum
 
+from packaging.version import Version
+
+from kiln import paths
+from kiln.patch.catalog import load_catalogue
+from kiln.patch.engine import Session, isolated_run
+from kiln.patch.model import BuildTarget, Verdict
+from kiln.source.wheel import WheelSource
 from tests.patchsets.support.patchlib import extract
 
 SPEC_CLASSES = ("KVQuantMode", "KVCacheSpec", "AttentionSpec", "FullAttentionSpec", "TQFullAttentionSpec", "MambaSpec")
@@ -125,3 +133,20 @@ def qwen36_tq_hybrid(specs: types.SimpleNamespace) -> dict:
                 mamba_type="gdn_attention",
             )
     return out
+
+
+def assert_upstream_from_0210_by_the_platform_page(patch_id: str) -> None:
+    """``patch_id`` (P5 or P5b) applies to 0.20.2; from 0.21.0 the platform sizes the hybrid
+    attention page from TurboQuant's packed layout (vllm#39931), and the UPSTREAM verdict names
+    that branch, in the pristine file's lines."""
+    catalogue = load_catalogue(paths.PATCHSETS)
+    for version, applies in (("0.20.2", True), ("0.21.0", False)):
+        session = Session(WheelSource(Version(version)).fetch())
+        outcome = isolated_run(catalogue, session, BuildTarget(Version(version)), patch_id).outcomes[patch_id]
+        if applies:
+            assert outcome.verdict is Verdict.APPLIES, outcome.detail
+            continue
+        assert outcome.verdict is Verdict.UPSTREAM, outcome.detail
+        lines = session.tree.read("platforms/interface.py").splitlines()
+        branch = next(n for n, text in enumerate(lines, 1) if 'cache_dtype.startswith("turboquant_")' in text)
+        assert outcome.detail.startswith(f"platforms/interface.py:{branch}: Platform._align_hybrid_block_size")

@@ -23,7 +23,12 @@ import pytest
 
 from kiln.patch.anchor import resolve
 from kiln.patch.shapes import cls, func
-from tests.patchsets.support.patchlib import extract, patched_files
+from tests.patchsets.support.patchlib import (
+    assert_applies_once,
+    assert_upstream,
+    extract,
+    patched_files,
+)
 from tests.patchsets.support.qwen3_parsers import PARSER as CODER
 from tests.patchsets.support.qwen3_parsers import Tokenizer, _parser_cls, reasoning_parser_cls
 
@@ -208,20 +213,10 @@ def test_a_forced_call_with_content_is_unchanged(patched, pristine):
 
 
 def test_verdicts(catalogue, sessions):
-    from kiln.patch.engine import isolated_run
-    from kiln.patch.model import BuildTarget, Verdict
-
     old = sessions("v0.20.1")
-    target = BuildTarget(old.tree.vllm_version)
-    first = isolated_run(catalogue, old, target, "K3")
-    assert first.outcomes["K3"].verdict is Verdict.APPLIES
-    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "K3")
-    assert again.outcomes["K3"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, old, "K3")
 
     new = sessions("v0.33.0")
-    outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "K3").outcomes[
-        "K3"
-    ]
-    assert outcome.verdict is Verdict.UPSTREAM, outcome.detail
-    assert "parser/abstract_parser.py:424" in outcome.detail
+    detail = assert_upstream(catalogue, new, "K3")
+    assert "parser/abstract_parser.py:424" in detail
     assert not new.tree.exists(SERVING)  # the chat-path half moved into the parser

@@ -17,7 +17,7 @@ import pytest
 
 from kiln.patch.engine import run_selection
 from kiln.patch.model import BuildTarget
-from tests.patchsets.support.patchlib import patched_files
+from tests.patchsets.support.patchlib import assert_applies_once, patched_files
 from tests.patchsets.support.qwen3_parsers import (
     DELEGATING,
     PARSER,
@@ -154,11 +154,7 @@ def test_applies_once_and_is_gated_to_its_file_on_0330(catalogue, sessions):
     from kiln.patch.model import BuildTarget, Verdict
 
     old = sessions("v0.20.1")
-    target = BuildTarget(old.tree.vllm_version)
-    first = isolated_run(catalogue, old, target, "P61c")
-    assert first.outcomes["P61c"].verdict is Verdict.APPLIES
-    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "P61c")
-    assert again.outcomes["P61c"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, old, "P61c")
 
     # 0.33.0: the parser file is gone (the engine serves qwen3_coder; K1 carries the fix
     # there), and the version gate says so before the missing file would

@@ -28,7 +28,7 @@ import json
 
 import pytest
 
-from tests.patchsets.support.patchlib import patched_files
+from tests.patchsets.support.patchlib import assert_applies_once, assert_upstream, patched_files
 from tests.patchsets.support.qwen3_parsers import (
     PARSER,
     Serving,
@@ -116,28 +116,18 @@ def test_two_tool_calls_each_closed_in_their_last_delta(patched_parser, serving)
 
 
 def test_verdicts(catalogue, sessions):
-    from kiln.patch.engine import isolated_run
-    from kiln.patch.model import BuildTarget, Verdict
-
     old = sessions("v0.20.1")
-    target = BuildTarget(old.tree.vllm_version)
-    first = isolated_run(catalogue, old, target, "P64")
-    assert first.outcomes["P64"].verdict is Verdict.APPLIES
-    again = isolated_run(catalogue, old.overlay(first.state.changed), target, "P64")
-    assert again.outcomes["P64"].verdict is Verdict.ALREADY_PATCHED
+    assert_applies_once(catalogue, old, "P64")
 
     # 0.33.0: the old parser file is gone and qwen3_coder is served by the streaming parser
     # engine, which emits every event of a delta in one message: UPSTREAM, with the places.
     new = sessions("v0.33.0")
     assert not new.tree.exists(PARSER)
-    outcome = isolated_run(catalogue, new, BuildTarget(new.tree.vllm_version), "P64").outcomes[
-        "P64"
-    ]
-    assert outcome.verdict is Verdict.UPSTREAM, outcome.detail
+    detail = assert_upstream(catalogue, new, "P64")
     registry = new.tree.read("tool_parsers/__init__.py").splitlines()
     line = next(n for n, text in enumerate(registry, 1) if '"qwen3_coder"' in text)
-    assert f"tool_parsers/__init__.py:{line}: qwen3_coder is Qwen3EngineToolParser" in outcome.detail
+    assert f"tool_parsers/__init__.py:{line}: qwen3_coder is Qwen3EngineToolParser" in detail
     engine = new.tree.read("parser/engine/parser_engine.py").splitlines()
     start = next(n for n, text in enumerate(engine, 1) if "def extract_tool_calls_streaming" in text)
-    at = int(outcome.detail.split("parser/engine/parser_engine.py:")[1].split(":")[0])
+    at = int(detail.split("parser/engine/parser_engine.py:")[1].split(":")[0])
     assert start < at and "_events_to_delta" in engine[at - 1]
