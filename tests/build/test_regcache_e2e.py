@@ -24,7 +24,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 import kiln.build.prepare as prepare_module
-from kiln.build.regcache import ARTIFACT_TYPES, KERNELS, PATCHED, entry_tag, read_entry, write_entry
+from kiln.build.cachekeys import ARTIFACT_TYPES, KERNELS, PATCHED, entry_tag
+from kiln.build.regcache import read_entry, write_entry
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.layer import LayerContents, write_layer
 from kiln.oci.registry import RegistryClient
@@ -304,7 +305,7 @@ def test_a_record_of_the_wrong_shape_is_a_miss(registry_plain, tmp_path, kind, f
     contents = LayerContents({f"{SITE}/vllm/envs.py": b"a = 1\n"}, (), "")
     layer = write_layer(contents, tmp_path / "layers")
     endpoint = RegistryConfig(insecure={registry_plain.host}).endpoint(registry_plain.host, push=True)
-    fields = {PATCHED: {"base_manifest_digest": "sha256:" + "0" * 64, "vllm_version": "0.20.1", "site_dir": SITE,
+    fields = {PATCHED: {"vllm_version": "0.20.1", "site_dir": SITE,
                         "outcomes": [{"patch": "P65", "verdict": "APPLIES"}], "applied": ["P65"],
                         "before": {"envs.py": "1" * 64}},
               KERNELS: {"env": {"TRITON_CACHE_DIR": "/opt/kiln/triton-cache"}, "triton": {"sm": 120}}}[kind]

@@ -18,7 +18,7 @@ import requests
 
 import kiln.build.prepare as prepare_module
 from kiln import commands
-from kiln.build.regcache import KERNELS, PATCHED, entry_tag
+from kiln.build.cachekeys import KERNELS, PATCHED, entry_tag
 from kiln.source.image import ImageSource
 from tests.support import TEST_IMAGES
 from tests.support.registry import VLLM_VERSION
