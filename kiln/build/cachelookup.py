@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 from pathlib import Path
 
 from kiln.build.cachekeys import PATCHED, entry_tag, patched_key, probe_walks
@@ -59,17 +60,22 @@ class CacheReader:
         uses = [CacheUse(PATCHED, *patched_key(inputs, walk, need_triton)) for walk in probe_walks(layers, PROBE_DEPTH)]
         jobs = [(use, location, client) for use in uses for location, client in self.locations]
 
-        def find(job):
+        def find(job):  # a client of its own counts what it moved: the build's counts are not shared across threads
             use, location, client = job
+            probe = RegistryClient(client.endpoint, client.session, client.auth, TransferStats(), budget=client.budget)
             try:
-                return client.find_manifest(location.repository, entry_tag(PATCHED, use.key))
+                return probe.find_manifest(location.repository, entry_tag(PATCHED, use.key)), probe.stats
             except KilnError as err:
-                return err
+                return err, probe.stats
 
         with ThreadPoolExecutor(max_workers=PROBE_THREADS) as pool:
             with uninterrupted():  # a signal inside submit could start a thread the pool never joins
                 futures = [pool.submit(find, job) for job in jobs]
-            found = [future.result() for future in futures]
+            found = []
+            for (_, _, client), future in zip(jobs, futures, strict=True):
+                manifest, moved = future.result()
+                _add(client.stats, moved)
+                found.append(manifest)
         failed = set()
         for (use, location, client), manifest in zip(jobs, found, strict=True):
             if isinstance(manifest, KilnError):
@@ -105,3 +111,8 @@ class CacheReader:
     def _workdir(self):
         self.workroot.mkdir(parents=True, exist_ok=True)
         return tempfile.TemporaryDirectory(dir=self.workroot, prefix=".tmp-cache-")
+
+
+def _add(stats: TransferStats, moved: TransferStats) -> None:
+    for name in (f.name for f in fields(TransferStats)):
+        setattr(stats, name, getattr(stats, name) + getattr(moved, name))
