@@ -182,7 +182,7 @@ def _write_cache(prepared, image, cache_to, config: RegistryConfig, budget: Budg
     if not cache_to:
         return []
     entries = []
-    for use in prepared.cache:  # an entry's layer that is an image layer is that blob; the rest are written
+    for use in (use for use in prepared.cache if use.writable):  # an image layer's blob is that layer's
         baked = {id(contents): layer for contents, layer in zip(prepared.layers, image.layers, strict=True)}
         layers = [baked.get(id(contents)) or write_layer(contents, workdir / use.kind) for contents in use.contents]
         entries.append((use, entry_record(use, layers), layers))

@@ -14,35 +14,27 @@ remembers of it (a patch whose verdict blocks a build stops it here, naming the 
 the patched-source layer, the audit file and, when the definition declares kernels, the
 Triton cache layer (compiled beside the patching when no selected patch touches the files the
 kernels are compiled from); decide the labels. With ``cache_from`` (registry build caches,
-``kiln.build.regcache``), a verified ``patched`` entry replaces the patching and a ``kernels``
-entry the compiling; when both hit, the base's manifest and config are read, none of its
-layers. The patched-source layer is assembled the same way from the patching or the entry. Baking the layers into
+``kiln.build.regcache``, found by ``kiln.build.cachelookup``), a verified ``patched`` entry
+replaces the patching and a ``kernels`` entry the compiling; when both hit, the base's
+manifest and config are read, none of its layers. The patched-source layer is assembled the same way from the patching or the entry. Baking the layers into
 an image (``kiln.build.image``) and the Dockerfile context (``kiln.publish.context``) both start
 from this one value, so they cannot drift apart.
 """
 
 from __future__ import annotations
 
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kiln import labels as L
+from kiln.build.cachekeys import KERNELS, PATCHED, kernels_key, patched_key, walk_read
+from kiln.build.cachelookup import PROBE_DEPTH, CacheReader
 from kiln.build.inputs import BuildInputs
 from kiln.build.layers import audit_record, source_contents, with_audit
 from kiln.build.provenance import kiln_revision, kiln_source_url
-from kiln.build.regcache import (
-    KERNELS,
-    PATCHED,
-    CachedEntry,
-    CacheUse,
-    kernels_key,
-    patched_key,
-    plain_record,
-    read_entry,
-)
+from kiln.build.regcache import CacheUse, plain_record
 from kiln.build.wheelcache import RegistryWheels
 from kiln.cache import cache_root
 from kiln.errors import KilnError
@@ -61,7 +53,7 @@ from kiln.patch.model import Outcome, Verdict
 from kiln.pausepoint import pause_point
 from kiln.pins import Pin
 from kiln.report import SILENT, Reporter
-from kiln.source.image import ImageSource, ImageVllm
+from kiln.source.image import ImageSource, ImageVllm, check_platform
 from kiln.triton.aot import reads_source
 from kiln.triton.cachelayer import image_env, kernel_created_by, triton_cache_layer
 
@@ -78,7 +70,7 @@ class Clock:
 
     def lap(self, name: str, nbytes: int | None = None) -> None:
         now, pulled = time.monotonic(), self._pulled()
-        self.timings[name] = round(now - self._mark, 3)
+        self.timings[name] = round(self.timings.get(name, 0) + now - self._mark, 3)  # a step may come twice
         self._reporter.stage(name, now - self._mark, pulled - self._bytes_mark if nbytes is None else nbytes)
         self._mark, self._bytes_mark = now, pulled
 
@@ -168,13 +160,23 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     check_lock(pin, resolved, allow_unlocked, reporter)
     base = RemoteImage(base_ref.pinned(resolved), source.client, BlobCache(cache / "blobs"),
                        manifest_cache=cache / "manifests")
-    uses = [CacheUse(PATCHED, *patched_key(inputs, resolved))]
-    if kernels:
-        uses.append(CacheUse(KERNELS, *kernels_key(inputs, resolved, uses[0].key, leave_out_unusable_kernels), sm=sm))
     clock.lap("resolve")
-    hits = _read_cache(uses, cache_from, config, source.client, stats, cache, base, reporter, open_record)
-    patched_hit, kernels_hit = hits.get(PATCHED), hits.get(KERNELS)
-    if hits:
+    need_triton = bool(kernels)
+    reader = CacheReader(cache_from, config, stats, source.client.budget, cache, reporter, open_record)
+
+    def kernels_use_of(layers_read: list[dict]) -> CacheUse:
+        return CacheUse(KERNELS, *kernels_key(inputs, layers_read, image_env(base.config()),
+                                              leave_out_unusable_kernels), sm=sm)
+
+    patched_use = kernels_use = patched_hit = kernels_hit = None
+    if cache_from:  # the patched entry by the layers it was keyed by, before any is read
+        check_platform(base.config(), base.name)
+        source.client.budget.check_layers(base.name, len(base.layers()))
+        if (found_hit := reader.patched(inputs, base.layers(), need_triton)) is not None:
+            patched_use, patched_hit = found_hit
+            if kernels:  # the walk that wrote it read down to Triton: the same layers hold it
+                kernels_use = kernels_use_of(patched_use.inputs["vllm_layers"]["layers"])
+                kernels_hit = reader.read(kernels_use)
         clock.lap("cache")
 
     # 2. the pristine vLLM, from the top layers of the base only (not when the cache has it all)
@@ -182,15 +184,28 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     if patched_hit is None or (kernels and kernels_hit is None):
         source.reference = base_ref.pinned(resolved)
         found = source.pull()
-    base_config = base.config()
+        clock.lap("pull")
+        walk = walk_read(base.layers(), found.layers_read)
+        if patched_hit is not None and patched_use.inputs["vllm_layers"]["layers"] != walk["layers"]:
+            reporter.warn(f"build cache entry {patched_use.hit} refused, building without it: it says the "
+                          f"walk stops after the top {len(patched_use.inputs['vllm_layers']['layers'])} layers; "
+                          f"it read {len(walk['layers'])}")
+            patched_use = patched_hit = kernels_use = None
+        if patched_use is None:
+            patched_use = CacheUse(PATCHED, *patched_key(inputs, walk, need_triton))
+            patched_use.writable = len(walk["layers"]) <= PROBE_DEPTH  # deeper: no probe would find it
+        if kernels and kernels_use is None:
+            kernels_use = kernels_use_of(walk["layers"])
+            if cache_from:
+                kernels_hit = reader.read(kernels_use)
+                clock.lap("cache")
+    uses = [patched_use, *([kernels_use] if kernels else [])]
     # One flavour for every output (skopeo's layout reader ignores Docker v2 manifests).
     base_model = to_oci(ImageModel.from_base(base.manifest(), base.config_bytes()))
-    if found is not None:
-        clock.lap("pull")
 
     # 3. patch (a selection patched before on exactly this source, code and target is reused),
     # with the Triton kernels compiling beside it when no selected patch touches their sources
-    runtime_env = {**image_env(base_config), **definition.serve_env}
+    runtime_env = {**image_env(base.config()), **definition.serve_env}
     wheels = RegistryWheels([(RegistryClient(config.endpoint(loc.registry), stats=stats, budget=source.client.budget),
                               loc.repository) for loc in cache_from], keep_wheels, reporter)
 
@@ -223,18 +238,15 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
             before = {rel: sha256_text(tree.read(rel)) for rel in changed if tree.exists(rel)}
             vllm_version, site_dir = str(tree.vllm_version), found.site_dir
             patched_source = source_contents(changed, site_dir, found.vllm_files)
-            base_manifest_digest = found.manifest_digest
             clock.lap("patch")
             pause_point("patch")
-        else:  # the entry's: verified, keyed by this base and selection
+        else:  # the entry's: verified, keyed by the layers this base's walk reads and this selection
             record = patched_hit.record
             outcomes, changed, before = patched_hit.outcomes, patched_hit.changed(), dict(record["before"])
             vllm_version, site_dir = str(record["vllm_version"]), str(record["site_dir"])
             patched_source = patched_hit.layers[0]
-            base_manifest_digest = base.manifest().digest
         applied = [pid for pid, o in outcomes.items() if o.verdict is Verdict.APPLIES]
-        uses[0].fields = {"base_manifest_digest": base_manifest_digest, "vllm_version": vllm_version,
-                          "site_dir": site_dir, "outcomes": [o.to_json() for o in outcomes.values()],
+        uses[0].fields = {"vllm_version": vllm_version, "site_dir": site_dir, "outcomes": [o.to_json() for o in outcomes.values()],
                           "applied": applied, "before": before}
         uses[0].contents = [patched_source]
 
@@ -273,32 +285,9 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
         inputs=inputs, base_ref=base_ref, base_digest=resolved, found=found, base=base, base_model=base_model,
         client=source.client, stats=stats, outcomes=outcomes, applied=applied,
         files_changed=len(changed), layers=layers, labels=labels, clock=clock, env=env, triton=triton,
-        vllm_version=vllm_version, site_dir=site_dir, base_manifest_digest=base_manifest_digest,
+        vllm_version=vllm_version, site_dir=site_dir, base_manifest_digest=base.manifest().digest,
         cache=uses, cache_mounts=mounts, wheels=wheels,
     )
-
-
-def _read_cache(uses: list[CacheUse], cache_from, config: RegistryConfig, base_client: RegistryClient,
-                stats: TransferStats, cache: Path, base: RemoteImage, reporter: Reporter,
-                open_record) -> dict[str, CachedEntry]:
-    """Each entry's first verified hit in ``cache_from`` (kind -> entry); ``use.hit`` and ``.location`` set."""
-    hits: dict[str, CachedEntry] = {}
-    for use in uses:
-        for location in cache_from:
-            client = RegistryClient(config.endpoint(location.registry), stats=stats, budget=base_client.budget)
-            (cache / "build").mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=cache / "build", prefix=".tmp-cache-") as workdir:
-                cached = read_entry(client, location.repository, use.kind, use.key, use.inputs, Path(workdir),
-                                    reporter, open_record)
-            if cached is None:
-                continue
-            if use.kind == PATCHED and base.manifest().digest != cached.record["base_manifest_digest"]:
-                reporter.warn(f"build cache entry {cached.where} refused, building without it: "
-                              "it was built on another base manifest")
-                continue
-            hits[use.kind], use.hit, use.location = cached, cached.where, location
-            break
-    return hits
 
 
 def image_labels(inputs: BuildInputs, base_ref: ImageReference, resolved: str, applied: list[str],

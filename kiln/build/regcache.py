@@ -1,42 +1,31 @@
 """A build cache in a registry, shared across machines: ``build --cache-to/--cache-from REGISTRY/REPO``.
 
 Public API:
-    PATCHED, KERNELS                 the entry kinds; ARTIFACT_TYPES: kind -> artifactType
     RECORD_MEDIA_TYPE, SIGNED_RECORD_MEDIA_TYPE
     parse_cache_location(text, where) -> ImageReference     ``REGISTRY/REPO``, no tag or digest
-    patched_key(inputs, base_digest) -> (hex key, the inputs it hashes)
-    kernels_key(inputs, base_digest, patched, leave_out_unusable_kernels) -> (hex key, inputs)
-    entry_tag(kind, key) -> str                              ``kiln-cache-<kind>-v1-<key>``
     CacheUse(kind, key, inputs, sm)  one entry a build looks up: hit or not, what it would write
     CachedEntry(record, layers, where)                       a verified entry: its layers as ``LayerContents``
     read_entry(client, repository, kind, key, key_inputs, workdir, reporter=SILENT, open_record=plain_record)
         -> CachedEntry | None
+    verify_entry(client, repository, manifest, kind, key, key_inputs, workdir, reporter=SILENT,
+                 open_record=plain_record) -> CachedEntry | None    the same, of a manifest already found
     plain_record(data, media_type, where) -> bytes   the record of an unsigned entry (a signed one: a miss)
     entry_record(use, layers) -> dict
     write_entry(client, repository, kind, key, record, layers, seal=None) -> str (the entry's manifest digest)
 
-A build is a pure function of its inputs (reproducible by construction), so what it computes
-from the base's layers can be cached by a key of the inputs each part depends on. There are
-two kinds of entry (and the Triton wheel's, ``kiln.build.wheelcache``), so that builds
-sharing part of their inputs share that part's entry:
+What a build computes from the base's layers is cached by a key of the inputs each part
+depends on (``kiln.build.cachekeys``: the vLLM layers the walk reads, not the base's digest,
+so a base rebuilt below them shares its entries). Two kinds of entry (and the Triton wheel's,
+``kiln.build.wheelcache``):
 
 * ``patched``: the patching's result: every verdict, the changed modules and the whiteouts of
   their stale bytecode (one layer), vLLM's version and site dir, each changed file's pristine
-  sha256. Its key: the base's digest (it names every layer, the vLLM layers included: a
-  superset key), the selection (the definition's list and every selected patch module's
-  sha256), what the build target decides of each patch (out of range, gated: the only use the
-  engine makes of the pin's vLLM, the SM and the model preset), kiln's own code and Python's
-  ``major.minor``. No image name, tag, SM or baked file: the image's patched-source layer
-  (with its baked files and audit file) is assembled from the entry by each build, so images
-  on one base with one selection share it, whatever their SMs.
-* ``kernels``: one SM's Triton kernel layer (or none, left out) and its summary and env. Its
-  key: the base's digest (its Triton, hence the toolchain wheel, its Python and config Env),
-  the kernel preset, the SM, the definition's serve env, ``--without-unusable-kernels``,
-  kiln's code and Python's version, and the kernel sources: "pristine" when no selected patch
-  touches a file the kernels are compiled from (the base's digest names them), else the
-  patched entry's key. A change of patch selection that touches no kernel source keeps it.
+  sha256. The image's patched-source layer (with its baked files and audit file) is
+  assembled from it by each build.
+* ``kernels``: one SM's Triton kernel layer (or none, left out) and its summary and env.
 
-The keys are known before any base layer is read. An entry is an OCI artifact manifest
+How a build finds them (the ``patched`` entry by probing the depths the vLLM layers may
+have, before any is read): ``kiln.build.cachelookup``. An entry is an OCI artifact manifest
 (``artifactType`` per kind) tagged by its kind and key in the cache repository: its config is
 the record (the kind, the key and the inputs it hashes, the kind's fields, its layers'
 digests, removals and history), its layers are the blobs. Written with a signing key
@@ -47,8 +36,9 @@ the whole entry.
 
 Reading verifies everything: the manifest's and every blob's digest and size; the record's
 kind, key and inputs equal the ones this build computed (an entry copied under another key is
-refused); the layers re-derive: their contents written again by ``kiln.oci.layer`` give the
-recorded digest and diff_id, so what the build bakes from them is byte for byte the entry.
+refused; the inputs name the vLLM layers, so an entry is used only on a base whose walk reads
+exactly them); the layers re-derive: their contents written again by ``kiln.oci.layer`` give
+the recorded digest and diff_id, so what the build bakes from them is byte for byte the entry.
 Anything wrong is a miss with a warning, never an image; a miss of one entry leaves the other
 usable. Concurrent writers of one key are safe: each uploads every blob its manifest names
 (content-addressed, so they share them) before it PUTs the manifest, and a tag's PUT replaces
@@ -59,19 +49,14 @@ signature's nonce).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import posixpath
-import sys
 import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 
-import kiln
-from kiln import __version__
-from kiln.build.inputs import BuildInputs
+from kiln.build.cachekeys import ARTIFACT_TYPES, KERNELS, PATCHED, canonical, entry_tag
 from kiln.errors import KilnError
 from kiln.oci.digest import sha256_digest
 from kiln.oci.layer import WHITEOUT_PREFIX, Layer, LayerContents, write_layer
@@ -81,11 +66,7 @@ from kiln.oci.reference import ImageReference, parse_reference
 from kiln.oci.registry import RegistryClient
 from kiln.patch.model import Outcome, Verdict
 from kiln.report import SILENT, Reporter
-from kiln.triton.aot import reads_source
 
-PATCHED, KERNELS = "patched", "kernels"
-ARTIFACT_TYPES = {PATCHED: "application/vnd.kiln.cache.patched.v1",
-                  KERNELS: "application/vnd.kiln.cache.kernels.v1"}
 RECORD_MEDIA_TYPE = "application/vnd.kiln.cache.record.v1+json"
 SIGNED_RECORD_MEDIA_TYPE = "application/vnd.dsse.envelope.v1+json"  # its payload: a record
 KEY_ANNOTATION = "dev.kiln.cache.key"
@@ -105,59 +86,6 @@ def parse_cache_location(text: str, where: str) -> ImageReference:
     return ImageReference(ref.registry, ref.repository)
 
 
-@cache
-def _kiln_code() -> str:
-    """sha256 over kiln's own modules and schemas: any change to kiln is a new key."""
-    root = Path(kiln.__file__).parent
-    h = hashlib.sha256(f"kiln {__version__}\n".encode())
-    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".json") and p.is_file()):
-        h.update(f"{path.relative_to(root).as_posix()}\0".encode())
-        h.update(hashlib.sha256(path.read_bytes()).digest())
-    return h.hexdigest()
-
-
-def _keyed(kind: str, key_inputs: dict) -> tuple[str, dict]:
-    key_inputs = json.loads(_canonical({"kind": kind, "format": ARTIFACT_TYPES[kind],
-                                        "kiln": {"version": __version__, "code": _kiln_code()},
-                                        "python": f"{sys.version_info[0]}.{sys.version_info[1]}", **key_inputs}))
-    return hashlib.sha256(_canonical(key_inputs)).hexdigest(), key_inputs  # as read back: lists, not tuples
-
-
-def patched_key(inputs: BuildInputs, base_digest: str) -> tuple[str, dict]:
-    """The patched entry's key: the base, the selection and what the target decides of each patch."""
-    definition, catalogue, target = inputs.definition, inputs.catalogue, inputs.target()
-    patches = []
-    for pid in catalogue.closure(list(definition.patches)):
-        patch = catalogue.get(pid)
-        patches.append({"id": pid, "sha256": catalogue.digests[pid],
-                        "out_of_range": patch.outside_range(target.vllm_version) or None,
-                        "gated": patch.gates.blocks(target) or None})
-    return _keyed(PATCHED, {"base": base_digest, "vllm": str(inputs.pin.vllm),
-                            "selection": list(definition.patches), "patches": patches})
-
-
-def kernels_key(inputs: BuildInputs, base_digest: str, patched: str,
-                leave_out_unusable_kernels: bool = False) -> tuple[str, dict]:
-    """One SM's kernel entry's key (``patched``: the patched entry's key, used only when a selected
-    patch touches a file the kernels are compiled from)."""
-    definition, catalogue = inputs.definition, inputs.catalogue
-    kernels = definition.model.kernels
-    touched = any(reads_source(kernels, rel) for pid in catalogue.closure(list(definition.patches))
-                  for rel in catalogue.get(pid).targets)
-    return _keyed(KERNELS, {"base": base_digest, "sm": inputs.sm, "preset": kernels.to_json(),
-                            "serve_env": dict(definition.serve_env),
-                            "leave_out_unusable_kernels": leave_out_unusable_kernels,
-                            "sources": patched if touched else "pristine"})
-
-
-def entry_tag(kind: str, key: str) -> str:
-    return f"kiln-cache-{kind}-v1-{key}"
-
-
-def _canonical(value) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-
-
 @dataclass
 class CacheUse:
     """One entry a build looks up (``hit``: where it was read from) and would write: its record's
@@ -168,6 +96,7 @@ class CacheUse:
     inputs: dict
     sm: int | None = None
     hit: str | None = None  # registry/repository:tag of the entry used
+    writable: bool = True  # False: no lookup would find it (``kiln.build.cachelookup``), so none is written
     location: ImageReference | None = None  # the cache repository it was read from
     fields: dict = field(default_factory=dict)
     contents: list[LayerContents] = field(default_factory=list)
@@ -223,7 +152,7 @@ def write_entry(client: RegistryClient, repository: str, kind: str, key: str, re
     """Upload the layers and the record (unless present), then PUT the entry's manifest under its tag.
 
     ``seal``: the record's bytes -> a DSSE envelope of them (signed)."""
-    record_bytes = _canonical(record)
+    record_bytes = canonical(record)
     media_type = RECORD_MEDIA_TYPE
     if seal is not None:
         record_bytes, media_type = seal(record_bytes), SIGNED_RECORD_MEDIA_TYPE
@@ -241,7 +170,7 @@ def write_entry(client: RegistryClient, repository: str, kind: str, key: str, re
         "layers": [{"mediaType": OCI_LAYER_GZIP, "digest": layer.digest, "size": layer.size} for layer in layers],
         "annotations": {KEY_ANNOTATION: key},
     }
-    return client.put_manifest(repository, entry_tag(kind, key), _canonical(manifest), OCI_MANIFEST)
+    return client.put_manifest(repository, entry_tag(kind, key), canonical(manifest), OCI_MANIFEST)
 
 
 def read_entry(client: RegistryClient, repository: str, kind: str, key: str, key_inputs: dict, workdir: Path,
@@ -249,12 +178,24 @@ def read_entry(client: RegistryClient, repository: str, kind: str, key: str, key
                ) -> CachedEntry | None:
     """The ``kind`` entry of ``key``, verified; None (a miss) when there is none or it is not right (with a warning)."""
     tag = entry_tag(kind, key)
-    where = f"{client.endpoint.registry}/{repository}:{tag}"
     try:
         manifest = client.find_manifest(repository, tag)
-        if manifest is None:
-            reporter.note(f"build cache {client.endpoint.registry}/{repository}: no {kind} entry for this build")
-            return None
+    except KilnError as err:
+        reporter.warn(f"build cache entry {client.endpoint.registry}/{repository}:{tag} refused, "
+                      f"building without it: {err}")
+        return None
+    if manifest is None:
+        reporter.note(f"build cache {client.endpoint.registry}/{repository}: no {kind} entry for this build")
+        return None
+    return verify_entry(client, repository, manifest, kind, key, key_inputs, workdir, reporter, open_record)
+
+
+def verify_entry(client: RegistryClient, repository: str, manifest: Manifest, kind: str, key: str, key_inputs: dict,
+                 workdir: Path, reporter: Reporter = SILENT,
+                 open_record: Callable[[bytes, str, str], bytes] = plain_record) -> CachedEntry | None:
+    """The entry ``manifest`` (found under ``key``'s tag), verified; None (a miss, with a warning) when not right."""
+    where = f"{client.endpoint.registry}/{repository}:{entry_tag(kind, key)}"
+    try:
         return _verified(client, repository, manifest, kind, key, key_inputs, workdir, where, open_record)
     except KilnError as err:
         reporter.warn(f"build cache entry {where} refused, building without it: {err}")
@@ -306,8 +247,7 @@ def _verified(client: RegistryClient, repository: str, manifest: Manifest, kind:
     return entry
 
 
-_FIELDS = {PATCHED: {"outcomes": list, "applied": list, "vllm_version": str, "site_dir": str,
-                     "base_manifest_digest": str, "before": dict},
+_FIELDS = {PATCHED: {"outcomes": list, "applied": list, "vllm_version": str, "site_dir": str, "before": dict},
            KERNELS: {"env": dict, "triton": dict}}
 
 

@@ -30,7 +30,8 @@ import os
 import shutil
 from pathlib import Path
 
-from kiln.build.regcache import RECORD_MEDIA_TYPE, entry_tag
+from kiln.build.cachekeys import entry_tag
+from kiln.build.regcache import RECORD_MEDIA_TYPE
 from kiln.errors import KilnError
 from kiln.oci.digest import sha256_digest
 from kiln.oci.manifest import Descriptor

@@ -3,6 +3,7 @@
 Public API:
     ImageVllm     what was found: tree (SourceTree), image, digest, manifest_digest, site_dir,
                   layers_read, triton_version, triton_record, vllm_files
+    check_platform(config, name)   a base config of another platform than linux/amd64 is refused
     read_vllm(image, cache=None, reporter=SILENT, budget=None, need_triton=False) -> ImageVllm
                   walk ``image`` top-down (``layerwalk``), its layers decompressed and bounded by
                   ``layerstream``; ``need_triton``: read on until Triton's dist-info is found
@@ -72,10 +73,7 @@ def read_vllm(image: Image, cache: Path | None = None, reporter: Reporter = SILE
     """
     cache = cache or cache_root()
     budget = budget or Budget()
-    config = image.config()
-    arch, os_name = config.get("architecture"), config.get("os")
-    if (arch and arch != "amd64") or (os_name and os_name != "linux"):
-        raise KilnError(f"{image.name}: image is {os_name}/{arch}, kiln builds linux/amd64")
+    check_platform(image.config(), image.name)
     layers = image.layers()
     budget.check_layers(image.name, len(layers))
     sources = cache / "sources"
@@ -112,6 +110,13 @@ def read_vllm(image: Image, cache: Path | None = None, reporter: Reporter = SILE
     )
     return ImageVllm(tree, image.name, image.digest, image.manifest().digest, found.site_dir,
                      found.layers, found.triton_version, found.triton_record, found.files)
+
+
+def check_platform(config: dict, name: str) -> None:
+    """A base's config says linux/amd64 (or nothing), the only platform kiln builds."""
+    arch, os_name = config.get("architecture"), config.get("os")
+    if (arch and arch != "amd64") or (os_name and os_name != "linux"):
+        raise KilnError(f"{name}: image is {os_name}/{arch}, kiln builds linux/amd64")
 
 
 class ImageSource(CachedProvider):

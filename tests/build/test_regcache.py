@@ -1,31 +1,36 @@
-"""The registry build cache's key and options, without a registry (``kiln.build.regcache``)."""
+"""The registry build cache's keys and options, without a registry (``kiln.build.cachekeys``, ``regcache``)."""
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import shutil
 from dataclasses import replace
 
 import pytest
 
 from kiln import commands
-from kiln.build.inputs import load_build_inputs
-from kiln.build.regcache import (
+from kiln.build.cachekeys import (
     KERNELS,
     PATCHED,
     entry_tag,
     kernels_key,
-    parse_cache_location,
     patched_key,
+    probe_walks,
+    vllm_layers,
+    walk_read,
 )
+from kiln.build.inputs import load_build_inputs
+from kiln.build.regcache import parse_cache_location
 from kiln.errors import KilnError
 from kiln.oci.endpoints import RegistryConfig
+from kiln.oci.manifest import Descriptor
 from kiln.paths import RepoFiles
 from tests.support import TEST_IMAGES
 
-BASE = "sha256:" + "ab" * 32
+PIN_DIGEST = "sha256:" + "ab" * 32
 PINS = '[pins."v0.20.1"]\nrole = "current"\nimage = "docker.io/vllm/vllm-openai:v0.20.1"\nvllm = "0.20.1"\n' \
-       'cuda = "cu130"\ndigest = "' + BASE + '"\n'
+       'cuda = "cu130"\ndigest = "' + PIN_DIGEST + '"\n'
 
 
 @pytest.fixture
@@ -37,47 +42,93 @@ def files(tmp_path) -> RepoFiles:
     return RepoFiles(pins=pins, images=images)
 
 
+GZIP, TAR = "application/vnd.oci.image.layer.v1.tar+gzip", "application/vnd.oci.image.layer.v1.tar"
+DOCKER_GZIP = "application/vnd.docker.image.rootfs.diff.tar.gzip"
+
+
+def _layers(*names: str, media_type: str = GZIP) -> list[Descriptor]:
+    """A base's layers, bottom first, each a digest of its name."""
+    return [Descriptor(media_type, "sha256:" + hashlib.sha256(n.encode()).hexdigest(), 1) for n in names]
+
+
+BASE = _layers("rootfs", "cuda", "torch", "vllm", "app")
+WALK = vllm_layers(BASE, 2)  # the walk stops after app and vllm
+
+
 def test_the_patched_key_is_stable_and_names_what_the_patching_depends_on(files):
     inputs = load_build_inputs(files, "e2e-p65", "v0.20.1", 120)
-    key, hashed = patched_key(inputs, BASE)
-    assert (key, hashed) == patched_key(load_build_inputs(files, "e2e-p65", "v0.20.1", 120), BASE)
+    key, hashed = patched_key(inputs, WALK, False)
+    assert (key, hashed) == patched_key(load_build_inputs(files, "e2e-p65", "v0.20.1", 120), WALK, False)
     assert len(key) == 64 and len(entry_tag(PATCHED, key)) <= 128
-    assert [p["id"] for p in hashed["patches"]] == ["P65"] and hashed["base"] == BASE
-    others = {"another base": patched_key(inputs, "sha256:" + "cd" * 32)[0]}
+    assert entry_tag(PATCHED, key) == f"kiln-cache-patched-v2-{key}"
+    assert [p["id"] for p in hashed["patches"]] == ["P65"]
+    assert [layer["digest"] for layer in hashed["vllm_layers"]["layers"]] == [BASE[4].digest, BASE[3].digest]
+    others = {
+        "another top layer": patched_key(inputs, vllm_layers(_layers("vllm", "app2"), 2), False)[0],
+        "another vLLM layer": patched_key(inputs, vllm_layers(_layers("vllm2", "app"), 2), False)[0],
+        "one layer deeper": patched_key(inputs, vllm_layers(BASE, 3), False)[0],
+        "read to the bottom": patched_key(inputs, vllm_layers(BASE[3:], 2, to_bottom=True), False)[0],
+        "a plain tar layer": patched_key(inputs, vllm_layers(_layers("vllm", "app", media_type=TAR), 2), False)[0],
+        "read on for Triton": patched_key(inputs, WALK, True)[0],
+    }
     # a patch module's bytes: the catalogue's digest of it
     catalogue = replace(inputs.catalogue, digests={**inputs.catalogue.digests, "P65": "0" * 64})
-    others["another P65"] = patched_key(replace(inputs, catalogue=catalogue), BASE)[0]
+    others["another P65"] = patched_key(replace(inputs, catalogue=catalogue), WALK, False)[0]
     # a gate that decides otherwise for this target (the only use the engine makes of the SM)
     p65 = inputs.catalogue.get("P65")
     gated = copy.copy(p65)
     gated.gates = replace(p65.gates, sm_max=90)
     catalogue = replace(inputs.catalogue, patches={**inputs.catalogue.patches, "P65": gated})
-    others["P65 gated on sm120"] = patched_key(replace(inputs, catalogue=catalogue), BASE)[0]
+    others["P65 gated on sm120"] = patched_key(replace(inputs, catalogue=catalogue), WALK, False)[0]
     assert key not in others.values() and len(set(others.values())) == len(others)
+    # what lies below the layers read is not in it (a rebuilt CUDA layer, one layer more), nor
+    # how the manifest names a gzip layer (Docker's and OCI's types are read alike)
+    for lower in (_layers("rootfs", "cuda2", "torch", "vllm", "app"),
+                  _layers("filler", "rootfs", "cuda", "torch", "vllm", "app"),
+                  _layers("rootfs", "cuda", "torch", "vllm", "app", media_type=DOCKER_GZIP)):
+        assert patched_key(inputs, vllm_layers(lower, 2), False)[0] == key
     # no image name, definition file, tag or SM: images on one base and selection share the entry
     definition = files.images / "e2e-p65.toml"
     definition.write_text(definition.read_text().replace('name = "e2e-p65"', 'name = "e2e-p65-b"')
                           + "\n# another definition file\n")
     definition.rename(files.images / "e2e-p65-b.toml")
-    assert patched_key(load_build_inputs(files, "e2e-p65-b", "v0.20.1", 86), BASE)[0] == key
+    assert patched_key(load_build_inputs(files, "e2e-p65-b", "v0.20.1", 86), WALK, False)[0] == key
+
+
+def test_the_probe_covers_each_depth_the_walk_may_stop_at_and_a_walk_is_keyed_by_what_it_read():
+    walks = probe_walks(BASE, 32)
+    assert [(len(w["layers"]), w["to_bottom"]) for w in walks] == [(1, False), (2, False), (3, False), (4, False),
+                                                                   (5, False), (5, True)]
+    assert walks[1] == WALK == walk_read(BASE, [BASE[4].digest, BASE[3].digest])
+    assert walk_read(BASE, [d.digest for d in reversed(BASE)]) == walks[-1]  # read down to its bottom
+    assert [len(w["layers"]) for w in probe_walks(BASE, 3)] == [1, 2, 3]  # bounded; the bottom is beyond it
+    # a layer no walk reads (zstd): nothing at or below it is probed
+    odd = [*BASE[:3], Descriptor("application/vnd.oci.image.layer.v1.tar+zstd", BASE[3].digest, 1), BASE[4]]
+    assert [len(w["layers"]) for w in probe_walks(odd, 32)] == [1]
+    with pytest.raises(KilnError, match="not the base's top-most"):
+        walk_read(BASE, [BASE[4].digest, BASE[2].digest])
 
 
 def test_the_kernel_key_is_per_sm_and_keeps_out_what_the_kernels_do_not_read(files):
     inputs = load_build_inputs(files, "e2e-triton", "v0.20.1", 120)
-    patched = patched_key(inputs, BASE)[0]
-    key, hashed = kernels_key(inputs, BASE, patched)
-    assert key == kernels_key(load_build_inputs(files, "e2e-triton", "v0.20.1", 120), BASE, patched)[0]
-    assert len(entry_tag(KERNELS, key)) <= 128 and hashed["sm"] == 120
+    env = {"PATH": "/usr/bin", "CUDA_HOME": "/usr/local/cuda"}
+    key, hashed = kernels_key(inputs, WALK["layers"], env)
+    assert key == kernels_key(load_build_inputs(files, "e2e-triton", "v0.20.1", 120), WALK["layers"], env)[0]
+    assert len(entry_tag(KERNELS, key)) <= 128 and hashed["sm"] == 120 and hashed["base_env"] == env
     others = {
-        "another SM": kernels_key(load_build_inputs(files, "e2e-triton", "v0.20.1", 86), BASE, patched)[0],
-        "another base": kernels_key(inputs, "sha256:" + "cd" * 32, patched)[0],
-        "kernels left out": kernels_key(inputs, BASE, patched, leave_out_unusable_kernels=True)[0],
+        "another SM": kernels_key(load_build_inputs(files, "e2e-triton", "v0.20.1", 86), WALK["layers"], env)[0],
+        "another vLLM layer": kernels_key(inputs, vllm_layers(_layers("vllm2", "app"), 2)["layers"], env)[0],
+        "another base Env": kernels_key(inputs, WALK["layers"], {**env, "CUDA_HOME": "/opt/cuda"})[0],
+        "kernels left out": kernels_key(inputs, WALK["layers"], env, leave_out_unusable_kernels=True)[0],
     }
     assert key not in others.values() and len(set(others.values())) == len(others)
-    # the patched key counts exactly when a selected patch touches a file the kernels read
+    # the selection counts exactly when a selected patch touches a file the kernels read
     touches = hashed["sources"] != "pristine"
-    assert (kernels_key(inputs, BASE, "0" * 64)[0] != key) is touches
-    assert hashed["sources"] in (patched, "pristine")
+    catalogue = replace(inputs.catalogue, digests={pid: "0" * 64 for pid in inputs.catalogue.digests})
+    assert (kernels_key(replace(inputs, catalogue=catalogue), WALK["layers"], env)[0] != key) is touches
+    # a lower layer is not in it
+    lower = vllm_layers(_layers("filler", "rootfs", "cuda", "torch", "vllm", "app"), 2)["layers"]
+    assert kernels_key(inputs, lower, env)[0] == key
 
 
 @pytest.mark.parametrize("text", ["ghcr.io/you/cache:tag", "ghcr.io/you/cache@sha256:" + "0" * 64,

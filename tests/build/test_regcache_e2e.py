@@ -15,6 +15,7 @@ import hashlib
 import io
 import json
 import posixpath
+import re
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,12 +25,14 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 import kiln.build.prepare as prepare_module
-from kiln.build.regcache import ARTIFACT_TYPES, KERNELS, PATCHED, entry_tag, read_entry, write_entry
+from kiln.build.cachekeys import ARTIFACT_TYPES, KERNELS, PATCHED, entry_tag
+from kiln.build.regcache import read_entry, write_entry
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.layer import LayerContents, write_layer
 from kiln.oci.registry import RegistryClient
 from kiln.report import Recorder
 from tests.build.test_build_e2e import TAG, Project
+from tests.support.registry import VLLM_VERSION
 
 pytestmark = [pytest.mark.registry, pytest.mark.reliability]
 
@@ -304,7 +307,7 @@ def test_a_record_of_the_wrong_shape_is_a_miss(registry_plain, tmp_path, kind, f
     contents = LayerContents({f"{SITE}/vllm/envs.py": b"a = 1\n"}, (), "")
     layer = write_layer(contents, tmp_path / "layers")
     endpoint = RegistryConfig(insecure={registry_plain.host}).endpoint(registry_plain.host, push=True)
-    fields = {PATCHED: {"base_manifest_digest": "sha256:" + "0" * 64, "vllm_version": "0.20.1", "site_dir": SITE,
+    fields = {PATCHED: {"vllm_version": "0.20.1", "site_dir": SITE,
                         "outcomes": [{"patch": "P65", "verdict": "APPLIES"}], "applied": ["P65"],
                         "before": {"envs.py": "1" * 64}},
               KERNELS: {"env": {"TRITON_CACHE_DIR": "/opt/kiln/triton-cache"}, "triton": {"sm": 120}}}[kind]
@@ -319,3 +322,87 @@ def test_a_record_of_the_wrong_shape_is_a_miss(registry_plain, tmp_path, kind, f
     reporter = Recorder()
     assert read_entry(client, repo, kind, key, key_inputs, tmp_path, reporter) is None
     assert len(reporter.warnings) == 1 and "refused" in reporter.warnings[0], reporter.warnings
+
+
+def _file_layer(name: str, data: bytes) -> tuple[bytes, str]:
+    """A gzip layer holding one file; and its diff_id."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return gzip.compress(raw.getvalue(), mtime=0), "sha256:" + hashlib.sha256(raw.getvalue()).hexdigest()
+
+
+def _base_variant(registry, repository: str, tag: str, bottom: bytes | None = None, top: bytes | None = None) -> str:
+    """The fixture base as ``repository:tag``, its layers the same blobs (mounted), with a layer
+    holding ``bottom`` added under them all, or its top layer replaced by one holding ``top``; its digest."""
+    source = f"vllm/vllm-openai:v{VLLM_VERSION}"
+    manifest = requests.get(f"{registry.url}/v2/{source.replace(':', '/manifests/')}", headers={"Accept": MANIFEST},
+                            timeout=10).json()
+    config = json.loads(_blob(registry, "vllm/vllm-openai", manifest["config"]["digest"]))
+    for layer in manifest["layers"]:
+        resp = requests.post(f"{registry.url}/v2/{repository}/blobs/uploads/?mount={layer['digest']}"
+                             "&from=vllm/vllm-openai", timeout=10)
+        assert resp.status_code == 201, resp.text
+    layers, diff_ids = list(manifest["layers"]), list(config["rootfs"]["diff_ids"])
+    history = [h for h in config["history"] if not h.get("empty_layer")]
+    if bottom is not None:
+        blob, diff_id = _file_layer("etc/kiln-fixture-filler", bottom)
+        layers.insert(0, {"mediaType": layers[0]["mediaType"], **_put_blob(registry, repository, blob)})
+        diff_ids.insert(0, diff_id)
+        history.insert(0, {"created_by": "fixture filler"})
+    if top is not None:
+        blob, diff_id = _file_layer("usr/local/bin/serve.sh", top)
+        layers[-1] = {"mediaType": layers[-1]["mediaType"], **_put_blob(registry, repository, blob)}
+        diff_ids[-1], history[-1] = diff_id, {"created_by": "fixture other app"}
+    config = {**config, "rootfs": {"type": "layers", "diff_ids": diff_ids}, "history": history}
+    _put_entry(registry, repository, tag, {**manifest, "layers": layers,
+                                           "config": {**manifest["config"], **_put_blob(registry, repository,
+                                                                                        json.dumps(config).encode())}})
+    return registry.digest_of(f"{repository}:{tag}")
+
+
+def test_a_base_rebuilt_below_the_vllm_layers_hits_and_one_with_another_top_layer_misses(
+        project, capsys, tmp_path, monkeypatch, patch_runs, base_layout):
+    """The patched entry is keyed by the layers the walk reads (the top two here: app and vllm),
+    not the base: a base with a filler layer added at the bottom reads the entry (no vLLM layer,
+    no patching) and gives the digest its build without cache gives; one whose top layer is
+    another misses."""
+    registry = project.registry
+    cache_repo, bases = f"{registry.host}/{project.dest}-cache", f"{project.dest}-bases"
+    _fresh_runner(monkeypatch, tmp_path, "writer")
+    code, first, err = project.build(capsys, "--cache-to", cache_repo)
+    assert code == 0, err
+    lowered = project.pins(_base_variant(registry, bases, "lowered", bottom=b"a rebuilt CUDA layer\n"),
+                           image=f"docker.io/{bases}:lowered")
+    other_top = project.pins(_base_variant(registry, bases, "other-top", top=b"#!/bin/sh\nexec vllm serve\n"),
+                             image=f"docker.io/{bases}:other-top")
+
+    _fresh_runner(monkeypatch, tmp_path, "lowered")
+    log_mark = len(registry.log())
+    code, hit, err = project.build(capsys, "--cache-from", cache_repo, pins=lowered)
+    assert code == 0, err
+    assert hit["cache"]["hit"] == [f"{cache_repo}:{entry_tag(PATCHED, _key(first))}"] and _key(hit) == _key(first)
+    assert patch_runs == [1], "the hit ran the patching"
+    log = registry.log()[log_mark:]
+    for role in ("vllm", "app"):  # the layers that hold vLLM: neither was read
+        assert f"GET /v2/{bases}/blobs/{base_layout.layers[role]}" not in log, role
+    _fresh_runner(monkeypatch, tmp_path, "lowered-no-cache")
+    code, built, err = project.build(capsys, pins=lowered)
+    assert code == 0, err
+    assert patch_runs == [1, 1] and built["manifest_digest"] == hit["manifest_digest"]
+    assert built["patches"] == hit["patches"] == first["patches"]
+    assert hit["manifest_digest"] != first["manifest_digest"]  # another base (its digest is in the labels)
+
+    _fresh_runner(monkeypatch, tmp_path, "other-top")
+    log_mark = len(registry.log())
+    code, miss, err = project.build(capsys, "--cache-from", cache_repo, pins=other_top)
+    assert code == 0, err
+    assert miss["cache"]["hit"] is None and _key(miss) != _key(first) and patch_runs == [1, 1, 1]
+    # the probe's cost on a miss: one HEAD per depth of the base's 5 layers, and one for all 5
+    # read to the bottom, nothing else of the cache
+    requests_sent = re.findall(rf'"([A-Z]+) /v2/{project.dest}-cache/(\S+) HTTP', registry.log()[log_mark:])
+    assert len(requests_sent) == 6, requests_sent
+    assert all(method == "HEAD" and path.startswith("manifests/kiln-cache-patched-v2-")
+               for method, path in requests_sent), requests_sent

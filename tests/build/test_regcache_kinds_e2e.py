@@ -9,6 +9,7 @@ patching. Every build gives the digest the same build gives without any registry
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -18,7 +19,10 @@ import requests
 
 import kiln.build.prepare as prepare_module
 from kiln import commands
-from kiln.build.regcache import KERNELS, PATCHED, entry_tag
+from kiln.build.cachekeys import KERNELS, PATCHED, entry_tag, patched_key, vllm_layers
+from kiln.build.inputs import load_build_inputs
+from kiln.oci.manifest import Descriptor
+from kiln.paths import RepoFiles
 from kiln.source.image import ImageSource
 from tests.support import TEST_IMAGES
 from tests.support.registry import VLLM_VERSION
@@ -151,3 +155,50 @@ def test_a_poisoned_kernel_entry_costs_only_that_sms_compile(
     assert any("build cache entry" in w and kernels["tag"] in w and "digest mismatch" in w
                for w in again["warnings"]), again["warnings"]
     assert again["manifest_digest"] == first["manifest_digest"]
+
+
+def test_a_patched_entry_keyed_for_fewer_layers_than_the_walk_reads_is_refused(
+        capsys, monkeypatch, tmp_path, registry_plain, start_registry, pins, images, work):
+    """A coherent entry (its record's key and inputs those of its tag) that says the walk stops
+    one layer higher than it does: the probe finds it first (the shallowest), and when the build
+    walks anyway (its SM's kernels missed), the layers read are not the ones it was keyed by: a
+    miss with a warning, the patching runs, and the image is the one built without cache."""
+    cache = start_registry("plain")
+    where = (f"{cache.host}/kiln-cache", "--insecure-registry", cache.host)
+
+    def build(runner: str, sm: int, *extra: str) -> dict:
+        return _build(capsys, monkeypatch, tmp_path, runner, registry_plain, pins, images, "e2e-triton", sm, *extra)
+
+    first = build("writer", 86, "--cache-to", *where)
+    key = _entries(first)[PATCHED]["key"]
+    entry = requests.get(f"{cache.url}/v2/kiln-cache/manifests/{entry_tag(PATCHED, key)}",
+                         headers={"Accept": MANIFEST}, timeout=10).json()
+    record = json.loads(requests.get(f"{cache.url}/v2/kiln-cache/blobs/{entry['config']['digest']}", timeout=10).content)
+    read = len(record["inputs"]["vllm_layers"]["layers"])
+    assert read == 3 and not record["inputs"]["vllm_layers"]["to_bottom"]  # triton36, app, vllm
+    # the same entry under the key of the top two layers only
+    name = f"vllm/vllm-openai:v{VLLM_VERSION}-triton36"
+    manifest = requests.get(f"{registry_plain.url}/v2/{name.replace(':', '/manifests/')}",
+                            headers={"Accept": MANIFEST}, timeout=10).json()
+    layers = [Descriptor.from_json(d, "layer") for d in manifest["layers"]]
+    inputs = load_build_inputs(RepoFiles(pins=pins, images=images), "e2e-triton", "v0.20.1", 120)
+    short_key, short_inputs = patched_key(inputs, vllm_layers(layers, read - 1), True)
+    lying = json.dumps({**record, "key": short_key, "inputs": short_inputs}).encode()
+    digest = "sha256:" + hashlib.sha256(lying).hexdigest()
+    start = requests.post(f"{cache.url}/v2/kiln-cache/blobs/uploads/", timeout=10)
+    location = start.headers["Location"]
+    location = location if location.startswith("http") else cache.url + location
+    assert requests.put(f"{location}{'&' if '?' in location else '?'}digest={digest}", data=lying,
+                        headers={"Content-Type": "application/octet-stream"}, timeout=10).status_code == 201
+    resp = requests.put(f"{cache.url}/v2/kiln-cache/manifests/{entry_tag(PATCHED, short_key)}",
+                        data=json.dumps({**entry, "config": {**entry["config"], "digest": digest,
+                                                             "size": len(lying)}}).encode(),
+                        headers={"Content-Type": MANIFEST}, timeout=10)
+    assert resp.status_code == 201, resp.text
+
+    again = build("reader", 120, "--cache-from", *where)
+    assert any(f"{entry_tag(PATCHED, short_key)} refused" in w and "the walk stops after the top 2 layers; it read 3"
+               in w for w in again["warnings"]), again["warnings"]
+    assert _entries(again)[PATCHED]["hit"] is None and _entries(again)[PATCHED]["key"] == key
+    assert work["patched"] == [1, 1] and work["compiled"] == [86, 120]
+    assert build("reference", 120)["manifest_digest"] == again["manifest_digest"]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from kiln.build.regcache import KERNELS, PATCHED
+from kiln.build.cachekeys import KERNELS, PATCHED
 from kiln.build.wheelcache import TOOLCHAIN
 from tests.build.test_regcache_kinds_e2e import MANIFEST, _build, _entries, images, pins, work  # noqa: F401
 

@@ -1,0 +1,118 @@
+"""How a build finds its registry build cache entries (``build --cache-from``): the ``patched``
+entry by probing, before any base layer is read; the ``kernels`` entry by its key.
+
+Public API:
+    PROBE_DEPTH, PROBE_THREADS
+    CacheReader(cache_from, config, stats, budget, cache, reporter=SILENT, open_record=plain_record)
+        .patched(inputs, layers, need_triton) -> (CacheUse, CachedEntry) | None   the hit, if any
+        .read(use) -> CachedEntry | None   ``use``'s entry from the first cache that has it verified
+
+The ``patched`` key names the vLLM layers the walk reads (``kiln.build.cachekeys``), which are
+known only once read. So the probe computes the key of each depth the walk may have stopped
+at (the top 1, 2, … ``PROBE_DEPTH`` layers, and the whole base read to its bottom:
+``probe_walks``) and asks every cache for each tag, ``PROBE_THREADS`` requests at a time (a
+HEAD each; a GET only where one is there). A right entry exists at one depth at most: a
+writer's walk stopped at its depth, and a walk over the same layers stops at the same one, so
+an entry at another depth is another base's, whose walk this base's would not repeat. The
+shallowest entry that verifies (``kiln.build.regcache``) is the hit; a cold build pays one
+round of requests per ``PROBE_THREADS`` depths and reads nothing more. A base whose vLLM lies
+deeper than ``PROBE_DEPTH`` layers is never probed that deep: its ``patched`` entry is not
+written (its ``kernels`` entries still are: they are looked up after the walk).
+
+The ``kernels`` key is known once the layers read are: from the ``patched`` hit's key, or from
+the walk (``kiln.build.prepare`` pulls, then asks, before it compiles).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
+from pathlib import Path
+
+from kiln.build.cachekeys import PATCHED, entry_tag, patched_key, probe_walks
+from kiln.build.inputs import BuildInputs
+from kiln.build.regcache import CachedEntry, CacheUse, plain_record, read_entry, verify_entry
+from kiln.errors import KilnError
+from kiln.lifeline import uninterrupted
+from kiln.oci.endpoints import RegistryConfig
+from kiln.oci.limits import Budget
+from kiln.oci.manifest import Descriptor
+from kiln.oci.registry import RegistryClient, TransferStats
+from kiln.report import SILENT, Reporter
+
+PROBE_DEPTH = 32  # bounds a cold build's requests: at most 33 tags per cache
+PROBE_THREADS = 4
+
+
+class CacheReader:
+    """The build's ``cache_from`` locations (``ImageReference`` without tag), tried in order."""
+
+    def __init__(self, cache_from, config: RegistryConfig, stats: TransferStats, budget: Budget, cache: Path,
+                 reporter: Reporter = SILENT, open_record=plain_record) -> None:
+        self.locations = [(location, RegistryClient(config.endpoint(location.registry), stats=stats, budget=budget))
+                          for location in cache_from]
+        self.workroot, self.reporter, self.open_record = cache / "build", reporter, open_record
+
+    def patched(self, inputs: BuildInputs, layers: list[Descriptor],
+                need_triton: bool) -> tuple[CacheUse, CachedEntry] | None:
+        """The ``patched`` hit for a base of ``layers`` (bottom first), before any is read."""
+        uses = [CacheUse(PATCHED, *patched_key(inputs, walk, need_triton)) for walk in probe_walks(layers, PROBE_DEPTH)]
+        jobs = [(use, location, client) for use in uses for location, client in self.locations]
+
+        def find(job):  # a client of its own counts what it moved: the build's counts are not shared across threads
+            use, location, client = job
+            probe = RegistryClient(client.endpoint, client.session, client.auth, TransferStats(), budget=client.budget)
+            try:
+                return probe.find_manifest(location.repository, entry_tag(PATCHED, use.key)), probe.stats
+            except KilnError as err:
+                return err, probe.stats
+
+        with ThreadPoolExecutor(max_workers=PROBE_THREADS) as pool:
+            with uninterrupted():  # a signal inside submit could start a thread the pool never joins
+                futures = [pool.submit(find, job) for job in jobs]
+            found = []
+            for (_, _, client), future in zip(jobs, futures, strict=True):
+                manifest, moved = future.result()
+                _add(client.stats, moved)
+                found.append(manifest)
+        failed = set()
+        for (use, location, client), manifest in zip(jobs, found, strict=True):
+            if isinstance(manifest, KilnError):
+                if location.name not in failed:  # one warning per cache, not one per depth
+                    failed.add(location.name)
+                    self.reporter.warn(f"build cache {location.name}: not read, building without it: {manifest}")
+                continue
+            if manifest is None:
+                continue
+            with self._workdir() as workdir:
+                entry = verify_entry(client, location.repository, manifest, PATCHED, use.key, use.inputs,
+                                     Path(workdir), self.reporter, self.open_record)
+            if entry is not None:
+                use.hit, use.location = entry.where, location
+                return use, entry
+        for location, _ in self.locations:
+            if location.name not in failed:
+                self.reporter.note(f"build cache {location.name}: no patched entry for this build "
+                                   f"({len(uses)} depths of the base's layers probed)")
+        return None
+
+    def read(self, use: CacheUse) -> CachedEntry | None:
+        """``use``'s entry (its key known), from the first location whose entry verifies."""
+        for location, client in self.locations:
+            with self._workdir() as workdir:
+                entry = read_entry(client, location.repository, use.kind, use.key, use.inputs, Path(workdir),
+                                   self.reporter, self.open_record)
+            if entry is not None:
+                use.hit, use.location = entry.where, location
+                return entry
+        return None
+
+    def _workdir(self):
+        self.workroot.mkdir(parents=True, exist_ok=True)
+        return tempfile.TemporaryDirectory(dir=self.workroot, prefix=".tmp-cache-")
+
+
+def _add(stats: TransferStats, moved: TransferStats) -> None:
+    for name in (f.name for f in fields(TransferStats)):
+        setattr(stats, name, getattr(stats, name) + getattr(moved, name))
