@@ -287,7 +287,7 @@ def _run_in(bundle: Path, job: dict, version: str, work: Path, runtime_cache: Pa
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        from gpu_check import print_kernel_report
+        from gpu_reference import print_kernel_report
 
         print_kernel_report(report, f"sm_{job['sm']}, {job['image']} on {job['pin']}",
                             [f"{name.upper()}: {report[name]['summary']}" for name in ("pn119", "p103") if name in report])

@@ -134,7 +134,7 @@ def _run_case(case: dict, stock, patched, device: str = "cuda") -> dict:
     import torch
 
     sys.path.insert(0, str(REPO / "ci"))
-    from gpu_check import dequantise_k8v4, reference_decode
+    from gpu_reference import dequantise_k8v4, reference_decode
 
     cfg = stock.config.from_cache_dtype(case["kv_preset"], case["d"])
     d, hq, hk, bs = case["d"], case["hq"], case["hk"], case["block_size"]

@@ -19,6 +19,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "ci" / "gpu_check.py"
 spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
 gpu_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_check)
+import gpu_reference  # noqa: E402  (ci/, put on sys.path by gpu_check)
 
 
 def test_dequantise_k8v4_reads_the_store_layout():
@@ -30,7 +31,7 @@ def test_dequantise_k8v4_reads_the_store_layout():
     packed = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
     slot = torch.cat([key.view(torch.uint8), packed, scale[:, None].view(torch.uint8),
                       zero[:, None].view(torch.uint8), torch.zeros(3, 2, dtype=torch.uint8)], dim=1)
-    got_key, got_value = gpu_check.dequantise_k8v4(slot, d)
+    got_key, got_value = gpu_reference.dequantise_k8v4(slot, d)
     assert torch.equal(got_key, key.float())
     assert torch.equal(got_value, q.float() * scale.float()[:, None] + zero.float()[:, None])
 
@@ -41,7 +42,7 @@ def test_reference_decode_is_grouped_query_attention():
     keys, values = torch.randn(2, 5, 2, 16, generator=gen), torch.randn(2, 5, 2, 16, generator=gen)
     want = F.scaled_dot_product_attention(query[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
                                           scale=0.25, enable_gqa=True)[:, :, 0]
-    got = gpu_check.reference_decode(query, keys, values, 0.25)
+    got = gpu_reference.reference_decode(query, keys, values, 0.25)
     assert torch.allclose(got, want, atol=1e-5)
 
 
