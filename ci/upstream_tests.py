@@ -2,7 +2,7 @@
 
     .venv/bin/python ci/upstream_tests.py [--vllm 0.32.0] [--only tests/parser] [--coverage] [--json]
                                           [--record ci/upstream/cpu-v0.32.0.json] [--timeout 3600]
-                                          [--patchsets DIR]
+                                          [--patchsets DIR] [--jobs 2] [--resume]
 
 1. The release's sdist from the index (``https://pypi.org/simple/vllm/``), checked against the
    index's sha256, cached under ``<kiln cache>/upstream-tests/``; only its ``tests/`` and
@@ -18,6 +18,13 @@
    (``vllm.a.b``, ``from vllm.a import b``, ``from vllm.a.b import ...``).
 5. Both sides run those files with pytest (``--junitxml``) with ``PYTHONPATH`` set to a tree
    of links to the installed package, the patched side with kiln's files in place of vLLM's.
+
+The two sides run at once (``--jobs``), each on its own copy of the tests. Every pytest process
+dies with this script (``kiln.lifeline``: SIGKILL too); SIGTERM/SIGINT also remove the working
+tree, and a killed run's tree is removed by the next run. Each finished folder's outcomes are
+kept under ``<kiln cache>/upstream-tests/results`` by what decides them (the sdist, the
+environment, the side's source, the files); ``--resume`` takes them instead of running the folder
+again, and the record names the folders it took (``resumed``).
 
 A test that passes on pristine and fails on patched is a regression: exit 1, one line naming
 them. Tests that fail (or error) on both sides are *not runnable* here (a model hub, a GPU, a
@@ -50,8 +57,9 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kiln import lifeline  # noqa: E402
 from kiln.cache import cache_dir  # noqa: E402
-from kiln.errors import KilnError  # noqa: E402
+from kiln.errors import Interrupted, KilnError  # noqa: E402
 from kiln.patch.catalog import load_catalogue  # noqa: E402
 from kiln.patch.engine import Session, run_selection, sha256_text  # noqa: E402
 from kiln.patch.model import BuildTarget  # noqa: E402
@@ -221,6 +229,24 @@ def link_tree(site: Path, dest: Path, patched: dict[str, str]) -> None:
         target.write_text(text)
 
 
+def remove_left_behind(home: Path) -> list[Path]:
+    """Remove the working trees (``run-<pid>-*``) of runs that were killed (SIGKILL: no cleanup ran),
+    those whose process is gone; a live run's is left alone."""
+    removed = []
+    for tree in home.glob("run-*-*"):
+        pid = tree.name.split("-")[1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tree, ignore_errors=True)
+            removed.append(tree)
+        except PermissionError:  # alive, another user's
+            pass
+    return removed
+
+
 def groups(files: list[str]) -> dict[str, list[str]]:
     """The files by folder (``tests/kernels``, ``tests/v1/core``): one pytest process each, so a
     test that aborts the interpreter (a CPU build's missing kernel) costs its folder a rerun, not
@@ -233,32 +259,58 @@ def groups(files: list[str]) -> dict[str, list[str]]:
 
 
 def run_side(venv: Path, tests_root: Path, files: list[str], overlay: Path, work: Path,
-             coverage: Path | None = None, timeout: int = RUN_SECONDS) -> dict[str, dict]:
+             coverage: Path | None = None, timeout: int = RUN_SECONDS, kept: Path | None = None,
+             side_key: str = "", resume: bool = False, resumed: list[str] | None = None) -> dict[str, dict]:
     """Every test's outcome on one side: each folder in one pytest process. A process that dies
     (no report written; a CPU build's missing kernel aborts the interpreter) is recorded as one
     failed entry ``<file>::<process died>`` for the test file its fatal traceback names (the
-    rest of the folder runs again without it); with no file named, the folder runs file by file."""
+    rest of the folder runs again without it); with no file named, the folder runs file by file.
+
+    ``kept``: a folder where each finished folder's outcomes are written (``side_key``: what
+    decides them besides the files: the sdist, the environment, the side's source); with
+    ``resume`` a folder found there is taken, not run again, and named in ``resumed``
+    (``--resume``: an hour's run killed halfway loses one folder, not the side)."""
     results: dict[str, dict] = {}
     deadline = time.monotonic() + timeout
     runs = 0
-    for names in groups(files).values():
-        pending = [names]
-        while pending:
-            batch, runs = pending.pop(0), runs + 1
-            xml = work / f"{overlay.name}-{runs}.xml"
-            ran, out, culprit = _pytest(venv, tests_root, batch, overlay, xml, coverage, deadline)
-            if xml.is_file():
-                results.update(_junit(xml))
+    for folder, names in groups(files).items():
+        store = None
+        if kept is not None:
+            key = hashlib.sha256(json.dumps([side_key, names]).encode()).hexdigest()
+            store = kept / f"{key}.json"
+            if resume and store.is_file():
+                results.update(json.loads(store.read_text()))
+                if resumed is not None:
+                    resumed.append(folder)
                 continue
-            died = culprit or (batch[0] if len(batch) == 1 else None)
-            if died is None:
-                pending[:0] = [[name] for name in batch]
-                continue
-            results[f"{died}::<process died>"] = {"outcome": "failed", "message": f"exit {ran}: {out}"[:200]}
-            rest = [name for name in batch if name != died]
-            if rest:
-                pending.insert(0, rest)
+        found: dict[str, dict] = {}
+        runs = _run_folder(venv, tests_root, names, overlay, work, coverage, deadline, found, runs)
+        results.update(found)
+        if store is not None:
+            write_atomic(store, json.dumps(found, sort_keys=True).encode())
     return results
+
+
+def _run_folder(venv: Path, tests_root: Path, names: list[str], overlay: Path, work: Path,
+                coverage: Path | None, deadline: float, results: dict[str, dict], runs: int) -> int:
+    """One folder's outcomes into ``results``; returns the count of pytest processes run so far."""
+    pending = [names]
+    while pending:
+        batch, runs = pending.pop(0), runs + 1
+        xml = work / f"{overlay.name}-{runs}.xml"
+        ran, out, culprit = _pytest(venv, tests_root, batch, overlay, xml, coverage, deadline)
+        if xml.is_file():
+            results.update(_junit(xml))
+            continue
+        died = culprit or (batch[0] if len(batch) == 1 else None)
+        if died is None:
+            pending[:0] = [[name] for name in batch]
+            continue
+        results[f"{died}::<process died>"] = {"outcome": "failed", "message": f"exit {ran}: {out}"[:200]}
+        rest = [name for name in batch if name != died]
+        if rest:
+            pending.insert(0, rest)
+    return runs
 
 
 def _pytest(venv: Path, tests_root: Path, files: list[str], overlay: Path, xml: Path,
@@ -276,13 +328,14 @@ def _pytest(venv: Path, tests_root: Path, files: list[str], overlay: Path, xml: 
     left = deadline - time.monotonic()
     if left <= 0:
         raise subprocess.TimeoutExpired("pytest", 0)
-    ran = subprocess.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    # through kiln's lifeline: a pytest process dies with this script (SIGKILL too), never runs on alone
+    ran = lifeline.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "--continue-on-collection-errors",  # a file that cannot import is listed, not fatal
                           # one line per failure: formatting thousands of GPU-only failures' full
                           # tracebacks (source parsed per frame) costs more than running them
                           "--tb=line",
                           f"--junitxml={xml}", "-o", "junit_family=xunit1", *cov, *files],
-                         cwd=tests_root, env=env, capture_output=True, text=True, timeout=left)
+                       cwd=tests_root, env=env, timeout=left)
     lines = (ran.stdout + ran.stderr).strip().splitlines() or ["no output"]
     fatal = [i for i, line in enumerate(lines) if "Fatal Python error" in line]  # after pytest's dots
     if not fatal:
@@ -376,8 +429,8 @@ def compact(raw: dict) -> dict:
     only = " ".join(f"--only {prefix}" for prefix in raw["only"])
     pin = cpu_pin(raw["vllm"])
     record_path = f"ci/upstream/{pin}.json" if pin and not raw["only"] else "RECORD.json"
-    return {key: raw[key] for key in ("vllm", "sdist", "only", "patched_files", "selected", "seconds",
-                                      "kiln_lines_reached")} | {
+    return {key: raw.get(key) for key in ("vllm", "sdist", "only", "patched_files", "selected", "seconds",
+                                          "kiln_lines_reached", "resumed")} | {
         "pin": pin,
         "command": f".venv/bin/python ci/upstream_tests.py --vllm {raw['vllm']} {only} --record {record_path}".replace("  ", " "),
         "counts": {side: len(results) for side, results in sides.items()},
@@ -399,7 +452,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="2: run the pristine and the patched side at once (default where there are 2 CPUs)")
     parser.add_argument("--coverage", action="store_true",
                         help="record which of kiln's added lines the patched run executes (pytest-cov)")
+    parser.add_argument("--resume", action="store_true",
+                        help="take each folder's outcomes kept by an earlier run of the same inputs (the sdist, "
+                             "the environment, each side's source) instead of running it again; every finished "
+                             "folder is kept either way, under <kiln cache>/upstream-tests/results")
     args = parser.parse_args(argv)
+    if args.resume and args.coverage:
+        parser.error("--resume: coverage is measured in one run, not resumed")
+    try:
+        with lifeline.stop_on_signals():  # SIGTERM/SIGINT: the pytest processes killed, the temporary tree removed
+            return _main(args)
+    except Interrupted as stop:
+        print(f"error: stopped by {stop}; the folders that finished are kept (--resume takes them)", file=sys.stderr)
+        return 128 + stop.signum
+
+
+def _main(args) -> int:
     try:
         version = Version(args.vllm)
         home = cache_dir() / "upstream-tests"
@@ -415,7 +483,11 @@ def main(argv: list[str] | None = None) -> int:
                     if not args.only or any(f.startswith(prefix) for prefix in args.only)}
         if not selected:
             raise KilnError(f"no test of vllm {version} imports a patched module under {', '.join(args.only)}")
-        with tempfile.TemporaryDirectory(dir=home) as tmp:
+        kept = home / "results"
+        kept.mkdir(exist_ok=True)
+        resumed: dict[str, list[str]] = {"pristine": [], "patched": []}
+        remove_left_behind(home)
+        with tempfile.TemporaryDirectory(dir=home, prefix=f"run-{os.getpid()}-") as tmp:
             sides, coverage, seconds = {}, None, {}
 
             def one_side(side: str, files: dict[str, str]) -> None:
@@ -428,7 +500,13 @@ def main(argv: list[str] | None = None) -> int:
                 root = Path(tmp, f"{side}-sdist")
                 shutil.copytree(tests_root, root, symlinks=True)
                 report = Path(tmp, "coverage.json") if args.coverage and files else None
-                sides[side] = run_side(venv, root, list(selected), overlay, Path(tmp), report, args.timeout)
+                # what decides a folder's outcomes besides its files (kept: a killed run resumes)
+                side_key = json.dumps({"sdist": tests_root.name, "venv": venv.name, "side": side,
+                                       "source": {rel: sha256_text(text) for rel, text in sorted(files.items())},
+                                       "python": sys.version_info[:2]}, sort_keys=True)
+                sides[side] = run_side(venv, root, list(selected), overlay, Path(tmp), report, args.timeout,
+                                       kept=None if report else kept, side_key=side_key, resume=args.resume,
+                                       resumed=resumed[side])
                 seconds[side] = round(time.monotonic() - started)
                 if report is not None:
                     coverage = reached(site, overlay, patched, report)
@@ -445,7 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     record = compact({"vllm": str(version), "sdist": {"file": f"vllm-{version}.tar.gz",
                                                       "sha256": tests_root.name.removeprefix("sdist-sha256-")},
                       "only": args.only, "patched_files": patched_hashes, "selected": selected,
-                      "seconds": seconds, "results": sides, "kiln_lines_reached": coverage})
+                      "seconds": seconds, "results": sides, "kiln_lines_reached": coverage,
+                      "resumed": {side: folders for side, folders in resumed.items() if folders} or None})
     if args.record:
         write_atomic(args.record, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
     if args.json:

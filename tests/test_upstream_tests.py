@@ -96,3 +96,44 @@ def test_the_committed_record_holds_every_outcome_and_the_command_that_remakes_i
     assert record["pin"] == "cpu-v0.32.0"  # pins.toml's CPU pin on that release
     assert record["command"] == ".venv/bin/python ci/upstream_tests.py --vllm 0.32.0 --record ci/upstream/cpu-v0.32.0.json"
     assert "results" not in record
+
+
+def test_a_killed_run_resumes_from_the_folders_it_finished(tmp_path):
+    """Each finished folder's outcomes are kept by what decides them; ``resume`` takes them (a
+    changed test shows it was not run again), another side's key runs the folder afresh."""
+    import sys
+
+    root = _write(tmp_path / "sdist", {
+        "tests/kernels/test_k.py": "def test_k():\n    pass\n",
+        "tests/v1/core/test_c.py": "def test_c():\n    pass\n",
+    })
+    overlay, kept = tmp_path / "pristine", tmp_path / "kept"
+    overlay.mkdir()
+    kept.mkdir()
+    files = ["tests/kernels/test_k.py", "tests/v1/core/test_c.py"]
+    venv = Path(sys.executable).parent.parent
+    first = upstream.run_side(venv, root, files, overlay, tmp_path, timeout=300, kept=kept, side_key="a")
+    assert {r["outcome"] for r in first.values()} == {"passed"} and len(list(kept.iterdir())) == 2
+    (root / "tests/kernels/test_k.py").write_text("def test_k():\n    raise OSError('ran again')\n")
+    resumed: list[str] = []
+    again = upstream.run_side(venv, root, files, overlay, tmp_path, timeout=300, kept=kept, side_key="a",
+                              resume=True, resumed=resumed)
+    assert again == first and resumed == ["tests/kernels", "tests/v1/core"]
+    # without resume, or under another key (another sdist, environment or source), it runs
+    fresh = upstream.run_side(venv, root, files, overlay, tmp_path, timeout=300, kept=kept, side_key="b", resume=True)
+    assert fresh["tests.kernels.test_k::test_k"]["outcome"] == "failed"
+    rerun = upstream.run_side(venv, root, files, overlay, tmp_path, timeout=300, kept=kept, side_key="a")
+    assert "ran again" in rerun["tests.kernels.test_k::test_k"]["message"]
+
+
+def test_a_killed_runs_working_tree_is_removed_by_the_next_run_a_live_ones_is_not(tmp_path):
+    import os
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead, live, other = tmp_path / f"run-{gone.pid}-abc", tmp_path / f"run-{os.getpid()}-def", tmp_path / "sdist-sha256-x"
+    for tree in (dead, live, other):
+        (tree / "tests").mkdir(parents=True)
+    assert upstream.remove_left_behind(tmp_path) == [dead]
+    assert not dead.exists() and live.is_dir() and other.is_dir()
