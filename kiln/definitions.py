@@ -36,7 +36,7 @@ from pathlib import Path
 from kiln.errors import KilnError
 from kiln.oci.reference import check_tag, parse_reference
 from kiln.patch.catalog import Catalogue, current_id
-from kiln.patch.model import BuildTarget
+from kiln.patch.outcome import BuildTarget
 from kiln.pins import Pin
 from kiln.schema import check
 from kiln.triton.kernels import KernelPreset, parse_kernel_preset

@@ -6,6 +6,8 @@ Public API:
     schema(name) -> dict
     check(document, name, path)      raises KilnError: the file, the key path, what is wrong;
                                      an unknown key or table names the closest valid one
+    skip_format_grammars()           for a process that is only kiln (the command line): import
+                                     jsonschema without rfc3987-syntax's grammars (below)
 
 Each schema is the one place a file's keys are declared: ``images/*.toml`` (``image``),
 ``pins.toml`` (``pins``) and the registries config (``registries``). The loaders check a file
@@ -22,11 +24,28 @@ import difflib
 import functools
 import json
 import re
+import sys
 from pathlib import Path
 
 from kiln.errors import KilnError
 
 SCHEMAS = ("image", "pins", "registries")
+
+_skip_format_grammars = False
+
+
+def skip_format_grammars() -> None:
+    """Import jsonschema, when kiln first needs it, without the optional ``rfc3987-syntax``.
+
+    Where that package is installed (``jsonschema[format]``, which kiln's test extras bring in
+    through cyclonedx-python-lib's validator), importing jsonschema compiles its 38 lark grammars
+    for the ``iri`` formats: 1.5 s, more than a cached build takes. kiln's schemas assert no
+    format, so the command line, a process that runs nothing else, skips them: jsonschema then
+    has no ``iri`` format checker in that process. A library caller (a test validating an SBOM's
+    formats in the same process) keeps jsonschema whole: only ``kiln.commands.entry`` asks.
+    """
+    global _skip_format_grammars
+    _skip_format_grammars = True
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 # An unknown key explains the rest (a misspelt table is also a missing one): reported first.
 _PRIORITY = {"additionalProperties": 0, "required": 1}
@@ -43,7 +62,14 @@ def schema(name: str) -> dict:
 
 @functools.cache
 def _validator(name: str):
-    import jsonschema  # imported on first use: kiln's commands start without it
+    hide = _skip_format_grammars and "jsonschema" not in sys.modules and "rfc3987_syntax" not in sys.modules
+    if hide:
+        sys.modules["rfc3987_syntax"] = None  # its import raises ImportError: jsonschema goes without it
+    try:
+        import jsonschema  # imported on first use: kiln's commands start without it
+    finally:
+        if hide:
+            del sys.modules["rfc3987_syntax"]
 
     base = jsonschema.validators.validator_for(schema(name))
     # TOML has integers and floats apart: 86.0 is not an SM (JSON Schema would take it).

@@ -31,7 +31,7 @@ from kiln.oci.reference import parse_reference
 from kiln.patch.catalog import Catalogue, current_id
 from kiln.patch.engine import RunResult, Session, run_isolated, run_selection
 from kiln.patch.memo import VerdictMemo
-from kiln.patch.model import BuildTarget, Outcome, Verdict
+from kiln.patch.outcome import BuildTarget, Outcome, Verdict
 from kiln.patch.record import Difference, accept, compare, load_record
 from kiln.paths import RepoFiles
 from kiln.pins import Pin, get_pin, load_pins

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
+import subprocess
+import sys
 import tomllib
 
 import jsonschema
@@ -66,3 +69,33 @@ def test_a_valid_registries_config_loads(tmp_path):
     assert config.endpoint("docker.io").host == "127.0.0.1:5000"
     assert config.endpoint("docker.io").scheme == "http"
     assert config.endpoint("selfsigned.local:443").scheme == "https"
+
+
+_PROBE = """
+import importlib.util, json, sys
+from kiln import schema
+from kiln.errors import KilnError
+if sys.argv[1] == "cli":
+    schema.skip_format_grammars()
+try:
+    schema.check({"pins": {"x": {"rol": "current"}}}, "pins", "pins.toml")
+except KilnError as err:
+    refused = str(err)
+import jsonschema
+print(json.dumps({"refused": refused, "grammars": "lark" in sys.modules,
+                  "iri": "iri" in jsonschema.FormatChecker.checkers,
+                  "importable": importlib.util.find_spec("rfc3987_syntax") is not None}))
+"""
+
+
+@pytest.mark.parametrize("caller", ["cli", "library"])
+def test_the_command_line_imports_jsonschema_without_the_format_grammars(caller):
+    """rfc3987-syntax (here through the test extras) costs every kiln process 1.5 s of grammar
+    compiling at jsonschema's import; the command line goes without it, a library caller keeps it."""
+    out = subprocess.run([sys.executable, "-c", _PROBE, caller], capture_output=True, text=True,
+                         cwd=paths.REPO, check=True, timeout=120)
+    seen = json.loads(out.stdout)
+    assert seen["importable"], "rfc3987-syntax is not installed: this test proves nothing"
+    assert "rol" in seen["refused"] and "pins.toml" in seen["refused"]  # the schema still checks
+    assert seen["grammars"] is (caller == "library")
+    assert seen["iri"] is (caller == "library")

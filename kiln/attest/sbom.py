@@ -36,7 +36,7 @@ from kiln import __version__
 from kiln.build.provenance import kiln_revision
 from kiln.errors import KilnError
 from kiln.oci.mutate import canonical_json
-from kiln.patch.model import Verdict
+from kiln.patch.outcome import Verdict
 
 SBOM_MEDIA_TYPE = "application/vnd.cyclonedx+json"
 _KILN_NS = uuid.UUID("6b696c6e-0000-5000-8000-736266f6d000")  # fixed: serial numbers derive from digests

@@ -19,7 +19,7 @@ from kiln.definitions import ImageDefinition, check_sm, load_definition
 from kiln.errors import KilnError
 from kiln.oci.reference import ImageReference, parse_reference
 from kiln.patch.catalog import Catalogue, load_catalogue
-from kiln.patch.model import BuildTarget
+from kiln.patch.outcome import BuildTarget
 from kiln.paths import RepoFiles
 from kiln.pins import Pin, get_pin, load_pins
 

@@ -35,7 +35,7 @@ from kiln.definitions import BakedFile
 from kiln.errors import KilnError
 from kiln.oci.layer import LayerContents
 from kiln.patch.engine import sha256_text
-from kiln.patch.model import Outcome
+from kiln.patch.outcome import Outcome
 
 AUDIT_PATH = "opt/kiln/manifest.json"
 AUDIT_SCHEMA = 1

@@ -49,7 +49,7 @@ from kiln.oci.reference import ImageReference, parse_reference
 from kiln.oci.registry import RegistryClient, TransferStats
 from kiln.patch.engine import sha256_text
 from kiln.patch.memo import SelectionMemo, patched_selection
-from kiln.patch.model import Outcome, Verdict
+from kiln.patch.outcome import Outcome, Verdict
 from kiln.pausepoint import pause_point
 from kiln.pins import Pin
 from kiln.report import SILENT, Reporter

@@ -64,7 +64,7 @@ from kiln.oci.manifest import Descriptor, Manifest
 from kiln.oci.mediatypes import OCI_LAYER_GZIP, OCI_MANIFEST
 from kiln.oci.reference import ImageReference, parse_reference
 from kiln.oci.registry import RegistryClient
-from kiln.patch.model import Outcome, Verdict
+from kiln.patch.outcome import Outcome, Verdict
 from kiln.report import SILENT, Reporter
 
 RECORD_MEDIA_TYPE = "application/vnd.kiln.cache.record.v1+json"

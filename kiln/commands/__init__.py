@@ -26,6 +26,7 @@ from kiln.commands.output import Output
 from kiln.errors import Interrupted, KilnError
 from kiln.lifeline import stop_on_signals
 from kiln.publish.destinations import check_stdout
+from kiln.schema import skip_format_grammars
 
 COMMANDS = (patches, verify, build, check, pin, plan, bench)
 
@@ -84,7 +85,10 @@ def entry(prog: str = "kiln") -> NoReturn:
     After an interruption the build has already undone what it must (its ``finally`` blocks
     ran, its children are dead): the process leaves at once, without tearing down the
     interpreter's heap (a second or more after a large patching), so it is gone promptly.
+    The process is kiln's alone, so jsonschema is imported without the format grammars kiln
+    never uses (``kiln.schema.skip_format_grammars``).
     """
+    skip_format_grammars()
     code = main(prog=prog)
     if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
         sys.stdout.flush()

@@ -43,7 +43,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from kiln.patch.model import Verdict
+from kiln.patch.outcome import Verdict
 from kiln.report import Reporter, Task
 from kiln.secrets import scrub, scrub_data
 

@@ -23,7 +23,7 @@ from kiln.definitions import load_definition
 from kiln.errors import KilnError
 from kiln.patch.catalog import load_catalogue
 from kiln.patch.memo import VerdictMemo
-from kiln.patch.model import Verdict
+from kiln.patch.outcome import Verdict
 from kiln.patch.output import unified_diff
 from kiln.patch.record import load_record
 from kiln.patch.train import (

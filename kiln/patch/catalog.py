@@ -17,7 +17,8 @@ import libcst.matchers as m
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from kiln.errors import KilnError
-from kiln.patch.model import Codemod, Gates, NewFile, Patch
+from kiln.patch.model import Codemod, NewFile, Patch
+from kiln.patch.outcome import Gates
 
 # An id means the same fix as Genesis's (github Sandermage/genesis-vllm-patches) under that
 # id: "P65", "P5b", "PN401", "PN353A" are Genesis's ids, spelt as its registry spells them. A fix

@@ -21,7 +21,8 @@ from pathlib import Path
 from packaging.version import Version
 
 from kiln.patch.catalog import Catalogue, patch_sort_key
-from kiln.patch.model import Patch, Verdict
+from kiln.patch.model import Patch
+from kiln.patch.outcome import Verdict
 
 NOTES_MARKER = "<!-- notes below are written by hand and kept by `build.py patches --doc` -->"
 _SHORT = {str(v): v.letter for v in Verdict}

@@ -22,7 +22,8 @@ import libcst as cst
 from kiln.errors import KilnError
 from kiln.patch.anchor import line_of, reach, resolve, symbol_of
 from kiln.patch.catalog import Catalogue
-from kiln.patch.model import BuildTarget, Codemod, NewFile, Outcome, Patch, Verdict
+from kiln.patch.model import Codemod, NewFile, Patch
+from kiln.patch.outcome import BuildTarget, Outcome, Verdict
 from kiln.patch.splice import replace_node
 from kiln.source.tree import SourceTree
 

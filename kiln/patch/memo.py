@@ -33,7 +33,7 @@ from kiln.cache import cache_root
 from kiln.lifeline import child_of, uninterrupted
 from kiln.patch.catalog import Catalogue
 from kiln.patch.engine import Session, run_selection
-from kiln.patch.model import BuildTarget, Outcome, Verdict
+from kiln.patch.outcome import BuildTarget, Outcome, Verdict
 from kiln.pausepoint import pause_point
 from kiln.source.tree import SourceTree
 from kiln.staging import write_atomic

@@ -15,7 +15,7 @@ import tomlkit
 
 from kiln.errors import KilnError
 from kiln.patch.catalog import current_id, patch_sort_key
-from kiln.patch.model import Outcome, Verdict
+from kiln.patch.outcome import Outcome, Verdict
 from kiln.staging import write_atomic
 
 HEADER = (

@@ -23,7 +23,7 @@ from packaging.version import InvalidVersion, Version
 from kiln.errors import KilnError
 from kiln.patch.catalog import Catalogue, patch_sort_key
 from kiln.patch.engine import Session, run_isolated
-from kiln.patch.model import BuildTarget, Outcome
+from kiln.patch.outcome import BuildTarget, Outcome
 from kiln.patch.record import Difference, compare, load_record
 from kiln.report import SILENT, Reporter
 from kiln.source.tree import SourceProvider

@@ -38,7 +38,7 @@ from kiln.oci.reference import ImageReference, parse_reference
 from kiln.patch.catalog import Catalogue
 from kiln.patch.engine import Session, run_isolated, run_selection
 from kiln.patch.memo import VerdictMemo
-from kiln.patch.model import BuildTarget, Outcome, Verdict
+from kiln.patch.outcome import BuildTarget, Outcome, Verdict
 from kiln.pinning.lock import resolve_pin
 from kiln.pinning.upstream import UpstreamCheck
 from kiln.pins import Pin, check_cuda, check_pin_name
