@@ -17,7 +17,10 @@
 4. The selection: every ``tests/**/test_*.py`` of the sdist that imports a patched module
    (``vllm.a.b``, ``from vllm.a import b``, ``from vllm.a.b import ...``).
 5. Both sides run those files with pytest (``--junitxml``) with ``PYTHONPATH`` set to a tree
-   of links to the installed package, the patched side with kiln's files in place of vLLM's.
+   of links to the installed package, the patched side with kiln's files in place of vLLM's,
+   and kiln's one pytest plugin (``ci/upstream_plugin/kiln_gc_between_tests.py``: vLLM's
+   per-test cleanup collects what the test created instead of walking the whole heap, which
+   made ``tests/kernels`` take hours a side; the record names it, ``runner``).
 
 The two sides run at once (``--jobs``), each on its own copy of the tests. Every pytest process
 dies with this script (``kiln.lifeline``: SIGKILL too); SIGTERM/SIGINT also remove the working
@@ -71,6 +74,8 @@ LOCK = ROOT / "ci" / "cpu" / "requirements.lock"
 PINS = ROOT / "pins.toml"
 TORCH_CPU = "https://download.pytorch.org/whl/cpu"
 RUN_SECONDS = 3600  # per side; --timeout
+# the pytest plugin both sides load; its source is part of what decides a kept folder's outcomes
+PLUGIN = ROOT / "ci" / "upstream_plugin" / "kiln_gc_between_tests.py"
 
 
 def sdist_tests(version: Version, home: Path) -> Path:
@@ -321,7 +326,7 @@ def _pytest(venv: Path, tests_root: Path, files: list[str], overlay: Path, xml: 
     if coverage:  # only the folders of kiln's files (written, not linked): tracing all of vLLM is too slow
         kiln_dirs = sorted({str(f.parent) for f in (overlay / "vllm").rglob("*.py") if not f.is_symlink()})
         cov = [*(f"--cov={d}" for d in kiln_dirs), f"--cov-report=json:{coverage}", "--cov-branch", "--cov-append"]
-    env = dict(os.environ, PYTHONPATH=str(overlay), VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(overlay), str(PLUGIN.parent)]), VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
                PYTHONDONTWRITEBYTECODE="1")
     if coverage:
         env["COVERAGE_FILE"] = str(coverage.with_suffix(".data"))  # not in the cached sdist
@@ -329,7 +334,7 @@ def _pytest(venv: Path, tests_root: Path, files: list[str], overlay: Path, xml: 
     if left <= 0:
         raise subprocess.TimeoutExpired("pytest", 0)
     # through kiln's lifeline: a pytest process dies with this script (SIGKILL too), never runs on alone
-    ran = lifeline.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    ran = lifeline.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", PLUGIN.stem,
                           "--continue-on-collection-errors",  # a file that cannot import is listed, not fatal
                           # one line per failure: formatting thousands of GPU-only failures' full
                           # tracebacks (source parsed per frame) costs more than running them
@@ -430,7 +435,7 @@ def compact(raw: dict) -> dict:
     pin = cpu_pin(raw["vllm"])
     record_path = f"ci/upstream/{pin}.json" if pin and not raw["only"] else "RECORD.json"
     return {key: raw.get(key) for key in ("vllm", "sdist", "only", "patched_files", "selected", "seconds",
-                                          "kiln_lines_reached", "resumed")} | {
+                                          "kiln_lines_reached", "runner", "resumed")} | {
         "pin": pin,
         "command": f".venv/bin/python ci/upstream_tests.py --vllm {raw['vllm']} {only} --record {record_path}".replace("  ", " "),
         "counts": {side: len(results) for side, results in sides.items()},
@@ -489,6 +494,7 @@ def _main(args) -> int:
         remove_left_behind(home)
         with tempfile.TemporaryDirectory(dir=home, prefix=f"run-{os.getpid()}-") as tmp:
             sides, coverage, seconds = {}, None, {}
+            runner = hashlib.sha256(PLUGIN.read_bytes()).hexdigest()
 
             def one_side(side: str, files: dict[str, str]) -> None:
                 nonlocal coverage
@@ -503,7 +509,7 @@ def _main(args) -> int:
                 # what decides a folder's outcomes besides its files (kept: a killed run resumes)
                 side_key = json.dumps({"sdist": tests_root.name, "venv": venv.name, "side": side,
                                        "source": {rel: sha256_text(text) for rel, text in sorted(files.items())},
-                                       "python": sys.version_info[:2]}, sort_keys=True)
+                                       "python": sys.version_info[:2], "runner": runner}, sort_keys=True)
                 sides[side] = run_side(venv, root, list(selected), overlay, Path(tmp), report, args.timeout,
                                        kept=None if report else kept, side_key=side_key, resume=args.resume,
                                        resumed=resumed[side])
@@ -524,6 +530,7 @@ def _main(args) -> int:
                                                       "sha256": tests_root.name.removeprefix("sdist-sha256-")},
                       "only": args.only, "patched_files": patched_hashes, "selected": selected,
                       "seconds": seconds, "results": sides, "kiln_lines_reached": coverage,
+                      "runner": {"plugin": PLUGIN.name, "sha256": runner},
                       "resumed": {side: folders for side, folders in resumed.items() if folders} or None})
     if args.record:
         write_atomic(args.record, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())

@@ -137,3 +137,89 @@ def test_a_killed_runs_working_tree_is_removed_by_the_next_run_a_live_ones_is_no
         (tree / "tests").mkdir(parents=True)
     assert upstream.remove_left_behind(tmp_path) == [dead]
     assert not dead.exists() and live.is_dir() and other.is_dir()
+
+
+_CONFTEST = """
+import gc
+
+import pytest
+
+FROZEN_DURING_CLEANUP = []
+
+
+def cleanup_dist_env_and_memory():  # as vLLM's: unfreeze the heap, collect all of it
+    gc.unfreeze()
+    FROZEN_DURING_CLEANUP.append(gc.get_freeze_count())
+    gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def cleanup_fixture():
+    yield
+    cleanup_dist_env_and_memory()
+
+
+@pytest.fixture
+def frozen_during_cleanup():
+    return FROZEN_DURING_CLEANUP
+"""
+
+_GC_TESTS = """
+import gc
+import weakref
+
+
+class Node:
+    pass
+
+
+REF = []
+
+
+def test_1_leaves_a_cycle_behind():
+    node = Node()
+    node.itself = node
+    REF.append(weakref.ref(node))
+
+
+def test_2_the_cleanup_collected_it_and_the_heap_is_frozen():
+    assert REF[0]() is None
+    assert gc.get_freeze_count() > 0
+
+
+def test_3_the_cleanup_left_the_heap_frozen(frozen_during_cleanup):
+    assert frozen_during_cleanup and all(count > 0 for count in frozen_during_cleanup)
+
+
+def test_4_unfreeze_outside_the_cleanup_is_the_real_one():
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+
+
+def test_5_the_next_cleanup_froze_it_again():
+    assert gc.get_freeze_count() > 0
+"""
+
+
+def test_vllms_per_test_cleanup_collects_what_the_test_left_without_walking_the_frozen_heap(tmp_path):
+    """kiln's plugin (both sides load it): vLLM's cleanup still collects a test's garbage, the
+    heap from before stays frozen through it, ``gc.unfreeze`` elsewhere is untouched. Without the
+    plugin the same tests fail where the cleanup walked the whole heap."""
+    import subprocess
+    import sys
+
+    root = _write(tmp_path / "sdist", {"tests/conftest.py": _CONFTEST, "tests/kernels/test_gc.py": _GC_TESTS})
+    overlay = tmp_path / "pristine"
+    overlay.mkdir()
+    venv = Path(sys.executable).parent.parent
+    results = upstream.run_side(venv, root, ["tests/kernels/test_gc.py"], overlay, tmp_path, timeout=300)
+    assert {name.split("::")[1]: r["outcome"] for name, r in results.items()} == {
+        "test_1_leaves_a_cycle_behind": "passed",
+        "test_2_the_cleanup_collected_it_and_the_heap_is_frozen": "passed",
+        "test_3_the_cleanup_left_the_heap_frozen": "passed",
+        "test_4_unfreeze_outside_the_cleanup_is_the_real_one": "passed",
+        "test_5_the_next_cleanup_froze_it_again": "passed",
+    }
+    plain = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_gc.py"],
+                           cwd=root, capture_output=True, text=True, timeout=300)
+    assert "3 failed, 2 passed" in plain.stdout, plain.stdout[-2000:]
