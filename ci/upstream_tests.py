@@ -75,6 +75,9 @@ PINS = ROOT / "pins.toml"
 TORCH_CPU = "https://download.pytorch.org/whl/cpu"
 RUN_SECONDS = 3600  # per side; --timeout
 SPLIT_DEEPER = ("v1", "kernels")  # the folders of tests/ grouped by their subfolders (groups)
+# folders run, and kept, file by file (groups): their tests compute real references on CPU
+# (bf16 MoE layers, hours a side), so a stopped run keeps every file it finished
+PER_FILE = ("tests/kernels/moe",)
 # the pytest plugin both sides load; its source is part of what decides a kept folder's outcomes
 PLUGIN = ROOT / "ci" / "upstream_plugin" / "kiln_gc_between_tests.py"
 
@@ -258,12 +261,14 @@ def groups(files: list[str]) -> dict[str, list[str]]:
     process each, so a test that aborts the interpreter (a CPU build's missing kernel) costs its
     folder a rerun, not the whole side, and a stopped run keeps every folder it finished
     (``--resume``). ``tests/v1`` and ``tests/kernels`` (14,213 tests on 0.32.0, an hour and more
-    a side) are split one level further; a file directly in a folder goes with that folder."""
+    a side) are split one level further; a file directly in a folder goes with that folder. A
+    file of a ``PER_FILE`` folder is a group of its own."""
     out: dict[str, list[str]] = {}
     for name in files:
         parts = name.split("/")
         depth = 3 if parts[1] in SPLIT_DEEPER else 2
-        out.setdefault("/".join(parts[:min(depth, len(parts) - 1)]), []).append(name)
+        folder = "/".join(parts[:min(depth, len(parts) - 1)])
+        out.setdefault(name if folder in PER_FILE else folder, []).append(name)
     return out
 
 

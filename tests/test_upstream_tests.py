@@ -225,10 +225,10 @@ def test_vllms_per_test_cleanup_collects_what_the_test_left_without_walking_the_
     assert "3 failed, 2 passed" in plain.stdout, plain.stdout[-2000:]
 
 
-def test_the_long_folders_are_split_by_their_subfolders_so_a_stopped_run_keeps_more():
+def test_the_long_folders_are_split_by_their_subfolders_and_moe_by_file_so_a_stopped_run_keeps_more():
     files = ["tests/kernels/moe/test_moe.py", "tests/kernels/moe/test_b.py", "tests/kernels/core/test_c.py",
              "tests/kernels/test_onednn.py", "tests/v1/core/test_s.py", "tests/v1/test_top.py",
              "tests/parser/engine/test_p.py", "tests/parser/test_q.py", "tests/test_config.py"]
     assert upstream.groups(files) == {
-        "tests/kernels/moe": files[0:2], "tests/kernels/core": [files[2]], "tests/kernels": [files[3]],
+        files[0]: [files[0]], files[1]: [files[1]], "tests/kernels/core": [files[2]], "tests/kernels": [files[3]],
         "tests/v1/core": [files[4]], "tests/v1": [files[5]], "tests/parser": files[6:8], "tests": [files[8]]}
