@@ -70,9 +70,11 @@ from kiln.pins import load_pins  # noqa: E402
 from kiln.source.wheel import WheelSource, choose_wheel, index_url, list_release_files  # noqa: E402
 from kiln.staging import write_atomic  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "ci" / "cpu"))
+from base import torch_cpu_index  # noqa: E402  (ci/cpu/base.py: PyTorch's CPU index, where it answers)
+
 LOCK = ROOT / "ci" / "cpu" / "requirements.lock"
 PINS = ROOT / "pins.toml"
-TORCH_CPU = "https://download.pytorch.org/whl/cpu"
 RUN_SECONDS = 3600  # per side; --timeout
 SPLIT_DEEPER = ("v1", "kernels")  # the folders of tests/ grouped by their subfolders (groups)
 # folders run, and kept, file by file (groups): their tests compute real references on CPU
@@ -146,7 +148,7 @@ def cpu_venv(home: Path, version: Version) -> Path:
         shutil.rmtree(venv, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         subprocess.run([str(python), "-m", "pip", "install", "-q", "--require-hashes", "--no-deps",
-                        "-r", str(requirements), "--extra-index-url", TORCH_CPU], check=True)
+                        "-r", str(requirements), *torch_cpu_index()], check=True)
         (venv / ".complete").touch()
     return venv
 
@@ -292,8 +294,9 @@ def run_side(venv: Path, tests_root: Path, files: list[str], overlay: Path, work
         if kept is not None:
             key = hashlib.sha256(json.dumps([side_key, names]).encode()).hexdigest()
             store = kept / f"{key}.json"
-            if resume and store.is_file():
-                results.update(json.loads(store.read_text()))
+            entry = read_kept(store, side_key, names) if resume else None
+            if entry is not None:
+                results.update(entry)
                 if resumed is not None:
                     resumed.append(folder)
                 continue
@@ -301,8 +304,24 @@ def run_side(venv: Path, tests_root: Path, files: list[str], overlay: Path, work
         runs = _run_folder(venv, tests_root, names, overlay, work, coverage, deadline, found, runs)
         results.update(found)
         if store is not None:
-            write_atomic(store, json.dumps(found, sort_keys=True).encode())
+            # self-describing, so a kept folder committed to the repository can be checked
+            # (tests/test_upstream_tests.py) without the source it was run on
+            write_atomic(store, (json.dumps({"folder": folder, "files": names, "key": side_key, "results": found},
+                                            sort_keys=True, indent=0) + "\n").encode())
     return results
+
+
+def read_kept(store: Path, side_key: str, names: list[str]) -> dict[str, dict] | None:
+    """A kept folder's outcomes, or None where there is none to take: no file, or one that is
+    unreadable or was kept for other inputs (a hand-copied or damaged entry runs the folder again)."""
+    try:
+        entry = json.loads(store.read_text())
+    except (OSError, ValueError):
+        return None
+    if (not isinstance(entry, dict) or entry.get("key") != side_key or entry.get("files") != names
+            or not isinstance(entry.get("results"), dict)):
+        return None
+    return entry["results"]
 
 
 def _run_folder(venv: Path, tests_root: Path, names: list[str], overlay: Path, work: Path,
@@ -469,7 +488,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true",
                         help="take each folder's outcomes kept by an earlier run of the same inputs (the sdist, "
                              "the environment, each side's source) instead of running it again; every finished "
-                             "folder is kept either way, under <kiln cache>/upstream-tests/results")
+                             "folder is kept either way (--kept)")
+    parser.add_argument("--kept", type=Path, metavar="DIR",
+                        help="where each finished folder's outcomes are kept (default: <kiln cache>/upstream-tests/"
+                             "results); ci/upstream/kept holds those committed toward the CPU pin's record")
     args = parser.parse_args(argv)
     if args.resume and args.coverage:
         parser.error("--resume: coverage is measured in one run, not resumed")
@@ -497,8 +519,8 @@ def _main(args) -> int:
                     if not args.only or any(f.startswith(prefix) for prefix in args.only)}
         if not selected:
             raise KilnError(f"no test of vllm {version} imports a patched module under {', '.join(args.only)}")
-        kept = home / "results"
-        kept.mkdir(exist_ok=True)
+        kept = args.kept or home / "results"
+        kept.mkdir(parents=True, exist_ok=True)
         resumed: dict[str, list[str]] = {"pristine": [], "patched": []}
         remove_left_behind(home)
         with tempfile.TemporaryDirectory(dir=home, prefix=f"run-{os.getpid()}-") as tmp:

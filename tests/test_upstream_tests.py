@@ -124,6 +124,42 @@ def test_a_killed_run_resumes_from_the_folders_it_finished(tmp_path):
     assert fresh["tests.kernels.test_k::test_k"]["outcome"] == "failed"
     rerun = upstream.run_side(venv, root, files, overlay, tmp_path, timeout=300, kept=kept, side_key="a")
     assert "ran again" in rerun["tests.kernels.test_k::test_k"]["message"]
+    # an entry that does not say it was kept for these inputs (damaged, hand-copied) is run again
+    for store in kept.iterdir():
+        store.write_text(store.read_text().replace('"key": "a"', '"key": "b"'))
+    resumed = []
+    redone = upstream.run_side(venv, root, files, overlay, tmp_path, timeout=300, kept=kept, side_key="a",
+                               resume=True, resumed=resumed)
+    assert resumed == [] and "ran again" in redone["tests.kernels.test_k::test_k"]["message"]
+    for store in kept.iterdir():
+        store.write_bytes(store.read_bytes()[:40])
+    assert upstream.read_kept(store, "a", ["tests/kernels/test_k.py"]) is None
+
+
+def test_the_folders_kept_in_the_repository_were_made_by_todays_runner_and_show_no_regression():
+    """ci/upstream/kept: the folders finished so far toward the CPU pin's record (a whole run
+    takes longer than one machine's session; ``--kept ci/upstream/kept --resume`` goes on from
+    them anywhere). Each entry is filed under the key of what it says it was run on, was made
+    with today's pytest plugin, and no folder passes on pristine and fails patched."""
+    import hashlib
+    import json
+
+    runner = hashlib.sha256(upstream.PLUGIN.read_bytes()).hexdigest()
+    sides: dict[str, dict[str, dict]] = {}
+    for store in sorted((ROOT / "ci" / "upstream" / "kept").glob("*.json")):
+        entry = json.loads(store.read_text())
+        assert store.stem == hashlib.sha256(json.dumps([entry["key"], entry["files"]]).encode()).hexdigest(), store
+        key = json.loads(entry["key"])
+        assert key["runner"] == runner, f"{store.name}: kept by another version of {upstream.PLUGIN.name}"
+        assert upstream.groups(entry["files"]) == {entry["folder"]: entry["files"]}, store.name
+        # a folder's two sides: the same files, sdist, environment and runner; the source differs
+        run = json.dumps([entry["files"], {k: v for k, v in key.items() if k not in ("side", "source")}], sort_keys=True)
+        assert key["side"] not in sides.setdefault(run, {}), f"{store.name}: a second {key['side']} run of {entry['folder']}"
+        sides[run][key["side"]] = entry["results"]
+    for run, outcomes in sides.items():
+        assert set(outcomes) <= {"pristine", "patched"}, run
+        if len(outcomes) == 2:  # a folder one side has not finished yet is compared once it has
+            assert upstream.compare(outcomes["pristine"], outcomes["patched"])["regressions"] == [], run
 
 
 def test_a_killed_runs_working_tree_is_removed_by_the_next_run_a_live_ones_is_not(tmp_path):

@@ -130,18 +130,24 @@ def wheels(cache: Path) -> Path:
     lock_sha = hashlib.sha256(REQUIREMENTS_LOCK.read_bytes()).hexdigest()
     if done.is_file() and done.read_text().strip() == lock_sha:
         return folder
-    extra = []
-    try:
-        urllib.request.urlopen(f"{TORCH_CPU_INDEX}/torch/", timeout=5)
-        extra = ["--extra-index-url", TORCH_CPU_INDEX]
-    except OSError:
-        log(f"{TORCH_CPU_INDEX} unreachable: torch's CPU wheel must come from pip's configured indexes")
+    extra = torch_cpu_index()
     run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
          "--require-hashes", "--only-binary", ":all:", "--python-version", "3.11", "--implementation", "cp",
          *PLATFORMS, "-d", str(folder), "-r", str(REQUIREMENTS_LOCK), *extra])
     done.write_text(lock_sha + "\n")
     return folder
 
+
+def torch_cpu_index() -> list[str]:
+    """pip's arguments that add PyTorch's CPU index, where it answers; none where it does not
+    (pip would retry it for every package of the lock, minutes lost): torch's CPU wheel then
+    comes from pip's configured indexes, and the lock's sha256 still decides."""
+    try:
+        urllib.request.urlopen(f"{TORCH_CPU_INDEX}/torch/", timeout=5)
+    except OSError:
+        log(f"{TORCH_CPU_INDEX} unreachable: torch's CPU wheel must come from pip's configured indexes")
+        return []
+    return ["--extra-index-url", TORCH_CPU_INDEX]
 
 def venv(rootfs: Path, wheel_dir: Path) -> None:
     inside = rootfs / "tmp" / "kiln-wheels"
