@@ -318,10 +318,13 @@ def read_kept(store: Path, side_key: str, names: list[str]) -> dict[str, dict] |
         entry = json.loads(store.read_text())
     except (OSError, ValueError):
         return None
-    if (not isinstance(entry, dict) or entry.get("key") != side_key or entry.get("files") != names
-            or not isinstance(entry.get("results"), dict)):
+    if not isinstance(entry, dict) or entry.get("key") != side_key or entry.get("files") != names:
         return None
-    return entry["results"]
+    results = entry.get("results")
+    if not isinstance(results, dict) or not all(isinstance(r, dict) and isinstance(r.get("outcome"), str)
+                                                for r in results.values()):
+        return None
+    return results
 
 
 def _run_folder(venv: Path, tests_root: Path, names: list[str], overlay: Path, work: Path,

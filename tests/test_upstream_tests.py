@@ -101,6 +101,7 @@ def test_the_committed_record_holds_every_outcome_and_the_command_that_remakes_i
 def test_a_killed_run_resumes_from_the_folders_it_finished(tmp_path):
     """Each finished folder's outcomes are kept by what decides them; ``resume`` takes them (a
     changed test shows it was not run again), another side's key runs the folder afresh."""
+    import json
     import sys
 
     root = _write(tmp_path / "sdist", {
@@ -134,6 +135,11 @@ def test_a_killed_run_resumes_from_the_folders_it_finished(tmp_path):
     for store in kept.iterdir():
         store.write_bytes(store.read_bytes()[:40])
     assert upstream.read_kept(store, "a", ["tests/kernels/test_k.py"]) is None
+    store.write_text(json.dumps({"key": "a", "files": ["tests/kernels/test_k.py"], "results": {"t": {}}}))
+    assert upstream.read_kept(store, "a", ["tests/kernels/test_k.py"]) is None
+    store.write_text(json.dumps({"key": "a", "files": ["tests/kernels/test_k.py"],
+                                 "results": {"t": {"outcome": "passed"}}}))
+    assert upstream.read_kept(store, "a", ["tests/kernels/test_k.py"]) == {"t": {"outcome": "passed"}}
 
 
 def test_the_folders_kept_in_the_repository_were_made_by_todays_runner_and_show_no_regression():
