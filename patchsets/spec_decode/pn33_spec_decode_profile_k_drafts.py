@@ -19,7 +19,12 @@ vLLM's default 256 (vllm#37521 reports the OOM with EAGLE; Genesis's PN33 cites 
 What the patch does: the dummy drafts are ``num_speculative_tokens`` per request (distinct
 ids ``0..K-1``), so the profiled logits and draft probabilities have the runtime's shape
 (``(K + 1) * num_reqs`` and ``K * num_reqs`` rows). With ``K = 1`` nothing changes. The value
-is read from the speculative config at run time; nothing is model-specific. vllm#37521
+is read from the speculative config at run time; nothing is model-specific. A config that
+gives no K keeps vLLM's one draft: vLLM's own
+``tests/v1/worker/test_gpu_model_runner.py::test_dummy_sampler_run_warms_all_greedy_rejection_sampler``
+(0.32.0) calls ``_dummy_sampler_run`` with a stand-in config holding only the sampling methods,
+and the first version of this patch, which read ``num_speculative_tokens`` as an attribute,
+failed it where stock passes (``ci/upstream_tests.py``, 2026-11-26). vllm#37521
 (open, unmerged) makes the same change for EAGLE only; the rejection sampler's footprint does
 not depend on the drafting method, so the patch covers MTP, n-gram and draft models too.
 
@@ -78,7 +83,7 @@ class ProfileKDraftsPerRequest(Codemod):
         (k_drafts,) = statements(
             """
             draft_token_ids = [
-                list(range(self.speculative_config.num_speculative_tokens))
+                list(range(getattr(self.speculative_config, "num_speculative_tokens", None) or 1))
                 for _ in range(num_reqs)
             ]
             """

@@ -179,6 +179,20 @@ def test_one_draft_token_profiles_as_before(runner_classes, label):
 
 
 @pytest.mark.parametrize("label", LABELS)
+def test_a_speculative_config_that_gives_no_k_profiles_as_before(runner_classes, label):
+    """vLLM's own runner test (``test_dummy_sampler_run_warms_all_greedy_rejection_sampler``)
+    passes a config with the sampling methods and no ``num_speculative_tokens``: one draft, as stock."""
+    hidden = torch.randn(4, HIDDEN)
+    seen = {}
+    for kind in ("patched", "pristine"):
+        runner = _runner(runner_classes[label][kind], 1)
+        del runner.speculative_config.num_speculative_tokens
+        runner._dummy_sampler_run(hidden)
+        seen[kind] = [vars(c) for c in runner.rejection_sampler.calls]
+    assert seen["patched"] == seen["pristine"] and seen["patched"][0]["logits_rows"] == 8
+
+
+@pytest.mark.parametrize("label", LABELS)
 def test_without_spec_decode_only_the_sampler_runs(runner_classes, label):
     runner = _runner(runner_classes[label]["patched"], None)
     assert runner._dummy_sampler_run(torch.randn(4, HIDDEN)) == ("sampled", 4)
