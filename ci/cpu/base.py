@@ -149,6 +149,7 @@ def torch_cpu_index() -> list[str]:
         return []
     return ["--extra-index-url", TORCH_CPU_INDEX]
 
+
 def venv(rootfs: Path, wheel_dir: Path) -> None:
     inside = rootfs / "tmp" / "kiln-wheels"
     shutil.copytree(wheel_dir, inside)
