@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
@@ -46,6 +47,14 @@ MIRRORS = [
     f"deb http://deb.debian.org/debian {SUITE}-updates main",
     f"deb http://deb.debian.org/debian-security {SUITE}-security main",
 ]
+# apt retries each download itself; the expiry of a Release file is not checked, as a mirror
+# (or a registry that proxies one) may serve a week-old InRelease: apt still checks its signature
+# and every hash below it, and the root is then checked against the lock, package by package.
+# mmdebstrap keeps these options in the root's 99mmdebstrap: the hook takes that file out again,
+# so the root (and the pinned digest) is the same as without them.
+APT_OPTIONS = ['--aptopt=Acquire::Retries "5"', '--aptopt=Acquire::Check-Valid-Until "false"',
+               '--customize-hook=rm -f "$1/etc/apt/apt.conf.d/99mmdebstrap"']
+DEBIAN_ATTEMPTS = 5  # pauses of 1, 2, 4 and 8 minutes: CI builds this beside its 27-minute pytest run
 # The packages asked for; the lock holds them and everything they pull in, each at one version.
 INCLUDE = ["python3", "python3-venv", "ca-certificates", "libgomp1", "libnuma1", "procps"]
 SOURCE_DATE_EPOCH = "1767225600"  # 2026-01-01T00:00:00Z: file times and the config's dates
@@ -72,10 +81,17 @@ def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
     log(" ".join(argv[:6]) + (" ..." if len(argv) > 6 else ""))
     done = subprocess.run(["nice", *argv], text=True, capture_output=True, **kwargs)
     if done.returncode != 0:
-        lines = [line for line in (done.stderr or done.stdout).strip().splitlines() if not line.startswith("WARNING")]
         what = " ".join(Path(str(a)).name for a in argv[:4])
-        raise RecipeError(f"{what} failed (exit {done.returncode}): {' | '.join(lines[-2:])}")
+        raise RecipeError(f"{what} failed (exit {done.returncode}): {why(done.stderr or done.stdout)}")
     return done
+
+
+def why(output: str) -> str:
+    """The lines of a failed tool's output that say why: apt's own errors (``Err:``, ``E:``,
+    ``W:``) first, as mmdebstrap's last lines only say that apt failed; else the last two."""
+    lines = [line.strip() for line in output.strip().splitlines() if line.strip() and not line.startswith("WARNING")]
+    apt = [line for line in lines if line.startswith(("Err:", "E: ", "W: "))]
+    return " | ".join(apt[:4] if apt else lines[-2:])[:2000]
 
 
 def vllm_version() -> str:
@@ -102,13 +118,27 @@ def debian_pins() -> dict[str, str]:
     return pins
 
 
-def debian_root(rootfs: Path) -> None:
+def debian_root(rootfs: Path, attempts: int = DEBIAN_ATTEMPTS, pause: float = 60.0) -> None:
     pins = debian_pins()
     include = [f"{name}={pins[name]}" if name in pins else name for name in INCLUDE]
     env = dict(os.environ, SOURCE_DATE_EPOCH=SOURCE_DATE_EPOCH)
-    run(["mmdebstrap", "--variant=minbase", "--quiet", "--mode=auto", f"--include={','.join(include)}",
-         "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/doc/*",
-         "--dpkgopt=path-exclude=/usr/share/locale/*", SUITE, str(rootfs), *MIRRORS], env=env)
+    # not --quiet: it hides apt's own errors, and mmdebstrap's output is only shown on failure
+    argv = ["mmdebstrap", "--variant=minbase", "--mode=auto", f"--include={','.join(include)}",
+            *APT_OPTIONS, "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/doc/*",
+            "--dpkgopt=path-exclude=/usr/share/locale/*", SUITE, str(rootfs), *MIRRORS]
+    # A mirror answers 5xx, or is caught mid-sync (a Packages file whose hash the InRelease doesn't
+    # list yet): minutes later it serves again. A failure after the last attempt is the step's.
+    for attempt in range(1, attempts + 1):
+        try:
+            run(argv, env=env)
+            break
+        except RecipeError as err:
+            if attempt == attempts:
+                raise
+            shutil.rmtree(rootfs, ignore_errors=True)
+            wait = pause * 2 ** (attempt - 1)
+            log(f"attempt {attempt} of {attempts} failed, again in {wait:.0f} s: {err}")
+            time.sleep(wait)
     listed = run(["chroot", str(rootfs), "dpkg-query", "-W", "-f", "${Package}=${Version}\\n"]).stdout
     found = dict(line.split("=", 1) for line in listed.split())
     if os.environ.get("KILN_CPU_BASE_WRITE_DEBIAN_LOCK"):  # (re)writing the lock: a reviewed change
