@@ -32,6 +32,10 @@ from kiln.errors import KilnError
 SCHEMAS = ("image", "pins", "registries")
 
 _skip_format_grammars = False
+# What jsonschema imports, where installed, only to check ``format``s kiln's schemas never assert
+# (``jsonschema[format]``); ``idna`` stays, as requests needs it anyway.
+_FORMAT_PACKAGES = ("rfc3987_syntax", "rfc3987", "rfc3986_validator", "rfc3339_validator", "isoduration",
+                    "webcolors", "uri_template", "fqdn", "jsonpointer")
 
 
 def skip_format_grammars() -> None:
@@ -39,13 +43,17 @@ def skip_format_grammars() -> None:
 
     Where that package is installed (``jsonschema[format]``, which kiln's test extras bring in
     through cyclonedx-python-lib's validator), importing jsonschema compiles its 38 lark grammars
-    for the ``iri`` formats: 1.5 s, more than a cached build takes. kiln's schemas assert no
-    format, so the command line, a process that runs nothing else, skips them: jsonschema then
-    has no ``iri`` format checker in that process. A library caller (a test validating an SBOM's
-    formats in the same process) keeps jsonschema whole: only ``kiln.commands.entry`` asks.
+    for the ``iri`` formats: 1.5 s, more than a cached build takes; the other format packages
+    (``_FORMAT_PACKAGES``: arrow through isoduration among them) cost 30 ms more. kiln's schemas
+    assert no format, so the command line, a process that runs nothing else, skips them all:
+    jsonschema then checks none of those formats in that process. A library caller (a test
+    validating an SBOM's formats in the same process) keeps jsonschema whole: only
+    ``kiln.commands.entry`` asks.
     """
     global _skip_format_grammars
     _skip_format_grammars = True
+
+
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 # An unknown key explains the rest (a misspelt table is also a missing one): reported first.
 _PRIORITY = {"additionalProperties": 0, "required": 1}
@@ -62,14 +70,15 @@ def schema(name: str) -> dict:
 
 @functools.cache
 def _validator(name: str):
-    hide = _skip_format_grammars and "jsonschema" not in sys.modules and "rfc3987_syntax" not in sys.modules
-    if hide:
-        sys.modules["rfc3987_syntax"] = None  # its import raises ImportError: jsonschema goes without it
+    hide = [] if not _skip_format_grammars or "jsonschema" in sys.modules else \
+        [package for package in _FORMAT_PACKAGES if package not in sys.modules]
+    for package in hide:
+        sys.modules[package] = None  # its import raises ImportError: jsonschema goes without it
     try:
         import jsonschema  # imported on first use: kiln's commands start without it
     finally:
-        if hide:
-            del sys.modules["rfc3987_syntax"]
+        for package in hide:
+            del sys.modules[package]
 
     base = jsonschema.validators.validator_for(schema(name))
     # TOML has integers and floats apart: 86.0 is not an SM (JSON Schema would take it).

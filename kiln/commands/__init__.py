@@ -15,12 +15,12 @@ worker processes killed, its staging removed, nothing committed (``kiln.lifeline
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
 from typing import NoReturn
 
-from kiln.commands import bench, build, check, patches, pin, plan, verify
 from kiln.commands.options import KilnParser, add_repo_options, command_inputs, progress_mode
 from kiln.commands.output import Output
 from kiln.errors import Interrupted, KilnError
@@ -28,7 +28,12 @@ from kiln.lifeline import stop_on_signals
 from kiln.publish.destinations import check_stdout
 from kiln.schema import skip_format_grammars
 
-COMMANDS = (patches, verify, build, check, pin, plan, bench)
+# Each command module, in the order ``--help`` lists them, and the commands it registers. A run
+# imports only its command's module (``bench``'s HTTP client and statistics, ``pin``'s bump and
+# ``plan``'s matrix are no part of a build, whose cache hit is timed to the tenth of a second:
+# docs/BENCHMARKS.md); ``--help``, no command or an unknown one registers them all.
+COMMANDS = {"patches": ("patches",), "verify": ("verify", "diff", "apply"), "build": ("build", "context", "values"),
+            "check": ("check",), "pin": ("pin",), "plan": ("plan",), "bench": ("bench",)}
 
 
 class _Version(argparse.Action):
@@ -48,18 +53,48 @@ class _Version(argparse.Action):
         parser.exit(0)
 
 
-def build_parser(prog: str = "build.py") -> argparse.ArgumentParser:
+def build_parser(prog: str = "build.py", command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with ``command``, only the module that registers it (all of them
+    when no module does)."""
     parser = KilnParser(prog=prog, description="kiln: build-time patched vLLM images")
     parser.add_argument("--version", action=_Version)
     add_repo_options(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in COMMANDS:
-        command.register(sub)
+    modules = [name for name, names in COMMANDS.items() if command in names] or list(COMMANDS)
+    for name in modules:
+        importlib.import_module(f"kiln.commands.{name}").register(sub)
     return parser
 
 
+class _Unparsed(Exception):
+    pass
+
+
+class _CommandFinder(argparse.ArgumentParser):
+    """The repository options and the command's name, nothing else: a mistake here is left to
+    the whole parser to report."""
+
+    def error(self, message):
+        raise _Unparsed(message)
+
+
+def command_name(argv: list[str]) -> str | None:
+    """The command ``argv`` runs (``build`` in ``--pins p.toml build --image x``), or None: no
+    command, ``--help``/``--version`` before it, or options the whole parser must judge."""
+    finder = _CommandFinder(add_help=False, allow_abbrev=False)
+    add_repo_options(finder)
+    finder.add_argument("command", nargs="?")
+    finder.add_argument("rest", nargs=argparse.REMAINDER)
+    try:
+        known, unknown = finder.parse_known_args(argv)
+    except _Unparsed:
+        return None
+    return None if unknown else known.command
+
+
 def main(argv: list[str] | None = None, prog: str = "build.py") -> int:
-    args = build_parser(prog).parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(prog, command_name(argv)).parse_args(argv)
     try:
         progress = progress_mode(args)
     except KilnError as err:
