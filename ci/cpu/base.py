@@ -82,6 +82,9 @@ def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
     done = subprocess.run(["nice", *argv], text=True, capture_output=True, **kwargs)
     if done.returncode != 0:
         what = " ".join(Path(str(a)).name for a in argv[:4])
+        # the whole story goes to the log (ci/test shows its end), the reason to the error line
+        for line in (done.stdout + done.stderr).strip().splitlines()[-40:]:
+            log(f"  | {line}")
         raise RecipeError(f"{what} failed (exit {done.returncode}): {why(done.stderr or done.stdout)}")
     return done
 
