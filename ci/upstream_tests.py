@@ -63,8 +63,9 @@ sys.path.insert(0, str(ROOT))
 from kiln import lifeline  # noqa: E402
 from kiln.cache import cache_dir  # noqa: E402
 from kiln.errors import Interrupted, KilnError  # noqa: E402
+from kiln.oci.digest import sha256_text  # noqa: E402
 from kiln.patch.catalog import load_catalogue  # noqa: E402
-from kiln.patch.engine import Session, run_selection, sha256_text  # noqa: E402
+from kiln.patch.engine import Session, run_selection  # noqa: E402
 from kiln.patch.model import BuildTarget  # noqa: E402
 from kiln.pins import load_pins  # noqa: E402
 from kiln.source.wheel import WheelSource, choose_wheel, index_url, list_release_files  # noqa: E402

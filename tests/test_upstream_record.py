@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from kiln import paths
-from kiln.patch.engine import run_selection, sha256_text
+from kiln.oci.digest import sha256_text
+from kiln.patch.engine import run_selection
 from kiln.patch.model import BuildTarget
 from kiln.pins import load_pins
 

@@ -1,7 +1,7 @@
 """The registry build cache's keys: what each entry depends on (``kiln.build.regcache``).
 
 Public API:
-    PATCHED, KERNELS                 the entry kinds; ARTIFACT_TYPES: kind -> artifactType
+    PATCHED, KERNELS, CATALOGUE      the entry kinds; ARTIFACT_TYPES: kind -> artifactType
     entry_tag(kind, key) -> str      ``kiln-cache-<kind>-v2-<key>`` (the toolchain's: ``-v1-``)
     canonical(value) -> bytes        the JSON a key hashes and a record is written as
     vllm_layers(layers, count, to_bottom=False) -> dict   the top ``count`` layers, as the walk reads them
@@ -9,6 +9,7 @@ Public API:
     probe_walks(layers, depth) -> list[dict]               what a hit may have been keyed by, shallowest first
     patched_key(inputs, walk, need_triton) -> (hex key, the inputs it hashes)
     kernels_key(inputs, layers_read, base_env, leave_out_unusable_kernels=False) -> (hex key, inputs)
+    catalogue_key(patchsets) -> (hex key, inputs)
 
 A build is a pure function of its inputs, so each part of it is keyed by sha256 of canonical
 JSON of exactly the inputs that part depends on (with kiln's version and a hash of all its
@@ -40,6 +41,9 @@ build's own.
   "pristine" when no selected patch touches a file the kernels are compiled from, else the
   selection as the ``patched`` key has it. A change of selection that touches no kernel
   source keeps it.
+* ``catalogue``: the catalogue's facts (``kiln.patch.facts``), keyed by the bytes of every file
+  under ``patchsets/`` (with kiln's code, as every key): a build whose other entries all hit
+  reads them instead of importing the patch modules.
 
 The ``patched`` key needs the layers read before any is read (a hit reads no vLLM layer), and
 which they are is known only by reading them; so a build with ``--cache-from`` probes
@@ -64,11 +68,13 @@ from kiln.build.inputs import BuildInputs
 from kiln.errors import KilnError
 from kiln.oci.manifest import Descriptor
 from kiln.oci.mediatypes import tar_mode
+from kiln.patch.facts import source_files
 from kiln.triton.aot import reads_source
 
-PATCHED, KERNELS = "patched", "kernels"
+PATCHED, KERNELS, CATALOGUE = "patched", "kernels", "catalogue"
 ARTIFACT_TYPES = {PATCHED: "application/vnd.kiln.cache.patched.v1",
-                  KERNELS: "application/vnd.kiln.cache.kernels.v1"}
+                  KERNELS: "application/vnd.kiln.cache.kernels.v1",
+                  CATALOGUE: "application/vnd.kiln.cache.catalogue.v1"}
 
 
 @cache
@@ -154,6 +160,11 @@ def kernels_key(inputs: BuildInputs, layers_read: list[dict], base_env: dict[str
                             "preset": kernels.to_json(), "serve_env": dict(definition.serve_env),
                             "leave_out_unusable_kernels": leave_out_unusable_kernels,
                             "sources": _selection(inputs) if touched else "pristine"})
+
+
+def catalogue_key(patchsets: Path) -> tuple[str, dict]:
+    """The catalogue entry's key: every file under ``patchsets`` by sha256 (``source_files``)."""
+    return _keyed(CATALOGUE, {"patchsets": source_files(patchsets)})
 
 
 _TAG_VERSIONS = {PATCHED: "v2", KERNELS: "v2"}  # v2: keyed by the vLLM layers, not the base

@@ -6,6 +6,8 @@ Public API:
     CacheReader(cache_from, config, stats, budget, cache, reporter=SILENT, open_record=plain_record)
         .patched(inputs, layers, need_triton) -> (CacheUse, CachedEntry) | None   the hit, if any
         .read(use) -> CachedEntry | None   ``use``'s entry from the first cache that has it verified
+    cached_catalogue(patchsets, cache_from, config, cache, reporter=SILENT, open_record=plain_record)
+        -> (Catalogue of facts, where) | None   the ``catalogue`` entry of these ``patchsets/`` bytes
 
 The ``patched`` key names the vLLM layers the walk reads (``kiln.build.cachekeys``), which are
 known only once read. So the probe computes the key of each depth the walk may have stopped
@@ -21,6 +23,9 @@ written (its ``kernels`` entries still are: they are looked up after the walk).
 
 The ``kernels`` key is known once the layers read are: from the ``patched`` hit's key, or from
 the walk (``kiln.build.prepare`` pulls, then asks, before it compiles).
+
+The ``catalogue`` entry is read first of all, before the definition is loaded: its key is the
+bytes of ``patchsets/`` and kiln's code, known without importing anything.
 """
 
 from __future__ import annotations
@@ -30,7 +35,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from pathlib import Path
 
-from kiln.build.cachekeys import PATCHED, entry_tag, patched_key, probe_walks
+from kiln.build.cachekeys import (
+    CATALOGUE,
+    PATCHED,
+    catalogue_key,
+    entry_tag,
+    patched_key,
+    probe_walks,
+)
 from kiln.build.inputs import BuildInputs
 from kiln.build.regcache import CachedEntry, CacheUse, plain_record, read_entry, verify_entry
 from kiln.errors import KilnError
@@ -39,6 +51,8 @@ from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.limits import Budget
 from kiln.oci.manifest import Descriptor
 from kiln.oci.registry import RegistryClient, TransferStats
+from kiln.patch.catalog import Catalogue
+from kiln.patch.facts import facts_catalogue
 from kiln.report import SILENT, Reporter
 
 PROBE_DEPTH = 32  # bounds a cold build's requests: at most 33 tags per cache
@@ -111,6 +125,24 @@ class CacheReader:
     def _workdir(self):
         self.workroot.mkdir(parents=True, exist_ok=True)
         return tempfile.TemporaryDirectory(dir=self.workroot, prefix=".tmp-cache-")
+
+
+def cached_catalogue(patchsets: Path, cache_from, config: RegistryConfig, cache: Path, reporter: Reporter = SILENT,
+                     open_record=plain_record) -> tuple[Catalogue, str] | None:
+    """The catalogue's facts for exactly these ``patchsets`` bytes (and kiln's code), from the first
+    of ``cache_from`` whose entry verifies and parses; None (a miss: the catalogue is loaded)."""
+    if not cache_from:
+        return None
+    use = CacheUse(CATALOGUE, *catalogue_key(patchsets))
+    reader = CacheReader(cache_from, config, TransferStats(), Budget(config.limits), cache, reporter, open_record)
+    entry = reader.read(use)
+    if entry is None:
+        return None
+    try:
+        return facts_catalogue(patchsets, entry.record["facts"], f"build cache entry {entry.where}"), entry.where
+    except KilnError as err:
+        reporter.warn(f"{err}; loading the catalogue instead")
+        return None
 
 
 def _add(stats: TransferStats, moved: TransferStats) -> None:

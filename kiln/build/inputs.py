@@ -1,8 +1,8 @@
 """What a build is asked for, loaded and checked once: definition, pin, SM, catalogue, destination.
 
 Public API:
-    BuildInputs(files, definition, pin, sm, catalogue)   .tag, .target()
-    load_build_inputs(files, image, pin, sm) -> BuildInputs
+    BuildInputs(files, definition, pin, sm, catalogue, catalogue_hit=None)   .tag, .target(), .with_loaded_catalogue()
+    load_build_inputs(files, image, pin, sm, cached=None) -> BuildInputs
     destination(definition, repository=None, purpose="push") -> ImageReference
     LOCAL_REGISTRY                "localhost": the name of local outputs with no repository set
 
@@ -13,7 +13,7 @@ before any network or disk work.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kiln.definitions import ImageDefinition, check_sm, load_definition
 from kiln.errors import KilnError
@@ -33,6 +33,15 @@ class BuildInputs:
     pin: Pin
     sm: int
     catalogue: Catalogue
+    # where the catalogue's facts came from (``kiln.patch.facts``: a registry build cache entry),
+    # or None: the catalogue was loaded from ``files.patchsets``
+    catalogue_hit: str | None = None
+
+    def with_loaded_catalogue(self) -> BuildInputs:
+        """These inputs with the catalogue loaded from ``files.patchsets`` (to patch with)."""
+        if self.catalogue_hit is None:
+            return self
+        return replace(self, catalogue=load_catalogue(self.files.patchsets), catalogue_hit=None)
 
     @property
     def tag(self) -> str:
@@ -42,9 +51,13 @@ class BuildInputs:
         return self.definition.target(self.pin, self.sm)
 
 
-def load_build_inputs(files: RepoFiles, image: str, pin: str, sm: int | str) -> BuildInputs:
-    """The definition, pin and catalogue named by ``--image``/``--pin``/``--sm``, checked to match."""
-    catalogue = load_catalogue(files.patchsets)
+def load_build_inputs(files: RepoFiles, image: str, pin: str, sm: int | str,
+                      cached: tuple[Catalogue, str] | None = None) -> BuildInputs:
+    """The definition, pin and catalogue named by ``--image``/``--pin``/``--sm``, checked to match.
+
+    ``cached``: the catalogue's facts read from a registry build cache, and where from (instead
+    of loading the catalogue: ``kiln.patch.facts``)."""
+    catalogue, catalogue_hit = cached or (load_catalogue(files.patchsets), None)
     pins = load_pins(files.pins)
     definition = load_definition(files.images, image, catalogue, pins)
     chosen = get_pin(pins, pin, files.pins)
@@ -53,7 +66,7 @@ def load_build_inputs(files: RepoFiles, image: str, pin: str, sm: int | str) -> 
     sm = check_sm(sm, "--sm")
     if sm not in definition.sms:
         raise KilnError(f"{definition.path}: sm {sm} is not one of the image's sms {list(definition.sms)}")
-    inputs = BuildInputs(files, definition, chosen, sm, catalogue)
+    inputs = BuildInputs(files, definition, chosen, sm, catalogue, catalogue_hit)
     inputs.tag  # noqa: B018 - a tag that is not a valid OCI tag fails now, before any work
     return inputs
 

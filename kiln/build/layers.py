@@ -33,8 +33,8 @@ from kiln import __version__
 from kiln.build.provenance import kiln_revision
 from kiln.definitions import BakedFile
 from kiln.errors import KilnError
+from kiln.oci.digest import sha256_text
 from kiln.oci.layer import LayerContents
-from kiln.patch.engine import sha256_text
 from kiln.patch.outcome import Outcome
 
 AUDIT_PATH = "opt/kiln/manifest.json"

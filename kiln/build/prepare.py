@@ -29,7 +29,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kiln import labels as L
-from kiln.build.cachekeys import KERNELS, PATCHED, kernels_key, patched_key, walk_read
+from kiln.build.cachekeys import (
+    CATALOGUE,
+    KERNELS,
+    PATCHED,
+    catalogue_key,
+    kernels_key,
+    patched_key,
+    walk_read,
+)
 from kiln.build.cachelookup import PROBE_DEPTH, CacheReader
 from kiln.build.inputs import BuildInputs
 from kiln.build.layers import audit_record, source_contents, with_audit
@@ -40,6 +48,7 @@ from kiln.cache import cache_root
 from kiln.errors import KilnError
 from kiln.lifeline import uninterrupted
 from kiln.oci.blobcache import BlobCache
+from kiln.oci.digest import sha256_text
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.image import RemoteImage
 from kiln.oci.layer import LayerContents
@@ -47,8 +56,7 @@ from kiln.oci.limits import Budget
 from kiln.oci.mutate import ImageModel, to_oci
 from kiln.oci.reference import ImageReference, parse_reference
 from kiln.oci.registry import RegistryClient, TransferStats
-from kiln.patch.engine import sha256_text
-from kiln.patch.memo import SelectionMemo, patched_selection
+from kiln.patch.facts import catalogue_facts
 from kiln.patch.outcome import Outcome, Verdict
 from kiln.pausepoint import pause_point
 from kiln.pins import Pin
@@ -182,6 +190,13 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     # 2. the pristine vLLM, from the top layers of the base only (not when the cache has it all)
     found = None
     if patched_hit is None or (kernels and kernels_hit is None):
+        if inputs.catalogue_hit is not None:  # to patch or compile with: the catalogue itself
+            facts = inputs
+            inputs = inputs.with_loaded_catalogue()
+            if catalogue_facts(inputs.catalogue) != catalogue_facts(facts.catalogue):
+                reporter.warn(f"build cache entry {facts.catalogue_hit} refused, building without it: its "
+                              f"facts are not those of {inputs.files.patchsets}")
+                patched_use = patched_hit = kernels_use = kernels_hit = None
         source.reference = base_ref.pinned(resolved)
         found = source.pull()
         clock.lap("pull")
@@ -200,6 +215,8 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
                 kernels_hit = reader.read(kernels_use)
                 clock.lap("cache")
     uses = [patched_use, *([kernels_use] if kernels else [])]
+    catalogue_use = CacheUse(CATALOGUE, *catalogue_key(inputs.files.patchsets), hit=inputs.catalogue_hit,
+                             fields={"facts": catalogue_facts(inputs.catalogue)})
     # One flavour for every output (skopeo's layout reader ignores Docker v2 manifests).
     base_model = to_oci(ImageModel.from_base(base.manifest(), base.config_bytes()))
 
@@ -228,7 +245,7 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
         if patched_hit is None:
             tree = found.tree
             result = patched_selection(inputs.catalogue, tree, inputs.target(), list(definition.patches),
-                                       SelectionMemo(cache), forked=start_kernels)
+                                       cache, forked=start_kernels)
             for outcome in result.outcomes.values():
                 if outcome.verdict.blocks_build:
                     raise KilnError(
@@ -286,8 +303,17 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
         client=source.client, stats=stats, outcomes=outcomes, applied=applied,
         files_changed=len(changed), layers=layers, labels=labels, clock=clock, env=env, triton=triton,
         vllm_version=vllm_version, site_dir=site_dir, base_manifest_digest=base.manifest().digest,
-        cache=uses, cache_mounts=mounts, wheels=wheels,
+        cache=[*uses, catalogue_use], cache_mounts=mounts, wheels=wheels,
     )
+
+
+def patched_selection(catalogue, tree, target, selection: list[str], cache: Path, forked):
+    """``kiln.patch.memo.patched_selection`` with the memo in ``cache``, imported only when a build
+    patches: the patching imports libcst (0.3 s), which a build served from its cache goes without."""
+    from kiln.patch.memo import SelectionMemo
+    from kiln.patch.memo import patched_selection as run
+
+    return run(catalogue, tree, target, selection, SelectionMemo(cache), forked=forked)
 
 
 def image_labels(inputs: BuildInputs, base_ref: ImageReference, resolved: str, applied: list[str],

@@ -15,7 +15,7 @@ Public API:
 
 What a build computes from the base's layers is cached by a key of the inputs each part
 depends on (``kiln.build.cachekeys``: the vLLM layers the walk reads, not the base's digest,
-so a base rebuilt below them shares its entries). Two kinds of entry (and the Triton wheel's,
+so a base rebuilt below them shares its entries). Three kinds of entry (and the Triton wheel's,
 ``kiln.build.wheelcache``):
 
 * ``patched``: the patching's result: every verdict, the changed modules and the whiteouts of
@@ -23,6 +23,8 @@ so a base rebuilt below them shares its entries). Two kinds of entry (and the Tr
   sha256. The image's patched-source layer (with its baked files and audit file) is
   assembled from it by each build.
 * ``kernels``: one SM's Triton kernel layer (or none, left out) and its summary and env.
+* ``catalogue``: the patch catalogue's facts (``kiln.patch.facts``), no layer: what a build
+  whose other entries all hit takes from the catalogue without importing a patch module.
 
 How a build finds them (the ``patched`` entry by probing the depths the vLLM layers may
 have, before any is read): ``kiln.build.cachelookup``. An entry is an OCI artifact manifest
@@ -56,7 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln.build.cachekeys import ARTIFACT_TYPES, KERNELS, PATCHED, canonical, entry_tag
+from kiln.build.cachekeys import ARTIFACT_TYPES, CATALOGUE, KERNELS, PATCHED, canonical, entry_tag
 from kiln.errors import KilnError
 from kiln.oci.digest import sha256_digest
 from kiln.oci.layer import WHITEOUT_PREFIX, Layer, LayerContents, write_layer
@@ -227,7 +229,7 @@ def _verified(client: RegistryClient, repository: str, manifest: Manifest, kind:
     if not isinstance(recorded, list) or [(d.digest, d.size) for d in descriptors] != \
             [(r.get("digest"), r.get("size")) for r in recorded if isinstance(r, dict)]:
         raise KilnError("its layers are not the ones its record lists")
-    if len(descriptors) > 1 or (kind == PATCHED and not descriptors):
+    if len(descriptors) > (kind != CATALOGUE) or (kind == PATCHED and not descriptors):
         raise KilnError(f"a {kind} entry with {len(descriptors)} layers")
     contents = []
     for descriptor, layer in zip(descriptors, recorded, strict=True):
@@ -248,7 +250,7 @@ def _verified(client: RegistryClient, repository: str, manifest: Manifest, kind:
 
 
 _FIELDS = {PATCHED: {"outcomes": list, "applied": list, "vllm_version": str, "site_dir": str, "before": dict},
-           KERNELS: {"env": dict, "triton": dict}}
+           KERNELS: {"env": dict, "triton": dict}, CATALOGUE: {"facts": dict}}
 
 
 def _check_fields(kind: str, entry: CachedEntry) -> None:
@@ -257,6 +259,8 @@ def _check_fields(kind: str, entry: CachedEntry) -> None:
     for name, expected in _FIELDS[kind].items():
         if not isinstance(record.get(name), expected):
             raise KilnError(f"its record's {name!r} is not a {expected.__name__}")
+    if kind == CATALOGUE:  # its facts are parsed where they are used (``kiln.patch.facts``)
+        return
     if kind == KERNELS:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in record["env"].items()):
             raise KilnError("its record's env is not strings")

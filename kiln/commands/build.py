@@ -8,11 +8,13 @@ from pathlib import Path
 from rich.markup import escape
 
 from kiln.attest.dsse import load_public_key, load_signing_key
+from kiln.build.cachelookup import cached_catalogue
 from kiln.build.inputs import destination, load_build_inputs
 from kiln.build.regcache import parse_cache_location
+from kiln.cache import cache_root
 from kiln.commands import options
 from kiln.errors import KilnError
-from kiln.pipeline import run_build
+from kiln.pipeline import record_opener, run_build
 from kiln.publish import Publisher
 from kiln.publish.archive import ArchivePublisher
 from kiln.publish.context import ContextPublisher
@@ -75,12 +77,16 @@ def _image_command(sub, name: str, description: str, run):
 def run_build_command(args, out) -> int:
     if args.chart != "kiln" and not args.values:
         raise KilnError(f"--chart {args.chart}: chooses the shape of --values FILE, which is not given")
-    inputs = load_build_inputs(options.repo_files(args), args.image, args.pin, args.sm)
     sign_key = load_signing_key(args.sign_key) if args.sign_key else None
     config = options.registry_config(args)
     cache_from, cache_to = _cache_locations(args, config)
     cache_key = load_public_key(args.cache_key) if args.cache_key else None
     reporter = out.reporter()
+    files = options.repo_files(args)
+    # the catalogue's facts from the cache, when it has them: no patch module is imported unless
+    # the build has to patch after all (kiln.patch.facts)
+    cached = cached_catalogue(files.patchsets, cache_from, config, cache_root(), reporter, record_opener(cache_key))
+    inputs = load_build_inputs(files, args.image, args.pin, args.sm, cached)
     name = destination(inputs.definition, args.repository,
                        purpose="--push" if args.push else "--values" if args.values else "local")
     publishers: list[Publisher] = []

@@ -2,6 +2,7 @@
 
 Public API:
     sha256_digest(data: bytes) -> str            "sha256:<hex>"
+    sha256_text(text: str) -> str                <hex> of its UTF-8 bytes (a source file's, as records keep them)
     check_digest(digest: str, what: str) -> str  validated digest, or KilnError
     VerifyingReader(raw, digest, what, size=None, sink=None)
         .read(n) -> bytes   hashes (and copies to ``sink``) every byte handed out
@@ -27,6 +28,10 @@ _CHUNK = 1 << 20
 
 def sha256_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def check_digest(digest: str, what: str) -> str:

@@ -12,13 +12,19 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import libcst.matchers as m
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from kiln.errors import KilnError
-from kiln.patch.model import Codemod, NewFile, Patch
 from kiln.patch.outcome import Gates
+
+if TYPE_CHECKING:
+    from kiln.patch.model import NewFile, Patch
+
+# The patch modules (and so libcst, 0.3 s to import) are imported by ``load_catalogue`` only: a
+# build whose every part its registry cache holds takes the catalogue's facts from there
+# (``kiln.patch.facts``) and never imports them.
 
 # An id means the same fix as Genesis's (github Sandermage/genesis-vllm-patches) under that
 # id: "P65", "P5b", "PN401", "PN353A" are Genesis's ids, spelt as its registry spells them. A fix
@@ -136,6 +142,8 @@ def load_catalogue(root: Path) -> Catalogue:
 
 def _digest(path: Path, patch: Patch) -> str:
     """sha256 of the patch module and of the content files its ``NewFile`` edits add."""
+    from kiln.patch.model import NewFile
+
     h = hashlib.sha256(path.read_bytes())
     for edit in patch.edits:
         if issubclass(edit, NewFile):
@@ -145,6 +153,8 @@ def _digest(path: Path, patch: Patch) -> str:
 
 
 def _load_module(path: Path, root: Path) -> Patch:
+    from kiln.patch.model import Patch
+
     name = f"kiln_patchsets.{path.parent.name}.{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
@@ -170,6 +180,10 @@ def _load_module(path: Path, root: Path) -> Patch:
 
 
 def _validate(cls: type[Patch], path: Path) -> None:
+    import libcst.matchers as m
+
+    from kiln.patch.model import Codemod, NewFile
+
     def fail(field: str, why: str) -> None:
         raise KilnError(f"{path}: {cls.__name__}.{field}: {why}")
 
@@ -233,6 +247,10 @@ def _validate(cls: type[Patch], path: Path) -> None:
 
 def _validate_new_file(edit: type[NewFile], path: Path, fail, where: str) -> None:
     """A ``NewFile``: its content file lies beside the patch module; it has no anchor or rewrite."""
+    import libcst.matchers as m
+
+    from kiln.patch.model import Codemod
+
     content = getattr(edit, "content", None)
     if not isinstance(content, str) or not content.endswith(".py") or content.startswith("/") or ".." in content:
         fail(where + ".content", f"{content!r} must be a .py path relative to {path.parent}")

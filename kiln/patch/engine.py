@@ -14,22 +14,18 @@ Two modes:
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 import libcst as cst
 
 from kiln.errors import KilnError
+from kiln.oci.digest import sha256_text
 from kiln.patch.anchor import line_of, reach, resolve, symbol_of
 from kiln.patch.catalog import Catalogue
 from kiln.patch.model import Codemod, NewFile, Patch
 from kiln.patch.outcome import BuildTarget, Outcome, Verdict
 from kiln.patch.splice import replace_node
 from kiln.source.tree import SourceTree
-
-
-def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 class Session:

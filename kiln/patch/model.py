@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import ClassVar
 
 import libcst as cst
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from kiln.patch.anchor import Anchor, count
 
 # the outcome types, re-exported: this module is a patch module's one import of kiln's model
-from kiln.patch.outcome import BuildTarget, Gates, Outcome, Verdict
+from kiln.patch.outcome import BuildTarget, Gates, Outcome, Verdict, outside_written_range
 
 __all__ = ["BuildTarget", "Codemod", "Gates", "NewFile", "Outcome", "Patch", "Verdict"]
 
@@ -106,9 +105,7 @@ class Patch:
 
     def outside_range(self, version: Version) -> str | None:
         """Why ``version`` is outside ``written_for``, or None when it is inside."""
-        if not self.written_for or SpecifierSet(self.written_for).contains(version, prereleases=True):
-            return None
-        return f"written for vllm{self.written_for}; this is {version}, which nobody has judged for this patch"
+        return outside_written_range(self.written_for, version)
 
     @property
     def targets(self) -> tuple[str, ...]:

@@ -60,6 +60,13 @@ class BuildTarget:
     architectures: tuple[str, ...] = ()  # from the image's model preset
 
 
+def outside_written_range(written_for: str, version: Version) -> str | None:
+    """Why ``version`` is outside a patch's ``written_for`` specifier, or None when it is inside."""
+    if not written_for or SpecifierSet(written_for).contains(version, prereleases=True):
+        return None
+    return f"written for vllm{written_for}; this is {version}, which nobody has judged for this patch"
+
+
 @dataclass(frozen=True)
 class Gates:
     """Build-time applicability. Model-dependent behaviour stays a runtime guard in the code."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import difflib
 
 from kiln import __version__
-from kiln.patch.engine import RunResult, sha256_text
+from kiln.oci.digest import sha256_text
+from kiln.patch.engine import RunResult
 from kiln.source.tree import SourceTree
 
 

@@ -66,11 +66,6 @@ class Project:
         return code, (json.loads(out.out) if code == 0 else None), out.err
 
 
-@pytest.fixture
-def project(tmp_path, registry_plain) -> Project:
-    return Project(tmp_path, registry_plain, registry_plain.digest_of(f"vllm/vllm-openai:v{VLLM_VERSION}"))
-
-
 def _skopeo_inspect(target: str, *flags: str) -> dict:
     result = subprocess.run(["skopeo", "inspect", *flags, target], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

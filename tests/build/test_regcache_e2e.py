@@ -24,38 +24,18 @@ import requests
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-import kiln.build.prepare as prepare_module
-from kiln.build.cachekeys import ARTIFACT_TYPES, KERNELS, PATCHED, entry_tag
+from kiln.build.cachekeys import ARTIFACT_TYPES, CATALOGUE, KERNELS, PATCHED, entry_tag
 from kiln.build.regcache import read_entry, write_entry
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.layer import LayerContents, write_layer
 from kiln.oci.registry import RegistryClient
 from kiln.report import Recorder
-from tests.build.test_build_e2e import TAG, Project
+from tests.build.test_build_e2e import TAG
 from tests.support.registry import VLLM_VERSION
 
 pytestmark = [pytest.mark.registry, pytest.mark.reliability]
 
 MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-
-
-@pytest.fixture
-def project(tmp_path, registry_plain) -> Project:
-    return Project(tmp_path, registry_plain, registry_plain.digest_of("vllm/vllm-openai:v0.20.1"))
-
-
-@pytest.fixture
-def patch_runs(monkeypatch) -> list[int]:
-    """How many times a build ran the patch selection (a cache hit runs none)."""
-    calls: list[int] = []
-    real = prepare_module.patched_selection
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(prepare_module, "patched_selection", counted)
-    return calls
 
 
 def _fresh_runner(monkeypatch, tmp_path, name: str) -> None:
@@ -121,8 +101,10 @@ def test_second_runner_reads_the_entry_and_no_vllm_layer(project, capsys, tmp_pa
     code, first, err = project.build(capsys, "--push", "--repository", f"{registry.host}/{project.dest}-a",
                                      "--cache-to", cache_repo)
     assert code == 0, err
-    assert patch_runs == [1] and first["cache"]["hit"] is None and len(first["cache"]["written"]) == 1
-    assert [e["kind"] for e in first["cache"]["entries"]] == [PATCHED]  # no kernels: one entry
+    assert patch_runs == [1] and first["cache"]["hit"] is None and len(first["cache"]["written"]) == 2
+    assert [e["kind"] for e in first["cache"]["entries"]] == [PATCHED, CATALOGUE]  # no kernels
+    facts = _entry(registry, f"{project.dest}-cache", _key(first, CATALOGUE), CATALOGUE)
+    assert facts["artifactType"] == ARTIFACT_TYPES[CATALOGUE] and facts["layers"] == []
     entry = _entry(registry, f"{project.dest}-cache", _key(first))
     assert entry["artifactType"] == ARTIFACT_TYPES[PATCHED]
     # the entry holds the patching's result; the image's layer adds the audit file to it
@@ -137,8 +119,9 @@ def test_second_runner_reads_the_entry_and_no_vllm_layer(project, capsys, tmp_pa
                                       "--cache-from", cache_repo)
     assert code == 0, err
     assert patch_runs == [1], "the cache hit ran the patching"
-    [hit] = second["cache"]["hit"]
+    hit, facts_hit = second["cache"]["hit"]
     assert hit.endswith(entry_tag(PATCHED, _key(first)))
+    assert facts_hit == f"{cache_repo}:{entry_tag(CATALOGUE, _key(first, CATALOGUE))}"
     assert second["manifest_digest"] == first["manifest_digest"]
     assert second["config_digest"] == first["config_digest"]
     assert second["attestations"] == first["attestations"]  # the SBOM and provenance too
@@ -383,7 +366,9 @@ def test_a_base_rebuilt_below_the_vllm_layers_hits_and_one_with_another_top_laye
     log_mark = len(registry.log())
     code, hit, err = project.build(capsys, "--cache-from", cache_repo, pins=lowered)
     assert code == 0, err
-    assert hit["cache"]["hit"] == [f"{cache_repo}:{entry_tag(PATCHED, _key(first))}"] and _key(hit) == _key(first)
+    assert hit["cache"]["hit"] == [f"{cache_repo}:{entry_tag(PATCHED, _key(first))}",
+                                   f"{cache_repo}:{entry_tag(CATALOGUE, _key(first, CATALOGUE))}"]
+    assert _key(hit) == _key(first)
     assert patch_runs == [1], "the hit ran the patching"
     log = registry.log()[log_mark:]
     for role in ("vllm", "app"):  # the layers that hold vLLM: neither was read
@@ -400,9 +385,15 @@ def test_a_base_rebuilt_below_the_vllm_layers_hits_and_one_with_another_top_laye
     code, miss, err = project.build(capsys, "--cache-from", cache_repo, pins=other_top)
     assert code == 0, err
     assert miss["cache"]["hit"] is None and _key(miss) != _key(first) and patch_runs == [1, 1, 1]
-    # the probe's cost on a miss: one HEAD per depth of the base's 5 layers, and one for all 5
-    # read to the bottom, nothing else of the cache
+    # the probe's cost on a miss: the catalogue's facts (its manifest and record: the same
+    # catalogue), then one HEAD per depth of the base's 5 layers, and one for all 5 read to the
+    # bottom, nothing else of the cache
     requests_sent = re.findall(rf'"([A-Z]+) /v2/{project.dest}-cache/(\S+) HTTP', registry.log()[log_mark:])
-    assert len(requests_sent) == 6, requests_sent
+    facts_tag = entry_tag(CATALOGUE, _key(first, CATALOGUE))
+    assert [method for method, path in requests_sent[:2]] == ["HEAD", "GET"], requests_sent
+    assert all(path == f"manifests/{facts_tag}" for _, path in requests_sent[:2]), requests_sent
+    assert requests_sent[2][0] == "GET" and requests_sent[2][1].startswith("blobs/sha256:"), requests_sent
+    probes = requests_sent[3:]
+    assert len(probes) == 6, requests_sent
     assert all(method == "HEAD" and path.startswith("manifests/kiln-cache-patched-v2-")
-               for method, path in requests_sent), requests_sent
+               for method, path in probes), requests_sent

@@ -19,7 +19,7 @@ import requests
 
 import kiln.build.prepare as prepare_module
 from kiln import commands
-from kiln.build.cachekeys import KERNELS, PATCHED, entry_tag, patched_key, vllm_layers
+from kiln.build.cachekeys import CATALOGUE, KERNELS, PATCHED, entry_tag, patched_key, vllm_layers
 from kiln.build.inputs import load_build_inputs
 from kiln.oci.manifest import Descriptor
 from kiln.paths import RepoFiles
@@ -104,9 +104,9 @@ def test_a_second_image_reuses_what_it_shares_and_compiles_only_its_other_sm(
     # image A, sm 86, writes its two entries
     a86 = build("a86", "e2e-triton", 86, "--cache-to", *where)
     assert work == {"compiled": [86], "patched": [1], "pulled": [1]}
-    assert [(e["kind"], e.get("sm"), e["hit"]) for e in a86["cache"]["entries"]] == [(PATCHED, None, None),
-                                                                                    (KERNELS, 86, None)]
-    assert len(a86["cache"]["written"]) == 2
+    assert [(e["kind"], e.get("sm"), e["hit"]) for e in a86["cache"]["entries"]] == [
+        (PATCHED, None, None), (KERNELS, 86, None), (CATALOGUE, None, None)]
+    assert len(a86["cache"]["written"]) == 3
 
     # image B, sm 86: both entries are A's: nothing pulled, patched or compiled
     log_mark = len(cache.log())
