@@ -6,7 +6,7 @@ Public API:
     CacheReader(cache_from, config, stats, budget, cache, reporter=SILENT, open_record=plain_record)
         .patched(inputs, layers, need_triton) -> (CacheUse, CachedEntry) | None   the hit, if any
         .read(use) -> CachedEntry | None   ``use``'s entry from the first cache that has it verified
-    cached_catalogue(patchsets, cache_from, config, cache, reporter=SILENT, open_record=plain_record)
+    cached_catalogue(patchsets, cache_from, config, reporter=SILENT, open_record=plain_record, cache=None)
         -> (Catalogue of facts, where) | None   the ``catalogue`` entry of these ``patchsets/`` bytes
 
 The ``patched`` key names the vLLM layers the walk reads (``kiln.build.cachekeys``), which are
@@ -45,6 +45,7 @@ from kiln.build.cachekeys import (
 )
 from kiln.build.inputs import BuildInputs
 from kiln.build.regcache import CachedEntry, CacheUse, plain_record, read_entry, verify_entry
+from kiln.cache import cache_root
 from kiln.errors import KilnError
 from kiln.lifeline import uninterrupted
 from kiln.oci.endpoints import RegistryConfig
@@ -127,14 +128,16 @@ class CacheReader:
         return tempfile.TemporaryDirectory(dir=self.workroot, prefix=".tmp-cache-")
 
 
-def cached_catalogue(patchsets: Path, cache_from, config: RegistryConfig, cache: Path, reporter: Reporter = SILENT,
-                     open_record=plain_record) -> tuple[Catalogue, str] | None:
+def cached_catalogue(patchsets: Path, cache_from, config: RegistryConfig, reporter: Reporter = SILENT,
+                     open_record=plain_record, cache: Path | None = None) -> tuple[Catalogue, str] | None:
     """The catalogue's facts for exactly these ``patchsets`` bytes (and kiln's code), from the first
-    of ``cache_from`` whose entry verifies and parses; None (a miss: the catalogue is loaded)."""
-    if not cache_from:
+    of ``cache_from`` whose entry verifies and parses; None (a miss: the catalogue is loaded).
+    ``cache``: the kiln cache (its ``build/`` holds the entry while it is checked)."""
+    if not cache_from or not patchsets.is_dir():  # (a missing catalogue: load_catalogue says so)
         return None
     use = CacheUse(CATALOGUE, *catalogue_key(patchsets))
-    reader = CacheReader(cache_from, config, TransferStats(), Budget(config.limits), cache, reporter, open_record)
+    reader = CacheReader(cache_from, config, TransferStats(), Budget(config.limits), cache or cache_root(),
+                         reporter, open_record)
     entry = reader.read(use)
     if entry is None:
         return None

@@ -11,7 +11,6 @@ from kiln.attest.dsse import load_public_key, load_signing_key
 from kiln.build.cachelookup import cached_catalogue
 from kiln.build.inputs import destination, load_build_inputs
 from kiln.build.regcache import parse_cache_location
-from kiln.cache import cache_root
 from kiln.commands import options
 from kiln.errors import KilnError
 from kiln.pipeline import record_opener, run_build
@@ -85,7 +84,7 @@ def run_build_command(args, out) -> int:
     files = options.repo_files(args)
     # the catalogue's facts from the cache, when it has them: no patch module is imported unless
     # the build has to patch after all (kiln.patch.facts)
-    cached = cached_catalogue(files.patchsets, cache_from, config, cache_root(), reporter, record_opener(cache_key))
+    cached = cached_catalogue(files.patchsets, cache_from, config, reporter, record_opener(cache_key))
     inputs = load_build_inputs(files, args.image, args.pin, args.sm, cached)
     name = destination(inputs.definition, args.repository,
                        purpose="--push" if args.push else "--values" if args.values else "local")

@@ -108,7 +108,10 @@ def facts_catalogue(root: Path, facts: dict, where: str) -> Catalogue:
         if not set(patch.requires) <= set(found):
             raise fail(f"patch {patch.id!r} requires a patch it does not list")
     catalogue = Catalogue(root, found, dict(digests))
-    catalogue.order(found)  # a requires cycle: refused as the loader refuses it
+    try:
+        catalogue.order(found)  # a requires cycle: refused as the loader refuses it
+    except KilnError as err:
+        raise fail(str(err)) from None
     return catalogue
 
 
