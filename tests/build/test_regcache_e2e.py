@@ -93,14 +93,20 @@ def _other_layer(removals: list[str]) -> bytes:
     return gzip.compress(raw.getvalue(), mtime=0)
 
 
+def written_by_a_first_runner(project, capsys, tmp_path, monkeypatch) -> tuple[str, dict]:
+    """A first runner's build, pushed to ``<dest>-a``, writing the cache ``<dest>-cache``: its name and ``--json``."""
+    cache_repo = f"{project.registry.host}/{project.dest}-cache"
+    _fresh_runner(monkeypatch, tmp_path, "runner-a")
+    code, first, err = project.build(capsys, "--push", "--repository", f"{project.registry.host}/{project.dest}-a",
+                                     "--cache-to", cache_repo)
+    assert code == 0, err
+    return cache_repo, first
+
+
 def test_second_runner_reads_the_entry_and_no_vllm_layer(project, capsys, tmp_path, monkeypatch, patch_runs,
                                                           base_layout):
     registry = project.registry
-    cache_repo = f"{registry.host}/{project.dest}-cache"
-    _fresh_runner(monkeypatch, tmp_path, "runner-a")
-    code, first, err = project.build(capsys, "--push", "--repository", f"{registry.host}/{project.dest}-a",
-                                     "--cache-to", cache_repo)
-    assert code == 0, err
+    cache_repo, first = written_by_a_first_runner(project, capsys, tmp_path, monkeypatch)
     assert patch_runs == [1] and first["cache"]["hit"] is None and len(first["cache"]["written"]) == 2
     assert [e["kind"] for e in first["cache"]["entries"]] == [PATCHED, CATALOGUE]  # no kernels
     facts = _entry(registry, f"{project.dest}-cache", _key(first, CATALOGUE), CATALOGUE)

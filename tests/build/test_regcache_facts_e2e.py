@@ -20,7 +20,15 @@ import pytest
 from kiln import paths
 from kiln.build.cachekeys import CATALOGUE, PATCHED, entry_tag
 from tests.build.test_build_e2e import IMAGE, IMAGES, SM
-from tests.build.test_regcache_e2e import _blob, _entry, _fresh_runner, _key, _put_blob, _put_entry
+from tests.build.test_regcache_e2e import (
+    _blob,
+    _entry,
+    _fresh_runner,
+    _key,
+    _put_blob,
+    _put_entry,
+    written_by_a_first_runner,
+)
 
 pytestmark = [pytest.mark.registry, pytest.mark.reliability]
 
@@ -41,11 +49,7 @@ def _run_cli(project, cache_dir, *extra: str) -> tuple[dict, list[str]]:
 def test_a_hit_reads_the_catalogues_facts_and_imports_no_patch_module(project, capsys, tmp_path, monkeypatch,
                                                                       base_layout):
     registry = project.registry
-    cache_repo = f"{registry.host}/{project.dest}-cache"
-    _fresh_runner(monkeypatch, tmp_path, "writer")
-    code, first, err = project.build(capsys, "--push", "--repository", f"{registry.host}/{project.dest}-a",
-                                     "--cache-to", cache_repo)
-    assert code == 0, err
+    cache_repo, first = written_by_a_first_runner(project, capsys, tmp_path, monkeypatch)
     facts_tag = entry_tag(CATALOGUE, _key(first, CATALOGUE))
 
     second, imported = _run_cli(project, tmp_path / "reader", "--push", "--repository",
