@@ -1,4 +1,5 @@
-"""ci/cpu/base.py's Debian step against a mirror that fails: retried, then one line saying why.
+"""ci/cpu/base.py: its Debian step against a mirror that fails (retried, then one line saying
+why), and its work folder safe from kiln's own clean-up of the cache it builds in.
 
 The mirror is a real HTTP server on 127.0.0.1 answering 503 to everything, and the step runs the
 real mmdebstrap (which CI installs, ci/test): apt's own error must reach the line, not only
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import http.server
 import importlib.util
+import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -75,3 +78,19 @@ def test_apt_errors_are_the_reason_given_and_other_output_only_without_them(base
                              "E: apt-get update --error-on=any failed | E: mmdebstrap failed to run")
     assert base.why("WARNING: ignored\nfirst\nsecond\nthird\n") == "second | third"
     assert len(base.why("E: " + "x" * 5000)) == 2000
+
+
+def test_the_recipe_holds_kilns_cache_so_a_kiln_process_leaves_its_work_folder_alone(base, tmp_path):
+    """ci/test builds the base beside pytest, whose kiln processes come and go on the same cache:
+    the first to find the cache unused removes every ``.tmp-*`` entry as a dead process's."""
+    cache = tmp_path / "cache"
+    work = cache / "cpu-base" / ".tmp-recipe"
+    claim = [sys.executable, "-c", "import sys; from pathlib import Path; from kiln.cache import claim_cache; "
+                                   "claim_cache(Path(sys.argv[1]))", str(cache)]
+    held = base.hold_cache(cache)
+    work.mkdir(parents=True)
+    subprocess.run(claim, check=True, timeout=60)
+    assert work.is_dir(), "a kiln process removed the recipe's work folder while the recipe held the cache"
+    os.close(held)  # the recipe gone: its folder is a leftover, and the next kiln process removes it
+    subprocess.run(claim, check=True, timeout=60)
+    assert not work.exists()

@@ -27,6 +27,7 @@ mmdebstrap's unshare mode), mmdebstrap, umoci and skopeo; prints the manifest di
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -236,8 +237,24 @@ def layers(rootfs: Path, work: Path, layout: Path) -> None:
     run(["umoci", "gc", "--layout", str(layout)])
 
 
+def hold_cache(cache: Path) -> int:
+    """Use kiln's cache as kiln's own processes do (``kiln.cache.claim_cache``): a shared flock on
+    ``<cache>/.users.lock`` for the life of this process; the descriptor holding it.
+
+    The first kiln process to find that lock free takes it alone for a moment and removes every
+    ``.tmp-*`` entry near the top of the cache as a dead process's leftovers: this recipe's work
+    folder (``cpu-base/.tmp-*``) among them, mid-build, unless this process holds the lock too.
+    (It did happen: ``ci/test`` runs this beside pytest, whose kiln commands came and went;
+    apt's lists, then the whole root, vanished under mmdebstrap.)"""
+    cache.mkdir(parents=True, exist_ok=True)
+    fd = os.open(cache / ".users.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # waits while another process is cleaning
+    return fd
+
+
 def build(cache: Path) -> Path:
-    """The cached layout of this recipe, built when absent."""
+    """The cached layout of this recipe, built when absent (holding kiln's cache: ``hold_cache``)."""
+    hold_cache(cache)
     entry = cache / "cpu-base" / recipe_key()
     layout = entry / "layout"
     if (entry / "done").is_file():
