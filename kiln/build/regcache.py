@@ -229,7 +229,7 @@ def _verified(client: RegistryClient, repository: str, manifest: Manifest, kind:
     if not isinstance(recorded, list) or [(d.digest, d.size) for d in descriptors] != \
             [(r.get("digest"), r.get("size")) for r in recorded if isinstance(r, dict)]:
         raise KilnError("its layers are not the ones its record lists")
-    if len(descriptors) > (kind != CATALOGUE) or (kind == PATCHED and not descriptors):
+    if len(descriptors) not in _LAYER_COUNTS[kind]:
         raise KilnError(f"a {kind} entry with {len(descriptors)} layers")
     contents = []
     for descriptor, layer in zip(descriptors, recorded, strict=True):
@@ -249,6 +249,9 @@ def _verified(client: RegistryClient, repository: str, manifest: Manifest, kind:
     return entry
 
 
+# how many layers an entry of each kind has: a patched entry its changed modules; a kernels
+# entry one SM's kernel layer, or none when it was left out; a catalogue entry none
+_LAYER_COUNTS = {PATCHED: (1,), KERNELS: (0, 1), CATALOGUE: (0,)}
 _FIELDS = {PATCHED: {"outcomes": list, "applied": list, "vllm_version": str, "site_dir": str, "before": dict},
            KERNELS: {"env": dict, "triton": dict}, CATALOGUE: {"facts": dict}}
 
