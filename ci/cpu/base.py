@@ -2,12 +2,18 @@
 """The CPU base image: vLLM's CPU build on a minimal Debian root, as OCI layers, no Docker Hub.
 
     python3 ci/cpu/base.py [--registry HOST:PORT] [--repository NAME] [--cache DIR] [--json]
+                           [--mirror 'deb URL SUITE COMPONENT' ...] [--debian-only]
 
 The recipe, pinned so it rebuilds the same:
 
-1. a Debian bookworm root (``mmdebstrap --variant=minbase`` from deb.debian.org) with the
-   packages of ``ci/cpu/debian-packages.lock`` at exactly those versions (Python 3.11 from
-   Debian, so the cp311 wheels fit); a root whose package list differs from the lock fails;
+1. a Debian bookworm root (``mmdebstrap --variant=minbase`` from deb.debian.org, Python 3.11 from
+   Debian, so the cp311 wheels fit) from the versions Debian serves today. Debian's archive keeps
+   only the newest version of each package, so a root can only be *compared* with
+   ``ci/cpu/debian-packages.lock``, not forced to it: a locked package the mirror no longer has
+   at all fails before anything is fetched, naming it; packages served at other versions than
+   the lock names give one warning line (old -> new) and the build goes on. The cache entry
+   records the lock's and the root's package lists; only a root that matches the lock can
+   rebuild the pinned digest (``ci/cpu/lock --debian`` refreshes lock and digest);
 2. ``/opt/venv``: a venv of that Python with every wheel of ``ci/cpu/requirements.lock``
    (``pip install --no-deps --require-hashes``: each wheel is checked against its sha256, and
    nothing outside the lock is resolved; the lock leaves out torchvision/torchaudio/torchcodec,
@@ -30,13 +36,16 @@ import argparse
 import fcntl
 import hashlib
 import json
+import lzma
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
+import zlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -58,6 +67,10 @@ APT_OPTIONS = ['--aptopt=Acquire::Retries "5"', '--aptopt=Acquire::Check-Valid-U
 DEBIAN_ATTEMPTS = 5  # pauses of 1, 2, 4 and 8 minutes: CI builds this beside its 27-minute pytest run
 # The packages asked for; the lock holds them and everything they pull in, each at one version.
 INCLUDE = ["python3", "python3-venv", "ca-certificates", "libgomp1", "libnuma1", "procps"]
+# A mirror's Packages index (bookworm main: ~9 MB as .xz, ~45 MB as text), bounded in size and time.
+INDEX_MAX_BYTES = 64 << 20
+INDEX_MAX_TEXT = 512 << 20
+INDEX_SECONDS = 300.0
 SOURCE_DATE_EPOCH = "1767225600"  # 2026-01-01T00:00:00Z: file times and the config's dates
 CREATED = "2026-01-01T00:00:00Z"
 PYTHON = "python3.11"
@@ -72,6 +85,10 @@ PLATFORMS = [arg for tag in [*(f"manylinux_2_{minor}_x86_64" for minor in range(
 
 class RecipeError(Exception):
     """A step of the recipe failed: one line, exit 2."""
+
+
+class NotServed(RecipeError):
+    """A locked package the mirror has at no version: no later attempt can build it."""
 
 
 def log(message: str) -> None:
@@ -112,9 +129,9 @@ def recipe_key() -> str:
     return digest.hexdigest()[:24]
 
 
-def debian_pins() -> dict[str, str]:
+def debian_pins(lock: Path | None = None) -> dict[str, str]:
     pins = {}
-    for line in DEBIAN_LOCK.read_text().splitlines():
+    for line in (lock or DEBIAN_LOCK).read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
             name, _, version = line.partition("=")
@@ -122,22 +139,138 @@ def debian_pins() -> dict[str, str]:
     return pins
 
 
-def debian_root(rootfs: Path, attempts: int = DEBIAN_ATTEMPTS, pause: float = 60.0) -> None:
-    pins = debian_pins()
-    include = [f"{name}={pins[name]}" if name in pins else name for name in INCLUDE]
+def write_debian_lock(found: dict[str, str], lock: Path | None = None) -> None:
+    """The lock as the root has it (``ci/cpu/lock --debian``): a reviewed change, written whole."""
+    target = lock or DEBIAN_LOCK
+    staged = target.with_name(f".{target.name}.tmp")
+    staged.write_text("# ci/cpu/base.py's Debian root: every package, at this version.\n"
+                      "# Rewritten by `ci/cpu/lock --debian` (docs/SERVE_CHECK.md).\n"
+                      + "".join(f"{n}={v}\n" for n, v in sorted(found.items())))
+    staged.replace(target)
+
+
+def mirror_source(line: str) -> tuple[str, str, list[str]]:
+    """``deb [options] URL SUITE COMPONENT...`` as (URL, SUITE, components)."""
+    words = line.split()
+    if words and words[0] == "deb":
+        words = words[1:]
+    if words and words[0].startswith("["):
+        while words and not words[0].endswith("]"):
+            words = words[1:]
+        words = words[1:]
+    if len(words) < 3:
+        raise RecipeError(f"mirror line {line!r}: not 'deb URL SUITE COMPONENT'")
+    return words[0].rstrip("/"), words[1], words[2:]
+
+
+def read_bounded(url: str, limit: int, seconds: float) -> bytes:
+    """The body at ``url``, at most ``limit`` bytes and ``seconds`` in all (a timeout bounds
+    each read only: a mirror that trickles would hold the run for ever)."""
+    deadline = time.monotonic() + seconds
+    chunks, size = [], 0
+    with urllib.request.urlopen(url, timeout=min(60.0, seconds)) as response:
+        while chunk := response.read(1 << 20):
+            size += len(chunk)
+            if size > limit:
+                raise RecipeError(f"{url}: more than {limit >> 20} MiB")
+            if time.monotonic() > deadline:
+                raise RecipeError(f"{url}: not read in {seconds:.0f} s")
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def served_versions(mirrors: list[str] | None = None, arch: str = "amd64") -> dict[str, set[str]]:
+    """Every binary package the mirrors list for ``arch`` (``Architecture: all`` ones included,
+    as Debian lists them in each architecture's index), with the versions served.
+
+    Read only to fail early and say why: apt itself verifies the signed index and every package
+    it installs, and the root is compared with the lock afterwards, package by package."""
+    served: dict[str, set[str]] = {}
+    for line in mirrors or MIRRORS:
+        url, suite, components = mirror_source(line)
+        for component in components:
+            index = f"{url}/dists/{suite}/{component}/binary-{arch}/Packages"
+            for suffix in (".xz", ".gz", ""):
+                try:
+                    body = read_bounded(index + suffix, INDEX_MAX_BYTES, INDEX_SECONDS)
+                except urllib.error.HTTPError as err:
+                    if err.code == 404:
+                        continue
+                    raise RecipeError(f"{index + suffix}: HTTP {err.code} {err.reason}") from None
+                except (urllib.error.URLError, OSError) as err:
+                    raise RecipeError(f"{index + suffix}: {getattr(err, 'reason', err)}") from None
+                text = unpacked(index + suffix, body).decode("utf-8", "replace")
+                for stanza in text.split("\n\n"):
+                    fields = dict(f.split(": ", 1) for f in stanza.splitlines() if ": " in f and not f[0].isspace())
+                    if "Package" in fields and "Version" in fields:
+                        served.setdefault(fields["Package"], set()).add(fields["Version"])
+                break
+            else:
+                raise RecipeError(f"{url}/dists/{suite}/{component}/binary-{arch}/: no Packages index")
+    return served
+
+
+def unpacked(url: str, body: bytes) -> bytes:
+    """An index's text, decompressed by its name's suffix, never more than ``INDEX_MAX_TEXT``."""
+    try:
+        if url.endswith(".xz"):
+            text = lzma.LZMADecompressor().decompress(body, max_length=INDEX_MAX_TEXT + 1)
+        elif url.endswith(".gz"):
+            text = zlib.decompressobj(wbits=31).decompress(body, INDEX_MAX_TEXT + 1)
+        else:
+            text = body
+    except (lzma.LZMAError, zlib.error) as err:
+        raise RecipeError(f"{url}: not a readable index: {err}") from None
+    if len(text) > INDEX_MAX_TEXT:
+        raise RecipeError(f"{url}: more than {INDEX_MAX_TEXT >> 20} MiB unpacked")
+    return text
+
+
+def check_served(pins: dict[str, str], served: dict[str, set[str]]) -> None:
+    """A locked package the mirrors do not have at any version fails now, naming it: no root
+    built today can hold it, and apt would only say so after fetching the rest."""
+    gone = sorted(name for name in pins if name not in served)
+    if gone:
+        shown = ", ".join(f"{name}={pins[name]}" for name in gone[:8]) + (", ..." if len(gone) > 8 else "")
+        raise NotServed(f"{DEBIAN_LOCK.name}: {len(gone)} locked package{'s' if len(gone) > 1 else ''} "
+                          f"no longer served by the Debian mirror: {shown} (a Debian release dropped "
+                          f"{'them' if len(gone) > 1 else 'it'}: ci/cpu/lock --debian, then review the lock)")
+
+
+def moved_packages(pins: dict[str, str], found: dict[str, str]) -> dict[str, list[str]]:
+    """Each package whose version differs between the lock and the root: [locked, built] ('-' for none)."""
+    return {n: [pins.get(n, "-"), found.get(n, "-")] for n in sorted(set(found) | set(pins))
+            if found.get(n) != pins.get(n)}
+
+
+def moved_line(moved: dict[str, list[str]]) -> str:
+    shown = ", ".join(f"{n} {old} -> {new}" for n, (old, new) in list(moved.items())[:8])
+    return (f"warning: {DEBIAN_LOCK.name}: Debian serves {len(moved)} package{'s' if len(moved) > 1 else ''} "
+            f"at other versions than the lock: {shown}{', ...' if len(moved) > 8 else ''}; the root is built "
+            f"from what Debian serves, so its digest is not the pinned one (ci/cpu/lock --debian refreshes both)")
+
+
+def debian_root(rootfs: Path, attempts: int = DEBIAN_ATTEMPTS, pause: float = 60.0,
+                lock: Path | None = None) -> dict:
+    """The Debian root in ``rootfs``; its packages compared with the lock: ``{"lock": {...},
+    "root": {...}, "moved": {name: [locked, built]}}``."""
+    pins = debian_pins(lock)
     env = dict(os.environ, SOURCE_DATE_EPOCH=SOURCE_DATE_EPOCH)
+    # The packages asked for by name: the version is whatever Debian serves today (the archive
+    # keeps no other); what the root got is compared with the lock below.
     # not --quiet: it hides apt's own errors, and mmdebstrap's output is only shown on failure
-    argv = ["mmdebstrap", "--variant=minbase", "--mode=auto", f"--include={','.join(include)}",
+    argv = ["mmdebstrap", "--variant=minbase", "--mode=auto", f"--include={','.join(INCLUDE)}",
             *APT_OPTIONS, "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/doc/*",
             "--dpkgopt=path-exclude=/usr/share/locale/*", SUITE, str(rootfs), *MIRRORS]
     # A mirror answers 5xx, or is caught mid-sync (a Packages file whose hash the InRelease doesn't
     # list yet): minutes later it serves again. A failure after the last attempt is the step's.
     for attempt in range(1, attempts + 1):
         try:
+            check_served(pins, served_versions())
             run(argv, env=env)
             break
         except RecipeError as err:
-            if attempt == attempts:
+            if attempt == attempts or isinstance(err, NotServed):
                 raise
             shutil.rmtree(rootfs, ignore_errors=True)
             wait = pause * 2 ** (attempt - 1)
@@ -145,14 +278,10 @@ def debian_root(rootfs: Path, attempts: int = DEBIAN_ATTEMPTS, pause: float = 60
             time.sleep(wait)
     listed = run(["chroot", str(rootfs), "dpkg-query", "-W", "-f", "${Package}=${Version}\\n"]).stdout
     found = dict(line.split("=", 1) for line in listed.split())
-    if os.environ.get("KILN_CPU_BASE_WRITE_DEBIAN_LOCK"):  # (re)writing the lock: a reviewed change
-        DEBIAN_LOCK.write_text("# ci/cpu/base.py's Debian root: every package, at this version.\n"
-                               + "".join(f"{n}={v}\n" for n, v in sorted(found.items())))
-        return
-    differ = sorted(n for n in set(found) | set(pins) if found.get(n) != pins.get(n))
-    if differ:
-        shown = ", ".join(f"{n} {pins.get(n, '-')} -> {found.get(n, '-')}" for n in differ[:5])
-        raise RecipeError(f"{DEBIAN_LOCK}: the Debian root differs from the lock in {len(differ)} packages: {shown}")
+    moved = moved_packages(pins, found)
+    if moved:
+        log(moved_line(moved))
+    return {"lock": pins, "root": found, "moved": moved}
 
 
 def wheels(cache: Path) -> Path:
@@ -252,30 +381,51 @@ def hold_cache(cache: Path) -> int:
     return fd
 
 
-def build(cache: Path) -> Path:
+def build(cache: Path, attempts: int = DEBIAN_ATTEMPTS) -> Path:
     """The cached layout of this recipe, built when absent (holding kiln's cache: ``hold_cache``)."""
     hold_cache(cache)
     entry = cache / "cpu-base" / recipe_key()
     layout = entry / "layout"
     if (entry / "done").is_file():
         log(f"cached: {layout}")
+        moved = record(layout).get("debian", {}).get("moved")
+        if moved:  # said again on every run that uses this root, not only the one that built it
+            log(moved_line(moved))
         return layout
-    wheel_dir = wheels(cache)
     entry.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
     try:
         rootfs = work / "rootfs"
-        debian_root(rootfs)
-        venv(rootfs, wheel_dir)
+        debian = debian_root(rootfs, attempts)  # first: a package Debian dropped fails before ~1 GB of wheels
+        venv(rootfs, wheels(cache))
         layers(rootfs, work, work / "layout")
         if entry.exists():
             shutil.rmtree(entry)
         entry.mkdir()
         (work / "layout").rename(layout)
-        (entry / "done").write_text(json.dumps({"key": entry.name, "vllm": vllm_version()}) + "\n")
+        (entry / "done").write_text(json.dumps({"key": entry.name, "vllm": vllm_version(), "debian": debian},
+                                               sort_keys=True) + "\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return layout
+
+
+def record(layout: Path) -> dict:
+    """What the build of a cached layout recorded: its key, vLLM's version, and ``debian``: the
+    lock's and the root's package lists and the packages that moved between them."""
+    try:
+        return json.loads((layout.parent / "done").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def layout_digest(layout: Path) -> str:
+    """The manifest digest of the layout's image, as a registry serves it after ``push``."""
+    index = json.loads((layout / "index.json").read_text())
+    for manifest in index.get("manifests", []):
+        if manifest.get("annotations", {}).get("org.opencontainers.image.ref.name") == TAG:
+            return manifest["digest"]
+    raise RecipeError(f"{layout}/index.json: no manifest tagged {TAG!r}")
 
 
 def push(layout: Path, registry: str, repository: str) -> tuple[str, str]:
@@ -295,10 +445,30 @@ def main(argv: list[str] | None = None) -> int:
         Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kiln")
     parser.add_argument("--cache", default=default_cache)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--mirror", action="append", metavar="'deb URL SUITE COMPONENT'",
+                        help="a Debian mirror's source line instead of deb.debian.org's (repeat for each)")
+    parser.add_argument("--attempts", type=int, default=DEBIAN_ATTEMPTS,
+                        help=f"tries of the Debian step, minutes apart (default {DEBIAN_ATTEMPTS})")
+    parser.add_argument("--debian-only", action="store_true",
+                        help="build only the Debian root, in a temporary folder, and print how it compares "
+                             "with the lock; nothing cached")
     args = parser.parse_args(argv)
+    if args.attempts < 1:
+        parser.error("--attempts: at least 1")
+    if args.mirror:
+        MIRRORS[:] = args.mirror
     try:
-        layout = build(Path(args.cache))
-        result = {"layout": str(layout), "key": layout.parent.name, "vllm": vllm_version()}
+        if args.debian_only:
+            with tempfile.TemporaryDirectory(prefix="kiln-debian-root-") as tmp:
+                debian = debian_root(Path(tmp) / "rootfs", attempts=args.attempts)
+            print(json.dumps(debian, sort_keys=True) if args.json else moved_line(debian["moved"]) if debian["moved"]
+                  else f"the Debian root matches {DEBIAN_LOCK.name} ({len(debian['root'])} packages)")
+            return 0
+        layout = build(Path(args.cache), args.attempts)
+        debian = record(layout).get("debian", {})
+        result = {"layout": str(layout), "key": layout.parent.name, "vllm": vllm_version(),
+                  "layout_digest": layout_digest(layout), "debian_matches_lock": not debian.get("moved"),
+                  "debian_moved": debian.get("moved", {})}
         if args.registry:
             result["reference"], result["digest"] = push(layout, args.registry, args.repository)
     except (RecipeError, OSError, StopIteration) as err:
