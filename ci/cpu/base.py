@@ -36,8 +36,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # ci/: httpread (kiln's bounded reads)
+import httpread  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REQUIREMENTS_LOCK = HERE / "requirements.lock"
@@ -176,9 +178,11 @@ def torch_cpu_index() -> list[str]:
     """pip's arguments that add PyTorch's CPU index, where it answers; none where it does not
     (pip would retry it for every package of the lock, minutes lost): torch's CPU wheel then
     comes from pip's configured indexes, and the lock's sha256 still decides."""
-    try:
-        urllib.request.urlopen(f"{TORCH_CPU_INDEX}/torch/", timeout=5)
-    except OSError:
+    try:  # the whole answer within 5 s and 16 MiB (ci/httpread.py): a slow index is an unreachable one
+        answered = httpread.get(f"{TORCH_CPU_INDEX}/torch/", deadline=5, max_bytes=16 << 20).status == 200
+    except (OSError, httpread.Unreadable):
+        answered = False
+    if not answered:
         log(f"{TORCH_CPU_INDEX} unreachable: torch's CPU wheel must come from pip's configured indexes")
         return []
     return ["--extra-index-url", TORCH_CPU_INDEX]
