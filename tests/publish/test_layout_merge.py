@@ -104,6 +104,22 @@ def test_replacing_a_tag_removes_the_replaced_images_referrers(tmp_path, registr
     assert (f"{tag(120)} replaced {first['manifest_digest']} with {second}; removed its 2 referrer(s) "
             "from index.json") in warning and "\n" not in warning
     assert copy_out(layout, tag(120), tmp_path) == second
+    # a third, whose push fails after the layout was merged: the rollback puts the second's
+    # entry and its referrers back, index.json as it was
+    index_before = json.loads((layout / "index.json").read_bytes())
+    monkeypatch.setattr(kiln.build.prepare, "kiln_revision", lambda: ("1" * 40, False))
+    proxy = FaultProxy(registry_plain.host)
+    try:
+        proxy.add(Fault("PUT", r"/manifests/", "status", status=503, times=None))
+        failed = build(tmp_path, registry_plain, 120, "--oci", str(layout), "--push",
+                       "--repository", f"{proxy.host}/test/layout-replaced", "--insecure-registry", proxy.host,
+                       mirror=proxy.mirror)
+    finally:
+        proxy.stop()
+    assert_one_line_error(failed, "HTTP 503")
+    assert sorted(json.loads((layout / "index.json").read_bytes())["manifests"], key=json.dumps) == \
+        sorted(index_before["manifests"], key=json.dumps)
+    assert copy_out(layout, tag(120), tmp_path) == second
 
 
 def test_failed_push_leaves_a_shared_layout_as_it_was(tmp_path, registry_plain, shared_layout):
