@@ -79,6 +79,18 @@ class Hostile:
                     return self._json(_ok(self.path, hostile.url))
                 if mode == "types":
                     return self._json(_types(self.path))
+                if mode == "declared":  # 4 GB announced, nothing sent
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(4 << 30))
+                    self.end_headers()
+                    hostile.stop.wait(ENDLESS_SECONDS)
+                    return
+                if mode == "redirect":  # to the same path under /ok, relative
+                    self.send_response(302)
+                    self.send_header("Location", "/ok/" + self.path.split("/", 2)[2])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.end_headers()
@@ -253,3 +265,25 @@ def test_cpu_base_torch_index_probe_is_bounded(mode, hostile, monkeypatch, cpu_b
     assert time.monotonic() - started < 8  # its own 5 s, not the server's 30 s
     monkeypatch.setattr(cpu_base, "TORCH_CPU_INDEX", f"{hostile.url}/ok")
     assert cpu_base.torch_cpu_index() == ["--extra-index-url", f"{hostile.url}/ok"]
+
+
+@pytest.fixture(scope="module")
+def httpread():
+    sys.path.insert(0, str(REPO / "ci"))
+    import httpread
+
+    yield httpread
+    sys.path.remove(str(REPO / "ci"))
+
+
+@pytest.mark.reliability
+def test_httpread_refuses_a_declared_oversize_unread_and_follows_redirects(hostile, monkeypatch, httpread):
+    monkeypatch.delenv("KILN_CI_HTTP_DEADLINE", raising=False)
+    monkeypatch.delenv("KILN_CI_HTTP_MAX_BYTES", raising=False)
+    started = time.monotonic()
+    with pytest.raises(httpread.Unreadable, match=r"declares 4294967296 bytes, over the limit of 64 MiB"):
+        httpread.get(f"{hostile.url}/declared/x", deadline=20)
+    assert time.monotonic() - started < 5  # refused on the headers, not after waiting for the body
+    answer, document = httpread.get_json(f"{hostile.url}/redirect/pypi/vllm/json")
+    assert answer.status == 200 and answer.url == f"{hostile.url}/ok/pypi/vllm/json"
+    assert httpread.field(document, "releases", dict, "x")["0.33.0"] == [{"yanked": False}]
