@@ -228,22 +228,24 @@ class LayoutPublisher(Publisher):
             previous = [m for m in manifests if (m.get("annotations") or {}).get(REF_NAME) == self.ref_name]
             added = [e for e in entries if e not in manifests or e in previous]
             kept = [m for m in manifests if m not in previous and m not in added]
-            orphans = self._orphans(previous, kept, entries)
+            orphans, said = self._orphans(previous, kept, entries)
             index["manifests"] = [m for m in kept if m not in orphans] + added
             write_atomic(dest / "index.json", canonical_json(index))
+            if said:
+                self.reporter.warn(said)
             return lambda: self._undo_merge(dest, added, previous + orphans)
 
-    def _orphans(self, previous: list[dict], kept: list[dict], entries: list[dict]) -> list[dict]:
-        """The artifacts of the images this name no longer lists (and no other entry does); said
-        in one warning."""
+    def _orphans(self, previous: list[dict], kept: list[dict], entries: list[dict]) -> tuple[list[dict], str]:
+        """The artifacts of the images this name no longer lists (and no other entry does), and
+        the one line that says so ("" when no image was replaced)."""
         listed = {m.get("digest") for m in [*kept, *entries] if SUBJECT_ANNOTATION not in (m.get("annotations") or {})}
         replaced = [m.get("digest") for m in previous if m.get("digest") not in listed]
+        if not replaced:
+            return [], ""
         orphans = [m for m in kept if (m.get("annotations") or {}).get(SUBJECT_ANNOTATION) in replaced]
-        if replaced:
-            types = ", ".join(sorted({str(m.get("artifactType", "?")) for m in orphans})) or "none"
-            self.reporter.warn(f"--oci {self.path}: {self.ref_name} replaced {', '.join(replaced)} with {entries[0]['digest']}; "
-                               f"removed its {len(orphans)} referrer(s) from index.json ({types})")
-        return orphans
+        types = ", ".join(sorted({str(m.get("artifactType", "?")) for m in orphans})) or "none"
+        return orphans, (f"--oci {self.path}: {self.ref_name} replaced {', '.join(replaced)} with "
+                         f"{entries[0]['digest']}; removed its {len(orphans)} referrer(s) from index.json ({types})")
 
     def _undo_new(self, dest: Path, entries: list[dict]) -> None:
         """Remove the layout this build created, unless another build has added to it since."""
