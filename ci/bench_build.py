@@ -41,7 +41,7 @@ import time
 import zipfile
 from pathlib import Path
 
-import requests
+import httpread
 from benchlib import REPO, Measured, machine, measured, write_section
 from inflate import inflate_rates
 
@@ -237,12 +237,13 @@ def main() -> None:
                 vllm_blob = work / cache / "blobs" / "sha256" / layers["vllm"][0].split(":")[1]
                 inflate = inflate_rates(vllm_blob)
         cold_json = runs["cold"][0][1]
-        resp = requests.get(f"{server.url}/v2/bench/kiln-out-1/manifests/{cold_json['manifest_digest']}",
-                            headers={"Accept": cold_json["media_type"]}, timeout=30)
-        resp.raise_for_status()
-        pushed_manifest = resp.json()
+        answer, pushed_manifest = httpread.get_json(
+            f"{server.url}/v2/bench/kiln-out-1/manifests/{cold_json['manifest_digest']}",
+            headers={"Accept": cold_json["media_type"]}, deadline=30, max_bytes=4 << 20)
+        if answer.status != 200:
+            raise httpread.Unreadable(f"{answer.url}: HTTP {answer.status}")
         new_layers = pushed_manifest["layers"][-2:]
-        expected_push = sum(layer["size"] for layer in new_layers) + pushed_manifest["config"]["size"] + len(resp.content)
+        expected_push = sum(layer["size"] for layer in new_layers) + pushed_manifest["config"]["size"] + len(answer.body)
     finally:
         if server:
             server.stop()

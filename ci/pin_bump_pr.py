@@ -26,6 +26,8 @@ Dependabot would:
 Registry options for the preflight come from the kiln registries file and containers'
 registries.conf (docs/BUILDING.md), as for every command. ``--dry-run`` prints the body and
 changes nothing. Exit status: 0 done or nothing to do; 2 bad input or a failed step (one line).
+Every answer from PyPI and GitHub is read within a time and a size (``ci/httpread.py``: 60 s and
+64 MiB each), and one of the wrong shape is that one line, naming the field.
 """
 
 from __future__ import annotations
@@ -38,14 +40,18 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from urllib.parse import urlencode
 
-import requests
 from packaging.version import InvalidVersion, Version
 
-from kiln.errors import KilnError
-from kiln.oci.endpoints import RegistryConfig
-from kiln.oci.reference import parse_reference
-from kiln.oci.registry import RegistryClient
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # ci/: httpread, also when loaded by path
+
+from httpread import field, get_json, of_type  # noqa: E402
+
+from kiln.errors import KilnError  # noqa: E402
+from kiln.oci.endpoints import RegistryConfig  # noqa: E402
+from kiln.oci.reference import parse_reference  # noqa: E402
+from kiln.oci.registry import RegistryClient  # noqa: E402
 
 BUILD_PY = Path(__file__).resolve().parent.parent / "build.py"
 ACTIONS = {
@@ -66,15 +72,18 @@ class Failed(Exception):
 
 
 def newest_release(index: str, current: Version) -> Version | None:
-    response = requests.get(f"{index.rstrip('/')}/vllm/json", timeout=30)
-    if response.status_code != 200:
-        raise Failed(f"{response.url}: HTTP {response.status_code}")
+    answer, document = get_json(f"{index.rstrip('/')}/vllm/json", deadline=60)
+    if answer.status != 200:
+        raise Failed(f"{answer.url}: HTTP {answer.status}")
+    where = f"{answer.url}: the answer"
     releases = []
-    for text, files in response.json().get("releases", {}).items():
+    for text, files in field(document, "releases", dict, where).items():
         try:
             version = Version(text)
         except InvalidVersion:
             continue
+        at = f"{where}.releases[{text!r}]"
+        files = [of_type(f, dict, f"{at}[{i}]") for i, f in enumerate(of_type(files, list, at))]
         if version.is_prerelease or version.is_devrelease or not files or all(f.get("yanked") for f in files):
             continue
         releases.append(version)
@@ -105,23 +114,31 @@ def newest_nightly(repository: str, pins: dict) -> tuple[str, str | None]:
 class GitHub:
     def __init__(self, api: str, repository: str, token: str):
         self.api, self.repository = api.rstrip("/"), repository
-        self.session = requests.Session()
-        self.session.headers.update({"Authorization": f"Bearer {token}", "Accept": "application/vnd.github+json",
-                                     "X-GitHub-Api-Version": "2022-11-28"})
+        self.headers = {"Authorization": f"Bearer {token}", "Accept": "application/vnd.github+json",
+                        "X-GitHub-Api-Version": "2022-11-28"}
 
-    def _call(self, method: str, path: str, **kwargs):
-        response = self.session.request(method, f"{self.api}/repos/{self.repository}{path}", timeout=30, **kwargs)
-        if response.status_code >= 300:
-            raise Failed(f"GitHub {method} {path}: HTTP {response.status_code} {response.text[:200]}")
-        return response.json()
+    def _call(self, method: str, path: str, query: dict | None = None, payload: dict | None = None):
+        url = f"{self.api}/repos/{self.repository}{path}" + (f"?{urlencode(query)}" if query else "")
+        headers = dict(self.headers, **({"Content-Type": "application/json"} if payload is not None else {}))
+        answer, document = get_json(url, method=method, headers=headers, deadline=60,
+                                    data=None if payload is None else json.dumps(payload).encode())
+        if answer.status >= 300:
+            text = " ".join(answer.body[:200].decode(errors="replace").split())
+            raise Failed(f"GitHub {method} {path}: HTTP {answer.status} {text}")
+        return document, f"GitHub {method} {path}: the answer"
 
     def open_pull(self, branch: str) -> dict | None:
         owner = self.repository.split("/")[0]
-        pulls = self._call("GET", "/pulls", params={"state": "open", "head": f"{owner}:{branch}"})
-        return pulls[0] if pulls else None
+        pulls, where = self._call("GET", "/pulls", query={"state": "open", "head": f"{owner}:{branch}"})
+        if not of_type(pulls, list, where):
+            return None
+        field(pulls[0], "html_url", str, f"{where}[0]")
+        return pulls[0]
 
     def create_pull(self, **fields) -> dict:
-        return self._call("POST", "/pulls", json=fields)
+        pull, where = self._call("POST", "/pulls", payload=fields)
+        field(pull, "html_url", str, where)
+        return pull
 
 
 def preflight(repo: Path, version: Version | str, *extra: str) -> tuple[int, dict]:
@@ -248,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--upstream-tests: a nightly has no CPU build on PyPI; it applies to releases")
     try:
         return run(args)
-    except (Failed, KilnError, OSError, requests.RequestException, tomllib.TOMLDecodeError, ValueError) as err:
+    except (Failed, KilnError, OSError, tomllib.TOMLDecodeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

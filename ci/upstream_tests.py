@@ -53,6 +53,7 @@ import time
 import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urljoin
 
 import requests
 from packaging.version import Version
@@ -71,6 +72,9 @@ from kiln.pins import load_pins  # noqa: E402
 from kiln.source.wheel import WheelSource, choose_wheel, index_url, list_release_files  # noqa: E402
 from kiln.staging import write_atomic  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "ci"))
+import httpread  # noqa: E402  (ci/httpread.py: every answer within a time and a size)
+
 sys.path.insert(0, str(ROOT / "ci" / "cpu"))
 from base import torch_cpu_index  # noqa: E402  (ci/cpu/base.py: PyTorch's CPU index, where it answers)
 
@@ -81,33 +85,48 @@ SPLIT_DEEPER = ("v1", "kernels")  # the folders of tests/ grouped by their subfo
 # folders run, and kept, file by file (groups): their tests compute real references on CPU
 # (bf16 MoE layers, hours a side), so a stopped run keeps every file it finished
 PER_FILE = ("tests/kernels/moe",)
+SDIST_MAX_BYTES = 512 << 20  # vllm's sdist is ~30 MB
+SDIST_DEADLINE = 1800.0  # seconds for the whole download (index page: 60 s)
 # the pytest plugin both sides load; its source is part of what decides a kept folder's outcomes
 PLUGIN = ROOT / "ci" / "upstream_plugin" / "kiln_gc_between_tests.py"
+
+
+class _Hashing:
+    """A binary file that hashes what is written to it."""
+
+    def __init__(self, out):
+        self.out, self.digest = out, hashlib.sha256()
+
+    def write(self, chunk: bytes) -> None:
+        self.digest.update(chunk)
+        self.out.write(chunk)
 
 
 def sdist_tests(version: Version, home: Path) -> Path:
     """``tests/`` (and ``pyproject.toml``) of vllm-<version>.tar.gz, sha256-checked, cached."""
     page = f"{index_url()}/vllm/"
-    resp = requests.get(page, headers={"Accept": "application/vnd.pypi.simple.v1+json"}, timeout=60)
-    if resp.status_code != 200:
-        raise KilnError(f"package index {page} answered HTTP {resp.status_code}")
+    answer, document = httpread.get_json(page, headers={"Accept": "application/vnd.pypi.simple.v1+json"},
+                                         deadline=60)
+    if answer.status != 200:
+        raise KilnError(f"package index {page} answered HTTP {answer.status}")
     name = f"vllm-{version}.tar.gz"
-    entry = next((f for f in resp.json()["files"] if f["filename"] == name), None)
-    if entry is None or not re.fullmatch(r"[0-9a-f]{64}", entry.get("hashes", {}).get("sha256", "")):
-        raise KilnError(f"{page}: no {name} with a sha256")
-    sha = entry["hashes"]["sha256"]
+    where = f"{page}: the answer"
+    files = httpread.field(document, "files", list, where)
+    entry = next((f for f in files if isinstance(f, dict) and f.get("filename") == name), None)
+    hashes = entry.get("hashes") if entry is not None else None
+    sha = hashes.get("sha256") if isinstance(hashes, dict) else None
+    if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha) or not isinstance(entry.get("url"), str):
+        raise KilnError(f"{page}: no {name} with a sha256 and a url")
     dest = home / f"sdist-sha256-{sha}"
     if (dest / "tests").is_dir():
         return dest
     with tempfile.TemporaryDirectory(dir=home) as tmp:
         archive = Path(tmp, name)
-        digest = hashlib.sha256()
-        with requests.get(entry["url"], stream=True, timeout=300) as got, archive.open("wb") as out:
-            if got.status_code != 200:
-                raise KilnError(f"{entry['url']}: HTTP {got.status_code}")
-            for chunk in got.iter_content(1 << 20):
-                digest.update(chunk)
-                out.write(chunk)
+        with archive.open("wb") as out:
+            hashing = _Hashing(out)
+            httpread.download(urljoin(page, entry["url"]), hashing, max_bytes=SDIST_MAX_BYTES,
+                              deadline=SDIST_DEADLINE)
+        digest = hashing.digest
         if digest.hexdigest() != sha:
             raise KilnError(f"{name}: sha256 mismatch (index {sha}, downloaded {digest.hexdigest()})")
         staged = Path(tmp, "tree")

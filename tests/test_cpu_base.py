@@ -129,7 +129,7 @@ def _stanzas(base, line: str) -> dict[str, dict]:
     newest: dict[str, dict] = {}
     for component in components:
         index = f"{url}/dists/{suite}/{component}/binary-amd64/Packages.xz"
-        text = base.unpacked(index, base.read_bounded(index, base.INDEX_MAX_BYTES, base.INDEX_SECONDS)).decode()
+        text = base.unpacked(index, base.httpread.get(index, max_bytes=base.INDEX_MAX_BYTES, deadline=base.INDEX_SECONDS).body).decode()
         for raw in text.split("\n\n"):
             fields, key = {}, None
             for field in raw.splitlines():

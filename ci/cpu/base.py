@@ -43,10 +43,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import zlib
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # ci/: httpread (kiln's bounded reads)
+import httpread  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REQUIREMENTS_LOCK = HERE / "requirements.lock"
@@ -163,22 +164,6 @@ def mirror_source(line: str) -> tuple[str, str, list[str]]:
     return words[0].rstrip("/"), words[1], words[2:]
 
 
-def read_bounded(url: str, limit: int, seconds: float) -> bytes:
-    """The body at ``url``, at most ``limit`` bytes and ``seconds`` in all (a timeout bounds
-    each read only: a mirror that trickles would hold the run for ever)."""
-    deadline = time.monotonic() + seconds
-    chunks, size = [], 0
-    with urllib.request.urlopen(url, timeout=min(60.0, seconds)) as response:
-        while chunk := response.read(1 << 20):
-            size += len(chunk)
-            if size > limit:
-                raise RecipeError(f"{url}: more than {limit >> 20} MiB")
-            if time.monotonic() > deadline:
-                raise RecipeError(f"{url}: not read in {seconds:.0f} s")
-            chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def served_versions(mirrors: list[str] | None = None, arch: str = "amd64") -> dict[str, set[str]]:
     """Every binary package the mirrors list for ``arch`` (``Architecture: all`` ones included,
     as Debian lists them in each architecture's index), with the versions served.
@@ -191,15 +176,15 @@ def served_versions(mirrors: list[str] | None = None, arch: str = "amd64") -> di
         for component in components:
             index = f"{url}/dists/{suite}/{component}/binary-{arch}/Packages"
             for suffix in (".xz", ".gz", ""):
-                try:
-                    body = read_bounded(index + suffix, INDEX_MAX_BYTES, INDEX_SECONDS)
-                except urllib.error.HTTPError as err:
-                    if err.code == 404:
-                        continue
-                    raise RecipeError(f"{index + suffix}: HTTP {err.code} {err.reason}") from None
-                except (urllib.error.URLError, OSError) as err:
-                    raise RecipeError(f"{index + suffix}: {getattr(err, 'reason', err)}") from None
-                text = unpacked(index + suffix, body).decode("utf-8", "replace")
+                try:  # the whole answer within its time and size (ci/httpread.py)
+                    answer = httpread.get(index + suffix, max_bytes=INDEX_MAX_BYTES, deadline=INDEX_SECONDS)
+                except (httpread.Unreadable, OSError) as err:
+                    raise RecipeError(str(err)) from None
+                if answer.status == 404:
+                    continue
+                if answer.status != 200:
+                    raise RecipeError(f"{index + suffix}: HTTP {answer.status}")
+                text = unpacked(index + suffix, answer.body).decode("utf-8", "replace")
                 for stanza in text.split("\n\n"):
                     fields = dict(f.split(": ", 1) for f in stanza.splitlines() if ": " in f and not f[0].isspace())
                     if "Package" in fields and "Version" in fields:
@@ -305,9 +290,11 @@ def torch_cpu_index() -> list[str]:
     """pip's arguments that add PyTorch's CPU index, where it answers; none where it does not
     (pip would retry it for every package of the lock, minutes lost): torch's CPU wheel then
     comes from pip's configured indexes, and the lock's sha256 still decides."""
-    try:
-        urllib.request.urlopen(f"{TORCH_CPU_INDEX}/torch/", timeout=5)
-    except OSError:
+    try:  # the whole answer within 5 s and 16 MiB (ci/httpread.py): a slow index is an unreachable one
+        answered = httpread.get(f"{TORCH_CPU_INDEX}/torch/", deadline=5, max_bytes=16 << 20).status == 200
+    except (OSError, httpread.Unreadable):
+        answered = False
+    if not answered:
         log(f"{TORCH_CPU_INDEX} unreachable: torch's CPU wheel must come from pip's configured indexes")
         return []
     return ["--extra-index-url", TORCH_CPU_INDEX]

@@ -1,13 +1,17 @@
 """``check``: a pulled image's attestations verified, then the image re-derived bit for bit.
 
 Public API:
-    CheckResult        reference, digest, signed_by (keyid or None), identical, difference
-    check_image(reference, files, config, public_key=None, reporter=SILENT) -> CheckResult
+    CheckResult        reference, digest, tag (the recorded one), platform, signed_by (keyid or None),
+                       identical, difference
+    check_image(reference, files, config, public_key=None, reporter=SILENT, allow_moved_tag=False)
+        -> CheckResult
 
 In order, each failure a one-line ``KilnError``: the reference resolves to an image manifest;
 its referrers (the referrers API, else the ``sha256-<hex>`` tag) hold a provenance and an SBOM
 whose artifact ``subject`` is this digest; with a key, a provenance signature verifies; the
-statement's subject is this digest; the SBOM is the one the provenance records; the local
+statement's subject is this digest; a tag in the reference is the tag the provenance records
+(a tag moved onto another signed image is refused, naming both tags, unless
+``allow_moved_tag``: then a warning); the SBOM is the one the provenance records; the local
 image definition, patch modules and kiln commit are the recorded ones. Then the image is
 rebuilt from the recorded pin (its locked base digest), SM and definition in a temporary
 cache (sharing only the user's Triton toolchains), and compared: the same manifest digest (and the same SBOM and statement bytes) is
@@ -63,6 +67,8 @@ class CheckResult:
     signed_by: str | None
     identical: bool
     difference: str = ""
+    tag: str = ""  # the tag the provenance records
+    platform: str = ""  # "linux/amd64 sm_120": the image config's os/architecture and the recorded SM
 
 
 def _attached(client: RegistryClient, repo: str, digest: str) -> dict[str, list[tuple[Manifest, bytes]]]:
@@ -142,7 +148,7 @@ def _share_toolchains(cache: Path) -> None:
 
 
 def check_image(reference: str, files: RepoFiles, config: RegistryConfig, public_key=None,
-                reporter: Reporter = SILENT) -> CheckResult:
+                reporter: Reporter = SILENT, allow_moved_tag: bool = False) -> CheckResult:
     ref = parse_reference(reference)
     client = RegistryClient.for_registry(ref.registry, config)
     repo = ref.repository
@@ -160,6 +166,13 @@ def check_image(reference: str, files: RepoFiles, config: RegistryConfig, public
     recorded = read_statement(payload, f"{what} provenance")
     if recorded.subject != digest:
         raise Refused(f"{what}: the provenance is for {recorded.subject}, not this image")
+    if ref.tag and ref.tag != recorded.tag:
+        moved = (f"{ref.name}:{ref.tag} names {digest}, whose provenance records the tag {recorded.tag}, "
+                 f"not {ref.tag}")
+        if not allow_moved_tag:
+            raise Refused(f"{moved}: the tag was moved (check {ref.name}@{digest} to check that image, "
+                          "or pass --allow-moved-tag)")
+        reporter.warn(f"{moved} (--allow-moved-tag: checking it as {recorded.tag})")
     sboms = [doc for _, doc in found.get(SBOM_MEDIA_TYPE, [])]
     if not sboms:
         raise Refused(f"{what}: no SBOM attached (no referrer of type {SBOM_MEDIA_TYPE})")
@@ -169,6 +182,7 @@ def check_image(reference: str, files: RepoFiles, config: RegistryConfig, public
         raise Refused(f"{what}: the attached SBOM (sha256 {got[:16]}…) is not the one the provenance records "
                         f"(sha256 {recorded.sbom_sha256[:16]}…)")
     inputs = _local_inputs(files, recorded)
+    result = {"tag": recorded.tag}
     with tempfile.TemporaryDirectory(prefix="kiln-check-") as tmp:
         cache = Path(tmp)
         _share_toolchains(cache)
@@ -177,13 +191,17 @@ def check_image(reference: str, files: RepoFiles, config: RegistryConfig, public
                                  reporter=reporter)
         (cache / "work").mkdir()
         image = bake(prepared, cache / "work", reporter)
+        built = image.model.config
+        result["platform"] = f"{built.get('os', '?')}/{built.get('architecture', '?')} sm_{recorded.sm}"
         if image.manifest.digest != digest:
             difference = describe_difference(manifest, image, client, repo, cache)
-            return CheckResult(reference, digest, signed_by, False, difference)
+            return CheckResult(reference, digest, signed_by, False, difference, **result)
         sbom_again, provenance_again = attestations(image)
         _, statement_again, _ = open_envelope(provenance_again.blobs[provenance_again.manifest.json["layers"][0]["digest"]], "")
         if sbom_again.blobs[sbom_again.manifest.json["layers"][0]["digest"]] != sbom:
-            return CheckResult(reference, digest, signed_by, False, "the SBOM differs from the re-derived one")
+            return CheckResult(reference, digest, signed_by, False, "the SBOM differs from the re-derived one",
+                               **result)
         if statement_again != payload:
-            return CheckResult(reference, digest, signed_by, False, "the provenance differs from the re-derived one")
-    return CheckResult(reference, digest, signed_by, True)
+            return CheckResult(reference, digest, signed_by, False, "the provenance differs from the re-derived one",
+                               **result)
+    return CheckResult(reference, digest, signed_by, True, **result)

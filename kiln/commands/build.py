@@ -90,7 +90,7 @@ def run_build_command(args, out) -> int:
                        purpose="--push" if args.push else "--values" if args.values else "local")
     publishers: list[Publisher] = []
     if args.oci:
-        publishers.append(LayoutPublisher(args.oci, inputs.tag))
+        publishers.append(LayoutPublisher(args.oci, inputs.tag, reporter))
     if args.docker_archive:
         publishers.append(ArchivePublisher(args.docker_archive, [f"{name.name}:{inputs.tag}"], args.force))
     if args.values:

@@ -18,6 +18,9 @@ def register(sub) -> None:
     p.add_argument("reference", metavar="REF", help="the image: REGISTRY/REPOSITORY:TAG or @sha256:…")
     p.add_argument("--key", type=Path, metavar="PUB",
                    help="PEM public key the provenance must be signed with (without it: not verified)")
+    p.add_argument("--allow-moved-tag", action="store_true",
+                   help="check the image REF's tag names even when its provenance records another tag "
+                        "(a warning; without it such a moved tag is refused)")
     options.add_registry_options(p)
     options.add_limit_options(p)
     options.add_json_option(p)
@@ -29,7 +32,7 @@ def run_check(args, out) -> int:
     reporter = out.reporter()
     try:
         result = check_image(args.reference, options.repo_files(args), options.registry_config(args), key,
-                             reporter)
+                             reporter, allow_moved_tag=args.allow_moved_tag)
     except Refused as err:
         if args.json:
             out.json({"reference": args.reference, "identical": False, "refused": str(err)})
@@ -37,11 +40,13 @@ def run_check(args, out) -> int:
             out.stderr.print(f"[red]refused:[/] {escape(scrub(str(err)))}", soft_wrap=True)
         return 1
     if args.json:
-        out.json({"reference": result.reference, "digest": result.digest, "signed_by": result.signed_by,
+        out.json({"reference": result.reference, "digest": result.digest, "tag": result.tag,
+                  "platform": result.platform, "signed_by": result.signed_by,
                   "identical": result.identical, "difference": result.difference})
     elif result.identical:
-        signer = f"signed by key {result.signed_by[:16]}…" if result.signed_by else "signature not verified"
-        out.stdout.print(escape(f"identical: {result.reference} ({result.digest}), {signer}"), soft_wrap=True)
+        signer = f"signed by key {result.signed_by}" if result.signed_by else "signature not verified"
+        out.stdout.print(escape(f"identical: {result.reference} ({result.digest}), tag {result.tag}, "
+                                f"{result.platform}, {signer}"), soft_wrap=True)
     else:
         out.stderr.print(f"[red]refused:[/] {escape(scrub(f'{result.digest} {result.difference}'))}", soft_wrap=True)
     return 0 if result.identical else 1

@@ -1,7 +1,7 @@
 """``build --oci DIR``: the image added to an OCI image layout, as skopeo and crane add to one.
 
 Public API:
-    LayoutPublisher(path, ref_name)
+    LayoutPublisher(path, ref_name, reporter=SILENT)
     layout_index(path, option="--oci") -> dict   a layout's ``index.json`` (validated)
     check_layout(path, option="--oci")           an existing layout kiln may add to (marker, index, blobs)
 
@@ -19,7 +19,11 @@ and rewrites ``index.json`` atomically. Rolling back restores the previous index
 
 The image's attestations (SBOM, provenance) join the layout as artifact manifests listed in
 ``index.json`` with their ``artifactType`` and an ``io.kiln.subject`` annotation naming the
-image's manifest digest (each artifact's own ``subject`` says the same).
+image's manifest digest (each artifact's own ``subject`` says the same). When this image
+replaces another under its name, the replaced image's artifacts leave ``index.json`` with it
+(under the same lock, said in one warning): a layout never lists an SBOM or provenance of an image
+it no longer lists. Those still naming an image another entry lists stay; the blobs stay too
+(another entry may use them), and a rollback puts the index entries back.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from kiln.oci.mediatypes import OCI_INDEX
 from kiln.oci.mutate import canonical_json
 from kiln.publish import Input, Publisher
 from kiln.publish.destinations import LAYOUT_MARKER
+from kiln.report import SILENT, Reporter
 from kiln.staging import Staged, stage_dir, umask, write_atomic
 
 # The OCI digest grammar (image-spec descriptor.md), and the algorithms a reader can verify.
@@ -159,9 +164,10 @@ class LayoutPublisher(Publisher):
     option = "--oci"
     directory = True
 
-    def __init__(self, path: Path, ref_name: str):
+    def __init__(self, path: Path, ref_name: str, reporter: Reporter = SILENT):
         self.path = path
         self.ref_name = ref_name
+        self.reporter = reporter
 
     def check(self, inputs: Sequence[Input] = ()) -> None:
         super().check(inputs)
@@ -221,9 +227,25 @@ class LayoutPublisher(Publisher):
             manifests = index.get("manifests", [])
             previous = [m for m in manifests if (m.get("annotations") or {}).get(REF_NAME) == self.ref_name]
             added = [e for e in entries if e not in manifests or e in previous]
-            index["manifests"] = [m for m in manifests if m not in previous and m not in added] + added
+            kept = [m for m in manifests if m not in previous and m not in added]
+            orphans, said = self._orphans(previous, kept, entries)
+            index["manifests"] = [m for m in kept if m not in orphans] + added
             write_atomic(dest / "index.json", canonical_json(index))
-            return lambda: self._undo_merge(dest, added, previous)
+            if said:
+                self.reporter.warn(said)
+            return lambda: self._undo_merge(dest, added, previous + orphans)
+
+    def _orphans(self, previous: list[dict], kept: list[dict], entries: list[dict]) -> tuple[list[dict], str]:
+        """The artifacts of the images this name no longer lists (and no other entry does), and
+        the one line that says so ("" when no image was replaced)."""
+        listed = {m.get("digest") for m in [*kept, *entries] if SUBJECT_ANNOTATION not in (m.get("annotations") or {})}
+        replaced = [m.get("digest") for m in previous if m.get("digest") not in listed]
+        if not replaced:
+            return [], ""
+        orphans = [m for m in kept if (m.get("annotations") or {}).get(SUBJECT_ANNOTATION) in replaced]
+        types = ", ".join(sorted({str(m.get("artifactType", "?")) for m in orphans})) or "none"
+        return orphans, (f"--oci {self.path}: {self.ref_name} replaced {', '.join(replaced)} with "
+                         f"{entries[0]['digest']}; removed its {len(orphans)} referrer(s) from index.json ({types})")
 
     def _undo_new(self, dest: Path, entries: list[dict]) -> None:
         """Remove the layout this build created, unless another build has added to it since."""

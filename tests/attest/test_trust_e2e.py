@@ -159,6 +159,19 @@ def test_signed_build_carries_both_referrers_and_check_says_identical(signed, ca
     code, out, err = _check(capsys, signed, f"{raw.host}/{repo}:{TAG}", "--key", str(signed["pub"]))
     assert code == 0, err
     assert out.startswith("identical:") and digest in out
+    # what it verified: the digest, the tag, the platform, the key
+    assert f"tag {TAG}, {_platform(raw, repo, data)} sm_{SM}, signed by key {_keyid(signed['pub'])}" in out
+
+
+def _platform(raw: Registry, repo: str, manifest: bytes) -> str:
+    config = json.loads(raw.blob(repo, json.loads(manifest)["config"]["digest"]))
+    return f"{config['os']}/{config['architecture']}"
+
+
+def _keyid(pub: Path) -> str:
+    public = serialization.load_pem_public_key(pub.read_bytes())
+    return hashlib.sha256(public.public_bytes(serialization.Encoding.DER,
+                                              serialization.PublicFormat.SubjectPublicKeyInfo)).hexdigest()
 
 
 def _attached(raw: Registry, repo: str, digest: str) -> dict[str, tuple[dict, bytes]]:
@@ -403,3 +416,24 @@ def test_tamper_another_image_under_the_same_tag_is_refused(signed, capsys):
     raw.put_manifest(repo, TAG, base, kind.split(";")[0])
     err = _refused(capsys, signed, f"{raw.host}/{repo}:{TAG}", "--key", str(signed["pub"]))
     assert f"{_sha(base)}: no provenance attached" in err
+
+
+@pytest.mark.reliability
+def test_tag_moved_onto_another_signed_image_is_refused_naming_both_tags(signed, capsys):
+    """The sm86 tag moved onto the legitimately signed sm120 image: every signature verifies and
+    the image re-derives, but it is not what the tag the user asked about was built as."""
+    raw, repo = signed["raw"], "test/moved-tag"
+    digest = raw.clone(signed["repo"], repo, TAG)
+    moved = f"cu130-sm86-v{VLLM_VERSION}"
+    data, kind = raw.manifest(repo, TAG)
+    raw.put_manifest(repo, moved, data, kind.split(";")[0])
+    ref = f"{raw.host}/{repo}:{moved}"
+    err = _refused(capsys, signed, ref, "--key", str(signed["pub"]))
+    assert f"{ref} names {digest}, whose provenance records the tag {TAG}, not {moved}" in err
+    assert "--allow-moved-tag" in err
+    code, out, err = _check(capsys, signed, ref, "--key", str(signed["pub"]), "--allow-moved-tag")
+    assert code == 0, err
+    [warning] = err.splitlines()
+    assert warning.startswith("warning: ") and f"records the tag {TAG}, not {moved}" in warning
+    assert out.startswith(f"identical: {ref} ({digest}), tag {TAG}, {_platform(raw, repo, data)} sm_{SM}, "
+                          f"signed by key {_keyid(signed['pub'])}")

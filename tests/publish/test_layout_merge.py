@@ -76,6 +76,52 @@ def test_builds_for_two_sms_into_one_layout_keep_both(tmp_path, registry_plain):
     assert again["manifest_digest"] == first["manifest_digest"]
 
 
+def _artifacts(layout: Path) -> list[dict]:
+    return [m for m in json.loads((layout / "index.json").read_text())["manifests"] if "artifactType" in m]
+
+
+def test_replacing_a_tag_removes_the_replaced_images_referrers(tmp_path, registry_plain, monkeypatch):
+    """Two real builds of one tag into one layout, the second as by another kiln commit (its
+    revision label differs, so its digest does): the first image's SBOM and provenance leave
+    index.json with it, said in one warning; the layout lists only artifacts of images it lists."""
+    import kiln.build.prepare
+
+    layout = tmp_path / "replaced"
+    first = build(tmp_path, registry_plain, 120, "--oci", str(layout)).result
+    assert {m["annotations"]["io.kiln.subject"] for m in _artifacts(layout)} == {first["manifest_digest"]}
+    monkeypatch.setattr(kiln.build.prepare, "kiln_revision", lambda: ("0" * 40, False))
+    run = build(tmp_path, registry_plain, 120, "--oci", str(layout))
+    assert run.code == 0, run.err
+    second = run.result["manifest_digest"]
+    assert second != first["manifest_digest"]
+    assert layout_refs(layout) == {tag(120): second}
+    artifacts = _artifacts(layout)
+    assert len(artifacts) == 2 and {m["annotations"]["io.kiln.subject"] for m in artifacts} == {second}
+    for entry in artifacts:  # each artifact's own subject is the listed image
+        body = json.loads((layout / "blobs/sha256" / entry["digest"].split(":")[1]).read_bytes())
+        assert body["subject"]["digest"] == second
+    [warning] = [w for w in run.result["warnings"] if "replaced" in w]
+    assert (f"{tag(120)} replaced {first['manifest_digest']} with {second}; removed its 2 referrer(s) "
+            "from index.json") in warning and "\n" not in warning
+    assert copy_out(layout, tag(120), tmp_path) == second
+    # a third, whose push fails after the layout was merged: the rollback puts the second's
+    # entry and its referrers back, index.json as it was
+    index_before = json.loads((layout / "index.json").read_bytes())
+    monkeypatch.setattr(kiln.build.prepare, "kiln_revision", lambda: ("1" * 40, False))
+    proxy = FaultProxy(registry_plain.host)
+    try:
+        proxy.add(Fault("PUT", r"/manifests/", "status", status=503, times=None))
+        failed = build(tmp_path, registry_plain, 120, "--oci", str(layout), "--push",
+                       "--repository", f"{proxy.host}/test/layout-replaced", "--insecure-registry", proxy.host,
+                       mirror=proxy.mirror)
+    finally:
+        proxy.stop()
+    assert_one_line_error(failed, "HTTP 503")
+    assert sorted(json.loads((layout / "index.json").read_bytes())["manifests"], key=json.dumps) == \
+        sorted(index_before["manifests"], key=json.dumps)
+    assert copy_out(layout, tag(120), tmp_path) == second
+
+
 def test_failed_push_leaves_a_shared_layout_as_it_was(tmp_path, registry_plain, shared_layout):
     """The layout is committed before the manifest PUT; when the PUT fails it is rolled back:
     the index is byte-identical to before, every image in it is still whole."""
