@@ -228,10 +228,11 @@ def _newer(stanza: dict, tmp: Path) -> dict:
 @pytest.fixture
 def recipe_copy(tmp_path):
     """ci/cpu as a folder of its own, so a test can give the recipe another lock."""
-    folder = tmp_path / "cpu"
-    folder.mkdir()
+    folder = tmp_path / "ci" / "cpu"
+    folder.mkdir(parents=True)
     for name in ("base.py", "requirements.lock", "debian-packages.lock"):
         (folder / name).write_bytes((REPO / "ci" / "cpu" / name).read_bytes())
+    (folder.parent / "httpread.py").write_bytes((REPO / "ci" / "httpread.py").read_bytes())  # its reads
     return folder
 
 
