@@ -6,7 +6,9 @@ so 0.32.0 and 0.33.0 here) the split GDN shards ``linear_attn.in_proj_b`` / ``in
 ``Lorbus/Qwen3.6-27B-int4-AutoRound``, which AutoRound keeps in 16 bits (``extra_config`` bits 16,
 data_type fp) while the rest is INT4, no longer reach the fused ``in_proj_ba``. This test builds a
 tiny checkpoint with that layout and the 27B's names, runs each pin's real loading code into
-the parameters, and compares every loaded tensor with the checkpoint.
+the parameters, and compares every loaded tensor with the checkpoint. Besides the pins (0.20.1,
+0.32.0, 0.33.0) it runs 0.24.0, the last release with the imperative loader, and 0.25.0, the first
+with the declarative one (0.24.0 was branched before vllm#47058 merged).
 
 The checkpoint (known values, exact in float16 and bfloat16): the names the 27B stores, as
 ``Qwen3_5ForConditionalGeneration`` reads them: ``model.language_model.embed_tokens``, a GDN
@@ -27,9 +29,8 @@ the real modules): ``model_executor/layers/linear.py`` (the linear layers, their
 on 0.33.0, ``MergedColumnParallelLinear.load_weights``), ``parameter.py``, ``models/utils.py``
 (``WeightsMapper``, ``AutoWeightsLoader``), ``vocab_parallel_embedding.py``, the quantization
 package with the AutoRound config that picks each layer's method from the real prefixes
-(``layers/quantization/inc/`` on 0.33.0 and 0.32.0, ``inc.py`` on 0.20.1) and the GPTQ-Marlin linear
-method that creates the INT4 parameters (``auto_gptq.py`` on 0.33.0 and 0.32.0, ``gptq_marlin.py``
-on 0.20.1); from ``models/qwen3_5.py``, ``qwen3_next.py``, ``qwen3_vl.py`` (whose modules import the
+(``layers/quantization/inc/`` from 0.24.0, ``inc.py`` on 0.20.1) and the GPTQ-Marlin linear method
+that creates the INT4 parameters (``auto_gptq.py`` from 0.24.0, ``gptq_marlin.py`` on 0.20.1); from ``models/qwen3_5.py``, ``qwen3_next.py``, ``qwen3_vl.py`` (whose modules import the
 whole engine) the three ``load_weights`` methods of ``Qwen3_5ForConditionalGeneration``,
 ``Qwen3_5ForCausalLMBase`` and ``Qwen3_5Model`` and the classes' ``hf_to_vllm_mapper`` and
 ``packed_modules_mapping``, executed from the tree's text; the GDN layer's own
@@ -44,10 +45,14 @@ Stood in: the module tree itself (``nn.Module`` holders with the real attribute 
 way the real ``__init__`` methods build them, instead of the model classes, whose modules need the
 engine); the norms (a plain weight parameter, as ``RMSNorm`` has); tensor parallelism (one rank);
 the platform (CUDA's choices where they matter: ``maybe_disable_tp`` replicates ``in_proj_ba``, as
-for INC on CUDA; the same at one rank); the CUDA-only Marlin capability checks
+for INC on CUDA; the same at one rank); the MoE- and ROCm-only helpers of some releases'
+``load_weights`` (no experts, no AITER shared-expert fusion: a dense model on CUDA); the CUDA-only
+Marlin capability checks
 (``check_marlin_supported`` true, as on the images' GPUs) and the Marlin kernel choice (its
 ``process_weights_after_loading`` repacking for the GPU is not run: the comparison is of the
-parameters as loaded). The vision tower is left out of the checkpoint.
+parameters as loaded). The vision tower is left out of the checkpoint. Any other stub the harness
+puts in place of a vLLM module must not be called while the model is built and loaded
+(``ALLOWED_STUBS``): no stand-in does work whose result the comparison depends on.
 
 A deliberately broken mapping (``in_proj_b`` / ``in_proj_a`` swapped in 0.33.0's
 ``orig_to_new_stacked``) must fail the comparison: the test can fail.
@@ -63,14 +68,19 @@ from pathlib import Path
 import libcst as cst
 import pytest
 import torch
+from packaging.version import Version
 from torch import nn
 
+from kiln.source.wheel import WheelSource
 from tests.patchsets.support.patchlib import extract, run_defs
 from tests.support.vllm_modules import VllmModules, stub
 
 pytestmark = pytest.mark.network  # the pins' wheels, from PyPI
 
 PINS = ["v0.20.1", "cpu-v0.32.0", "v0.33.0"]
+# Besides the pins: the last release with the imperative loader and the first with vllm#47058's
+# declarative one (0.24.0 was branched before the merge), the release Genesis's bisection points at.
+RELEASES = {"vllm-0.24.0": "0.24.0", "vllm-0.25.0": "0.25.0"}
 
 # Tiny Qwen3.6-27B: the 27B's structure (GDN layers and gated full attention, dense MLP), small sizes
 HIDDEN = 64
@@ -360,7 +370,14 @@ class Pin:
             stacked[".in_proj_b"], stacked[".in_proj_a"] = stacked[".in_proj_a"], stacked[".in_proj_b"]
             self.model_mapper.orig_to_new_stacked = stacked
         load_ns = dict(vars(self.utils))
-        load_ns.update(torch=torch, maybe_remap_kv_scale_name=weight_utils.maybe_remap_kv_scale_name)
+        load_ns.update(
+            torch=torch, maybe_remap_kv_scale_name=weight_utils.maybe_remap_kv_scale_name,
+            # MoE- and ROCm-only helpers some releases' load_weights reach for: a dense model on CUDA
+            # has no experts (0.24.0's fused-expert mapping is used only for expert tensors) and no
+            # AITER shared-expert fusion (0.25.0)
+            fused_moe_make_expert_params_mapping=lambda *args, **kwargs: [],
+            rocm_aiter_ops=types.SimpleNamespace(is_fusion_moe_shared_experts_enabled=lambda: False),
+        )
         self.load_weights = {}
         for cls in ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLMBase", "Qwen3_5Model"):
             code = extract(self.source["models/qwen3_5.py"], f"{cls}.load_weights")
@@ -469,7 +486,7 @@ class Pin:
 
 @contextlib.contextmanager
 def pin_code(trees, label, broken=False):
-    root = trees(label).root
+    root = (WheelSource(Version(RELEASES[label])).fetch() if label in RELEASES else trees(label)).root
     with VllmModules(root, real=REAL, standins=_standins(root)) as vm:
         yield Pin(root, vm, broken=broken)
 
@@ -512,8 +529,8 @@ def compare(model: nn.Module, ckpt: dict[str, torch.Tensor]) -> list[str]:
     params = dict(model.named_parameters())
     wrong = []
     plan = expected(ckpt)
-    # 0.20.1's GPTQ-Marlin method also makes a g_idx, which the checkpoint does not store and
-    # Marlin drops without desc_act (kernels/linear/mixed_precision/marlin.py:135-143 on 0.20.1)
+    # The GPTQ-Marlin method of 0.20.1-0.25.0 also makes a g_idx, which the checkpoint does not store
+    # and Marlin drops without desc_act (kernels/linear/mixed_precision/marlin.py:135-143 on 0.20.1)
     unplanned = {name for name in set(params) - set(plan) if not name.endswith(".g_idx")}
     assert set(plan) <= set(params) and not unplanned, (sorted(set(plan) - set(params)), sorted(unplanned))
     for pname, parts in plan.items():
@@ -580,7 +597,7 @@ def load(pin: Pin, ckpt):
 # ── the tests ──────────────────────────────────────────────────────────────────────────────
 
 
-@pytest.mark.parametrize("label", PINS)
+@pytest.mark.parametrize("label", PINS + list(RELEASES))
 def test_the_27b_layout_loads_into_every_parameter(trees, label):
     ckpt = checkpoint()
     with pin_code(trees, label) as pin:
