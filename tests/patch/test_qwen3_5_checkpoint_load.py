@@ -54,8 +54,9 @@ parameters as loaded). The vision tower is left out of the checkpoint. Any other
 puts in place of a vLLM module must not be called while the model is built and loaded
 (``ALLOWED_STUBS``): no stand-in does work whose result the comparison depends on.
 
-A deliberately broken mapping (``in_proj_b`` / ``in_proj_a`` swapped in 0.33.0's
-``orig_to_new_stacked``) must fail the comparison: the test can fail.
+The test can fail: a deliberately broken mapping (``in_proj_b`` / ``in_proj_a`` swapped in 0.33.0's
+``orig_to_new_stacked``) and a shard that never reaches the model (Genesis's "in_proj_ba left
+uninitialised"; every parameter starts as NaN or -1) both fail the comparison.
 """
 
 from __future__ import annotations
@@ -627,3 +628,17 @@ def test_a_wrong_mapping_fails_the_comparison(trees):
         model, _ = load(pin, ckpt)
         wrong = compare(model, ckpt)
     assert wrong and all("in_proj_ba" in w for w in wrong), wrong
+
+
+def test_a_shard_that_never_arrives_is_seen(trees):
+    """Genesis's symptom, in_proj_ba left uninitialised: a load without in_proj_a leaves its rows
+    of the fused weight unset (NaN here), and the comparison with the checkpoint names them."""
+    ckpt = checkpoint()
+    missing = "model.language_model.layers.0.linear_attn.in_proj_a.weight"
+    with pin_code(trees, "v0.33.0") as pin:
+        model, _ = load(pin, {k: v for k, v in ckpt.items() if k != missing})
+        wrong = compare(model, ckpt)
+        rows = model.language_model.model.layers[0].linear_attn.in_proj_ba.weight.data
+    assert wrong == [f"language_model.model.layers.0.linear_attn.in_proj_ba.weight[{GDN_V_HEADS}:{2 * GDN_V_HEADS}]"
+                     f" != {missing}"], wrong
+    assert rows[GDN_V_HEADS:].isnan().all() and not rows[:GDN_V_HEADS].isnan().any()
