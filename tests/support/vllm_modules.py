@@ -142,9 +142,16 @@ class VllmModules(importlib.abc.MetaPathFinder):
         self.real = set(real)
         self.standins = dict(standins or {})
         self._saved: dict[str, types.ModuleType] = {}
+        self._provided: set[str] = set()  # every name this finder answered (removed on exit)
 
     # -- the finder -------------------------------------------------------------------------
     def find_spec(self, name, path=None, target=None):
+        spec = self._find_spec(name)
+        if spec is not None:
+            self._provided.add(name)
+        return spec
+
+    def _find_spec(self, name):
         top = name.split(".")[0]
         if top == "regex":
             return importlib.machinery.ModuleSpec(name, _Loader(self, "standin", re))
@@ -179,9 +186,7 @@ class VllmModules(importlib.abc.MetaPathFinder):
     def __exit__(self, *exc):
         sys.meta_path.remove(self)
         for name in list(sys.modules):
-            module = sys.modules[name]
-            loader = getattr(getattr(module, "__spec__", None), "loader", None)
-            if name == "vllm" or name.startswith("vllm.") or (isinstance(loader, _Loader) and loader.owner is self):
+            if name == "vllm" or name.startswith("vllm.") or name in self._provided:
                 del sys.modules[name]
         sys.modules.update(self._saved)
         return False
