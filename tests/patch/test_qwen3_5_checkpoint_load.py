@@ -279,7 +279,7 @@ def _standins(root: Path) -> dict:
     }, "model_executor/model_loader/weight_utils.py")
     return {
         "vllm.model_executor.model_loader.weight_utils": {n: weight_utils_ns[n] for n in names},
-        "vllm.logger": {"init_logger": logging.getLogger},
+        "vllm.logger": {"init_logger": _init_logger},
         "vllm.distributed": {
             "get_tensor_model_parallel_rank": lambda: 0,
             "get_tensor_model_parallel_world_size": lambda: 1,
@@ -290,6 +290,14 @@ def _standins(root: Path) -> dict:
         "vllm.model_executor.custom_op": {"PluggableLayer": _PluggableLayer, "CustomOp": _PluggableLayer},
         "vllm.model_executor.layers.quantization.utils.marlin_utils": marlin_ns,
     }
+
+
+def _init_logger(name):
+    """vllm.logger's init_logger: a logger with vLLM's once-only methods (logged every time here)."""
+    logger = logging.getLogger(name)
+    for level in ("debug", "info", "warning"):
+        setattr(logger, f"{level}_once", getattr(logger, level))
+    return logger
 
 
 def _divide(numerator, denominator):
