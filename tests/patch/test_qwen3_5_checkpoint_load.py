@@ -21,7 +21,8 @@ AutoRound's ``auto_round:auto_gptq`` packing, symmetric, group size 32: ``qweigh
 input rows per word, ``qzeros`` int32 with 8 output columns per word, float16 ``scales``. The
 quantization config is AutoRound's: ``quant_method`` auto-round, bits 4, ``block_name_to_quantize``
 ``model.language_model.layers``, and an ``extra_config`` entry ``{"bits": 16, "data_type": "fp"}``
-for every ``linear_attn.in_proj_a`` / ``in_proj_b`` (the 27B's real config.json was not read
+for every ``linear_attn.in_proj_a`` / ``in_proj_b`` (on the pins also a second time with one regex
+entry for them all, a form vLLM's INC parser reads too; the 27B's real config.json was not read
 here: no access to the Hugging Face hub; the layout is the one the issue and Genesis describe).
 
 What runs is each pin's own code (``tests/support/vllm_modules.py`` imports the tree's files as
@@ -177,12 +178,16 @@ def checkpoint() -> dict[str, torch.Tensor]:
     return ckpt
 
 
-def quantization_config() -> dict:
+def quantization_config(keys: str = "names") -> dict:
+    """AutoRound's config; ``keys``: "names" (one extra_config entry per layer, as AutoRound writes
+    them) or "regex" (one pattern for them all, which vLLM's INC parser also reads)."""
     extra = {}
     for i, kind in enumerate(LAYER_TYPES):
         if kind == "linear_attention":
             for proj in ("in_proj_a", "in_proj_b"):
                 extra[f"model.language_model.layers.{i}.linear_attn.{proj}"] = {"bits": 16, "data_type": "fp"}
+    if keys == "regex":
+        extra = {r".*linear_attn\.in_proj_[ab]$": {"bits": 16, "data_type": "fp"}}
     return {
         "quant_method": "auto-round",
         "bits": BITS,
@@ -327,8 +332,9 @@ class _Norm(nn.Module):
 class Pin:
     """One pin's real loading code, imported from its tree (inside ``VllmModules``)."""
 
-    def __init__(self, root: Path, vm: VllmModules, broken: bool = False):
+    def __init__(self, root: Path, vm: VllmModules, broken: bool = False, keys: str = "names"):
         self.root = root
+        self.keys = keys
         self.vllm = root / "vllm"
         self.linear = vm.load("vllm.model_executor.layers.linear")
         self.param = vm.load("vllm.model_executor.parameter")
@@ -405,7 +411,7 @@ class Pin:
 
     # -- the quantization config, as configure_quant_config leaves it ----------------------
     def quant_config(self):
-        config = self.inc.INCConfig.from_config(quantization_config())
+        config = self.inc.INCConfig.from_config(quantization_config(self.keys))
         mapper = self.top_mapper
         rename = getattr(mapper, "get_rename_mapper", None)
         config.apply_vllm_mapper(rename() if rename else mapper)
@@ -494,10 +500,10 @@ class Pin:
 
 
 @contextlib.contextmanager
-def pin_code(trees, label, broken=False):
+def pin_code(trees, label, broken=False, keys="names"):
     root = (WheelSource(Version(RELEASES[label])).fetch() if label in RELEASES else trees(label)).root
     with VllmModules(root, real=REAL, standins=_standins(root)) as vm:
-        yield Pin(root, vm, broken=broken)
+        yield Pin(root, vm, broken=broken, keys=keys)
 
 
 # ── the comparison ─────────────────────────────────────────────────────────────────────────
@@ -606,10 +612,11 @@ def load(pin: Pin, ckpt):
 # ── the tests ──────────────────────────────────────────────────────────────────────────────
 
 
-@pytest.mark.parametrize("label", PINS + list(RELEASES))
-def test_the_27b_layout_loads_into_every_parameter(trees, label):
+@pytest.mark.parametrize(("label", "keys"), [(label, "names") for label in PINS + list(RELEASES)]
+                         + [(label, "regex") for label in PINS])
+def test_the_27b_layout_loads_into_every_parameter(trees, label, keys):
     ckpt = checkpoint()
-    with pin_code(trees, label) as pin:
+    with pin_code(trees, label, keys=keys) as pin:
         model, loaded = load(pin, ckpt)
         # the fused GDN projection of the BF16 shards is an unquantized one; the rest INT4
         gdn = model.language_model.model.layers[0].linear_attn
