@@ -27,7 +27,7 @@ here: no access to the Hugging Face hub; the layout is the one the issue and Gen
 
 What runs is each pin's own code (``tests/support/vllm_modules.py`` imports the tree's files as
 the real modules): ``model_executor/layers/linear.py`` (the linear layers, their weight loaders and,
-on 0.33.0, ``MergedColumnParallelLinear.load_weights``), ``parameter.py``, ``models/utils.py``
+on the declarative releases, ``MergedColumnParallelLinear.load_weights``), ``parameter.py``, ``models/utils.py``
 (``WeightsMapper``, ``AutoWeightsLoader``), ``vocab_parallel_embedding.py``, the quantization
 package with the AutoRound config that picks each layer's method from the real prefixes
 (``layers/quantization/inc/`` from 0.24.0, ``inc.py`` on 0.20.1) and the GPTQ-Marlin linear method
@@ -244,7 +244,7 @@ REAL = [
     "vllm.model_executor.models.utils",
     "vllm.model_executor.layers.quantization",
     "vllm.model_executor.layers.quantization.base_config",
-    # 0.33.0, 0.32.0: the INC package and AutoGPTQ's Marlin method
+    # from 0.24.0: the INC package and AutoGPTQ's Marlin method
     "vllm.model_executor.layers.quantization.inc",
     "vllm.model_executor.layers.quantization.inc.inc",
     "vllm.model_executor.layers.quantization.inc.config_parser",
@@ -274,7 +274,6 @@ def _standins(root: Path) -> dict:
         check_marlin_supported=lambda *a, **k: True,
         verify_marlin_supported=lambda *a, **k: None,
         check_moe_marlin_supports_layer=lambda *a, **k: True,
-        marlin_moe_permute_scales=None,
     )
     weight_utils = (vllm / "model_executor/model_loader/weight_utils.py").read_text()
     names = ["default_weight_loader", "sharded_weight_loader", "maybe_remap_kv_scale_name"]
