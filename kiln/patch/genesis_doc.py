@@ -2,7 +2,8 @@
 
 Genesis (github Sandermage/genesis-vllm-patches) switches its fixes on per model preset with
 ``GENESIS_*`` environment switches. The ledger has one row per switch that either of its two
-production presets for kiln's models turns on, and says what kiln does about it on the
+production presets for kiln's models turns on (and a ``judged`` row for a fix no preset turns on
+that kiln was asked to judge), and says what kiln does about it on the
 releases kiln pins: ``ported`` (the kiln patch ids), ``upstream`` (the first vLLM release with
 the fix, and where it is on the release kiln checked), ``not-applicable`` (why: other hardware,
 another model, observability, Genesis's own tooling), ``declined`` (the evidence), ``planned``.
@@ -37,8 +38,9 @@ REASONS = {
     "tooling": "Genesis's own tooling or configuration",
     "runtime": "a runtime feature or behaviour change, not a fix kiln can make at build time",
 }
-# Keys any row may have: `id`, `presets`, `what` (required), `note`, `refs` (optional).
-_COMMON = {"id", "presets", "what", "note", "refs"}
+# Keys any row may have: `id`, `presets`, `what` (required), `note`, `refs`, `judged` (optional).
+# `judged`: why kiln judged a fix no preset switches on (an issue asked); such a row has `presets = []`.
+_COMMON = {"id", "presets", "what", "note", "refs", "judged"}
 _BY_STATUS = {  # the keys a row of that status must have (and no other status-specific key)
     "ported": {"kiln"},  # or `baked` (a file the images bake) or `aot` (launchers compiled ahead of time)
     "upstream": {"release", "evidence"},
@@ -56,7 +58,7 @@ _RELEASE = re.compile(r"^\d+\.\d+\.\d+$")
 class Row:
     switch: str  # the full environment switch, e.g. GENESIS_ENABLE_P58_ASYNC_PLACEHOLDER_FIX
     genesis_id: str  # Genesis's patch id(s) behind it, e.g. "P58"; "-" for a switch that is no patch
-    presets: tuple[str, ...]  # the preset keys (`[genesis.presets]`) that turn it on
+    presets: tuple[str, ...]  # the preset keys (`[genesis.presets]`) that turn it on; () with `judged`
     what: str
     status: str
     kiln: tuple[str, ...] = ()
@@ -67,6 +69,7 @@ class Row:
     reason: str = ""
     refs: str = ""
     note: str = ""
+    judged: str = ""  # why a fix no preset turns on has a row
 
 
 @dataclass(frozen=True)
@@ -140,9 +143,14 @@ def _row(path: Path, name: str, raw, presets: Mapping[str, str]) -> Row:
         if not isinstance(raw[key], str) or not raw[key].strip():
             fail(key, "must be a non-empty string")
     for key in ("presets", "kiln", "baked", "aot"):
+        if key == "presets" and "judged" in raw:
+            if raw[key] != []:
+                fail(key, "must be [] for a judged row (a fix no preset switches on)")
+            continue
         if key in raw and (not isinstance(raw[key], list) or not raw[key]
                            or not all(isinstance(v, str) and v for v in raw[key])):
-            fail(key, "must be a non-empty list of strings")
+            fail(key, "must be a non-empty list of strings" + ("" if key != "presets" else
+                      " (or [] with `judged`: why a fix no preset switches on has a row)"))
     for key in raw["presets"]:
         if key not in presets:
             fail("presets", f"{key!r} is not a preset of [genesis.presets] ({', '.join(presets)})")
@@ -154,7 +162,7 @@ def _row(path: Path, name: str, raw, presets: Mapping[str, str]) -> Row:
                status=status, kiln=tuple(raw.get("kiln", ())), baked=tuple(raw.get("baked", ())),
                aot=tuple(raw.get("aot", ())), release=raw.get("release", ""),
                evidence=raw.get("evidence", "").strip(), reason=raw.get("reason", ""),
-               refs=raw.get("refs", ""), note=raw.get("note", "").strip())
+               refs=raw.get("refs", ""), note=raw.get("note", "").strip(), judged=raw.get("judged", "").strip())
 
 
 def check_ledger(ledger: Ledger, catalogue: Catalogue) -> None:
@@ -204,6 +212,7 @@ def render_genesis_doc(ledger: Ledger, catalogue: Catalogue, record: Mapping[str
     rows = sorted(ledger.rows, key=lambda r: (STATUSES.index(r.status), patch_sort_key(r.genesis_id), r.switch))
     counts = {s: sum(1 for r in ledger.rows if r.status == s) for s in STATUSES}
     per_preset = {key: sum(1 for r in ledger.rows if key in r.presets) for key in ledger.presets}
+    judged = sum(1 for r in ledger.rows if r.judged)
     out = [
         "# Genesis ledger: what kiln does about each fix Genesis's presets switch on",
         "",
@@ -213,8 +222,10 @@ def render_genesis_doc(ledger: Ledger, catalogue: Catalogue, record: Mapping[str
         f"[Genesis](https://github.com/{ledger.repository}) applies its fixes at run time, each behind an",
         "environment switch. Its production presets for the two models kiln ships switch on "
         + " and ".join(f"{n} (`{k}`: `{ledger.presets[k]}`)" for k, n in per_preset.items())
-        + f", {len(ledger.rows)} switches in all, read at Genesis commit `{ledger.commit}`. "
-        "One row per switch: what it fixes and what kiln does about it:",
+        + f", {len(ledger.rows) - judged} switches in all, read at Genesis commit `{ledger.commit}`. "
+        + (f"{judged} more {'row judges a fix' if judged == 1 else 'rows judge fixes'} no preset switches on "
+           "(presets: none), because kiln was asked to (notes: why). " if judged else "")
+        + "One row per switch: what it fixes and what kiln does about it:",
         "",
         "- **ported**: a kiln patch carries the fix (its id is Genesis's for the same fix); the "
         "verdicts are the recorded ones of each pin (`patchsets/verdicts.toml`); or the images bake a "
@@ -231,10 +242,11 @@ def render_genesis_doc(ledger: Ledger, catalogue: Catalogue, record: Mapping[str
         "|---|---|---|---|---|---|",
     ]
     for row in rows:
-        presets = ", ".join(k for k in ledger.presets if k in row.presets)
+        presets = ", ".join(k for k in ledger.presets if k in row.presets) or "none"
         what = row.what + (f" ({row.refs})" if row.refs else "")
+        note = " ".join(part for part in (f"Judged: {row.judged}" if row.judged else "", row.note) if part)
         out.append(f"| `{row.switch}` | {row.genesis_id} | {presets} | {_cell(what)} | "
-                   f"{_cell(_status_cell(row, record, pins))} | {_cell(row.note) or '-'} |")
+                   f"{_cell(_status_cell(row, record, pins))} | {_cell(note) or '-'} |")
     out += ["", "Regenerate with `python build.py patches --genesis-doc`; `tests/patch/test_genesis_doc.py` "
             "fails when a switch of the vendored preset lists (`tests/patch/genesis/`) has no row or this "
             "file is stale."]

@@ -54,7 +54,9 @@ def test_every_switch_a_preset_turns_on_has_exactly_its_row():
     everything = set().union(*enabled.values())
     rows = {row.switch: row for row in ledger.rows}
     assert sorted(everything - set(rows)) == [], "switches with no row in patchsets/genesis.toml"
-    assert sorted(set(rows) - everything) == [], "rows for switches no preset turns on"
+    judged = {switch for switch, row in rows.items() if row.judged}
+    assert sorted(set(rows) - everything - judged) == [], "rows for switches no preset turns on (and not judged)"
+    assert sorted(judged & everything) == [], "judged rows for switches a preset turns on (give their presets)"
     for switch, row in rows.items():
         assert set(row.presets) == {key for key, on in enabled.items() if switch in on}, switch
     assert {k: len(v) for k, v in enabled.items()} == {"27B": 71, "35B-A3B": 76}  # the issue's count
@@ -160,6 +162,25 @@ def test_a_ported_row_may_name_an_ahead_of_time_launcher_which_must_exist(tmp_pa
         check_ledger(load_ledger(path), catalogue)
     path.write_text(ROW.format(row='status = "planned"\naot = ["turboquant_decode"]'))
     with pytest.raises(KilnError, match="aot: unknown key for a planned row"):
+        load_ledger(path)
+
+
+def test_a_judged_row_is_for_a_fix_no_preset_switches_on(tmp_path, catalogue):
+    """A fix kiln was asked to judge though no preset turns it on (PN520) has `presets = []` and
+    says why in `judged`; a row without `judged` still needs its presets."""
+    path = tmp_path / "genesis.toml"
+    judged = 'status = "declined"\nevidence = "x.py:1"\njudged = "issue 34"'
+    path.write_text(ROW.format(row=judged).replace('presets = ["27B"]', "presets = []"))
+    ledger = load_ledger(path)
+    assert ledger.rows[0].presets == () and ledger.rows[0].judged == "issue 34"
+    doc = render_genesis_doc(ledger, catalogue, {})
+    assert "| `GENESIS_ENABLE_P58_ASYNC_PLACEHOLDER_FIX` | P58 | none |" in doc
+    assert "Judged: issue 34" in doc and "0 switches in all" in doc and "1 more row judges a fix" in doc
+    path.write_text(ROW.format(row=judged))
+    with pytest.raises(KilnError, match=r"presets: must be \[\] for a judged row"):
+        load_ledger(path)
+    path.write_text(ROW.format(row='status = "planned"').replace('presets = ["27B"]', "presets = []"))
+    with pytest.raises(KilnError, match=r"presets: must be a non-empty list of strings \(or \[\] with `judged`"):
         load_ledger(path)
 
 
