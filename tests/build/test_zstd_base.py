@@ -143,6 +143,25 @@ def test_the_image_on_a_zstd_base_runs_with_podman(project, capsys, zstd_base, p
     _check_running_image(podman_store, ref, base_layout)
 
 
+def test_the_docker_archive_on_a_zstd_base_loads_with_podman(project, capsys, tmp_path, zstd_base, podman_store,  # noqa: F811
+                                                            base_layout):
+    archive = tmp_path / "out" / "image.tar"
+    code, _, err = _build(project, capsys, ZSTD_TAG, zstd_base["digest"], "--docker-archive", str(archive))
+    assert code == 0, err
+    with tarfile.open(archive) as tar:
+        [entry] = json.loads(tar.extractfile("manifest.json").read())
+        layers = [tar.extractfile(name).read() for name in entry["Layers"]]
+        config = json.loads(tar.extractfile(entry["Config"]).read())
+    # the base's zstd blobs as they are, kiln's gzip layer on top
+    assert layers[:len(ROLES)] == [zstd_base["blobs"][layer["digest"]] for layer in zstd_base["manifest"]["layers"]]
+    assert [name.split(".", 1)[1] for name in entry["Layers"]] == ["tar.zst"] * len(ROLES) + ["tar.gz"]
+    tars = [zstd.decompress(data) for data in layers[:len(ROLES)]] + [gzip.decompress(layers[-1])]
+    assert config["rootfs"]["diff_ids"] == ["sha256:" + hashlib.sha256(raw).hexdigest() for raw in tars]
+    loaded = _podman(podman_store, "load", "-i", str(archive))
+    assert loaded.returncode == 0, loaded.stderr.decode()
+    _check_running_image(podman_store, f"docker.io/kiln/e2e-p65:{TAG}", base_layout)
+
+
 @pytest.mark.reliability
 @pytest.mark.parametrize("corruption", ["diff_id", "stream"])
 def test_a_corrupt_zstd_layer_is_refused_in_one_line_naming_it(project, capsys, tmp_path, zstd_base, corruption):
