@@ -4,9 +4,10 @@ Public API:
     ArchivePublisher(path, repo_tags, force=False)
 
 The tarball holds ``manifest.json``, the config and the layers as they are (no
-recompression: the digests stay the registry's): gzip ones named ``<hex>.tar.gz``, a zstd base's
-``<hex>.tar.zst`` (``docker load`` and ``podman load`` tell them apart by their bytes). An existing file is refused unless
-``--force``, before any work; a file that is not a tar archive is never replaced.
+recompression: the digests stay the registry's): gzip ones named ``<hex>.tar.gz``, a zstd
+base's ``<hex>.tar.zst`` (``docker load`` and ``podman load`` tell them apart by their bytes).
+An existing file is refused unless ``--force``, before any work; a file that is not a tar
+archive is never replaced.
 """
 
 from __future__ import annotations
