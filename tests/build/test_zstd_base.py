@@ -191,3 +191,31 @@ def test_a_corrupt_zstd_layer_is_refused_in_one_line_naming_it(project, capsys, 
         assert f"not to its diff_id {config['rootfs']['diff_ids'][position]}" in line
     else:
         assert "is not a readable tar" in line or "not to its diff_id" in line
+
+
+def test_a_zstd_chunked_base_is_read_and_its_diff_ids_held_to_its_bytes(project, capsys, tmp_path, registry_plain,
+                                                                       base_layout):
+    """zstd:chunked (podman's: the files' table in skippable frames) is zstd to kiln. skopeo 1.9.3
+    writes its tar without the gzip layers' trailing padding yet keeps their config, so its
+    diff_ids may not be its bytes' (containerd's unpack compares them too): kiln builds it when
+    they are, and refuses it naming the first layer read when they are not."""
+    layout = tmp_path / "chunked"
+    run("skopeo", "copy", "--quiet", "--dest-compress-format", "zstd:chunked", base_layout.oci("base"),
+        f"oci:{layout}:base")
+    tag = f"v{VLLM_VERSION}-zstd-chunked"
+    registry_plain.push(f"oci:{layout}:base", f"{REPO}:{tag}")
+    push = HandPusher(registry_plain)
+    manifest = json.loads(push.get("manifests", tag))
+    assert {layer["mediaType"] for layer in manifest["layers"]} == {OCI_LAYER_ZSTD}
+    config = json.loads(push.get("blobs", manifest["config"]["digest"]))
+    top, top_diff_id = manifest["layers"][-1], config["rootfs"]["diff_ids"][-1]
+    held = "sha256:" + hashlib.sha256(zstd.decompress(push.get("blobs", top["digest"]))).hexdigest() == top_diff_id
+    code, built, err = _build(project, capsys, tag, registry_plain.digest_of(f"{REPO}:{tag}"), "--oci",
+                              str(tmp_path / "out"))
+    print(f"diff_ids held: {held}; kiln: {err.strip().splitlines()[-1] if err.strip() else 'built'}")
+    if held:
+        assert code == 0, err
+    else:
+        line = [line for line in err.splitlines() if line.strip()][-1]
+        assert code == 2 and line.startswith("error: ") and f"layer {top['digest']} decompresses to" in line, err
+        assert f"not to its diff_id {top_diff_id}" in line
