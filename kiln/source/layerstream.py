@@ -70,7 +70,7 @@ def open_tar(reader, mode: str, name: str, budget: Budget, reporter: Reporter = 
              advance: Callable[[int], object] | None = None, diff_id: str | None = None) -> Iterator[tarfile.TarFile]:
     decompress = _DECOMPRESSORS[mode]
     with _Prefetch(reader, advance or (lambda n: None), name, budget, reporter) as fetched:
-        counted = _Counted(decompress(fetched), name, budget)
+        counted = _Counted(decompress(fetched), name, budget, hashed=diff_id is not None)
         try:
             with tarfile.open(fileobj=counted, mode="r|", bufsize=LAYER_BUFFER) as tar:
                 yield tar
@@ -149,10 +149,10 @@ class _Counted:
     """Decompressed bytes, counted against the budget and hashed (the layer's diff_id) as they
     are handed to tarfile."""
 
-    def __init__(self, raw, name: str, budget: Budget):
+    def __init__(self, raw, name: str, budget: Budget, hashed: bool = True):
         self._raw, self._name, self._budget = raw, name, budget
         self.total = 0
-        self._sha256 = hashlib.sha256()
+        self._sha256 = hashlib.sha256() if hashed else None
 
     @property
     def diff_id(self) -> str:
@@ -161,7 +161,8 @@ class _Counted:
     def read(self, n: int = -1) -> bytes:
         data = self._raw.read(LAYER_BUFFER if n is None or n < 0 else min(n, LAYER_BUFFER))
         if data:
-            self._sha256.update(data)
+            if self._sha256 is not None:
+                self._sha256.update(data)
             self.total += len(data)
             self._budget.inflated(self._name, self.total, len(data))
             self._budget.check_deadline(self._name)
