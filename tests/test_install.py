@@ -38,6 +38,8 @@ def test_the_readme_install_resolves_and_needs_no_torch(tmp_path):
     assert command and command.group(1) == "-e .", "README's set-up command changed: update this test"
     resolved = _resolve(tmp_path, "-e", ".")
     assert {"kiln", "libcst", "requests", "packaging", "jsonschema"} <= set(resolved)
+    # zstd base layers: the stdlib's compression.zstd from 3.14, its backport before
+    assert ("backports.zstd" in resolved) == (sys.version_info < (3, 14))
     # what `build` fetches per pin (Triton) comes later, into kiln's cache; torch never
     assert not {"torch", "triton", "numpy"} & set(resolved)
 

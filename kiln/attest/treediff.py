@@ -6,7 +6,9 @@ Public API:
 
 Layers are compared by position; for the first that differs, the pulled blob is fetched
 (verified, size-bounded) and both tars are read entry by entry: a file's name, type, mode and
-content hash are what count (the tars kiln writes fix owner and time).
+content hash are what count (the tars kiln writes fix owner and time). A pulled layer may be
+gzip, zstd (an image recompressed on its way, ``skopeo copy --dest-compress-format zstd``) or
+plain tar, told apart by its first bytes.
 """
 
 from __future__ import annotations
@@ -18,16 +20,22 @@ from pathlib import Path
 
 from kiln.oci.manifest import Manifest
 from kiln.oci.registry import RegistryClient
+from kiln.source.layerstream import Unzstd
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 _LAYER_MAX = 1 << 30  # a kiln layer is source files and kernels; a pulled one larger than this is not compared
 
 
 def _entries(path: Path) -> dict[str, tuple]:
     out: dict[str, tuple] = {}
-    with tarfile.open(path, "r:*") as tar:
-        for member in tar:
-            content = hashlib.sha256(tar.extractfile(member).read()).hexdigest() if member.isfile() else ""
-            out[member.name.lstrip("./")] = (member.type, member.mode, member.linkname, content)
+    with path.open("rb") as raw:
+        zstd = raw.read(4) == _ZSTD_MAGIC
+        raw.seek(0)
+        with (tarfile.open(fileobj=Unzstd(raw), mode="r|") if zstd else tarfile.open(fileobj=raw, mode="r:*")) as tar:
+            for member in tar:
+                content = hashlib.sha256(tar.extractfile(member).read()).hexdigest() if member.isfile() else ""
+                out[member.name.lstrip("./")] = (member.type, member.mode, member.linkname, content)
     return out
 
 

@@ -2,7 +2,7 @@
 
 Public API: the ``OCI_*`` / ``DOCKER_*`` constants, ``MANIFEST_ACCEPT`` (all four manifest
 types, in one header), ``INDEX_TYPES``, ``IMAGE_MANIFEST_TYPES``, ``IMAGE_CONFIG_TYPES``, ``tar_mode(media_type)``,
-the layer's tar mode (decompression: ``kiln.source.layerstream``).
+the layer's tar mode: "r|gz", "r|zst" or "r|" (decompression: ``kiln.source.layerstream``).
 
 Why all four in Accept: distribution answers 404 for OCI content the client did not list and
 silently converts Docker content to schema1 (a different digest) when Docker v2 is missing.
@@ -31,15 +31,17 @@ MANIFEST_ACCEPT = ", ".join([OCI_INDEX, DOCKER_LIST, OCI_MANIFEST, DOCKER_MANIFE
 
 _GZIP_LAYERS = {OCI_LAYER_GZIP, DOCKER_LAYER_GZIP, DOCKER_FOREIGN_LAYER,
                 "application/vnd.oci.image.layer.nondistributable.v1.tar+gzip"}
+_ZSTD_LAYERS = {OCI_LAYER_ZSTD, "application/vnd.oci.image.layer.nondistributable.v1.tar+zstd"}
 _TAR_LAYERS = {OCI_LAYER_TAR, "application/vnd.oci.image.layer.nondistributable.v1.tar"}
 
 
 def tar_mode(media_type: str) -> str:
-    """The ``tarfile.open`` streaming mode for a layer of this media type."""
+    """How a layer of this media type is stored, as a ``tarfile`` streaming mode (Python 3.14's
+    names: "r|zst" for zstd); the registry build cache's keys name layers by it."""
     if media_type in _GZIP_LAYERS:
         return "r|gz"
+    if media_type in _ZSTD_LAYERS:
+        return "r|zst"
     if media_type in _TAR_LAYERS:
         return "r|"
-    if media_type.endswith("+zstd"):
-        raise KilnError(f"layer media type {media_type}: zstd layers are not supported yet")
     raise KilnError(f"layer media type {media_type!r} is not a tar layer kiln can read")

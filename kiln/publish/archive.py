@@ -3,9 +3,11 @@
 Public API:
     ArchivePublisher(path, repo_tags, force=False)
 
-The tarball holds ``manifest.json``, the config and the gzip layers as they are (no
-recompression: the digests stay the registry's). An existing file is refused unless
-``--force``, before any work; a file that is not a tar archive is never replaced.
+The tarball holds ``manifest.json``, the config and the layers as they are (no
+recompression: the digests stay the registry's): gzip ones named ``<hex>.tar.gz``, a zstd
+base's ``<hex>.tar.zst`` (``docker load`` and ``podman load`` tell them apart by their bytes).
+An existing file is refused unless ``--force``, before any work; a file that is not a tar
+archive is never replaced.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 from kiln.oci.layer import LAYER_MTIME
+from kiln.oci.mediatypes import tar_mode
 from kiln.publish import Input, Publisher
 from kiln.staging import Staged, stage_file
 
@@ -44,7 +47,7 @@ class ArchivePublisher(Publisher):
     def stage(self, image) -> Staged:
         model, blobs = image.model, image.blobs
         config_name = model.config_descriptor().digest.split(":", 1)[1] + ".json"
-        layer_names = [layer.digest.split(":", 1)[1] + ".tar.gz" for layer in model.layers]
+        layer_names = [layer.digest.split(":", 1)[1] + _suffix(layer.media_type) for layer in model.layers]
         index = [{"Config": config_name, "RepoTags": self.repo_tags, "Layers": layer_names}]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = stage_file(self.path)
@@ -64,6 +67,10 @@ class ArchivePublisher(Publisher):
 
     def where(self, image) -> str:
         return f"docker-archive:{self.path}"
+
+
+def _suffix(media_type: str) -> str:
+    return ".tar.zst" if tar_mode(media_type) == "r|zst" else ".tar.gz"
 
 
 def _info(name: str, size: int) -> tarfile.TarInfo:

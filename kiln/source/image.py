@@ -5,7 +5,8 @@ Public API:
                   layers_read, triton_version, triton_record, vllm_files
     check_platform(config, name)   a base config of another platform than linux/amd64 is refused
     read_vllm(image, cache=None, reporter=SILENT, budget=None, need_triton=False) -> ImageVllm
-                  walk ``image`` top-down (``layerwalk``), its layers decompressed and bounded by
+                  walk ``image`` top-down (``layerwalk``), its layers (gzip, zstd or plain tar)
+                  decompressed, bounded and checked against the config's diff_ids by
                   ``layerstream``; ``need_triton``: read on until Triton's dist-info is found
     ImageSource(reference, expected_version=None, registry_config=None, cache=None, stats=None,
                 reporter=SILENT, budget=None, need_triton=False)   ``budget``: the build's limits
@@ -27,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, fields
@@ -49,6 +51,8 @@ from kiln.source.layerstream import open_tar
 from kiln.source.layerwalk import VllmLayerWalk
 from kiln.source.tree import CachedProvider, SourceTree
 from kiln.staging import write_atomic
+
+_SHA256 = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -73,15 +77,17 @@ def read_vllm(image: Image, cache: Path | None = None, reporter: Reporter = SILE
     """
     cache = cache or cache_root()
     budget = budget or Budget()
-    check_platform(image.config(), image.name)
+    config = image.config()
+    check_platform(config, image.name)
     layers = image.layers()
     budget.check_layers(image.name, len(layers))
+    diff_ids = _diff_ids(config, len(layers))
     sources = cache / "sources"
     sources.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=sources, prefix=".tmp-image-"))
     walk = VllmLayerWalk(work, need_triton)
     try:
-        for descriptor in reversed(layers):
+        for index, descriptor in reversed(list(enumerate(layers))):
             name = f"{image.name}: layer {descriptor.digest}"
             try:
                 mode = tar_mode(descriptor.media_type)
@@ -89,7 +95,7 @@ def read_vllm(image: Image, cache: Path | None = None, reporter: Reporter = SILE
                 raise KilnError(f"{name}: {err}") from None
             with reporter.task(f"layer {descriptor.digest[7:19]}", total=descriptor.size) as task, \
                     image.open_layer(descriptor) as reader, \
-                    open_tar(reader, mode == "r|gz", name, budget, reporter, task.advance) as tar:
+                    open_tar(reader, mode, name, budget, reporter, task.advance, diff_ids[index]) as tar:
                 walk.add_layer(tar, descriptor.digest)
             if walk.complete:
                 break
@@ -110,6 +116,16 @@ def read_vllm(image: Image, cache: Path | None = None, reporter: Reporter = SILE
     )
     return ImageVllm(tree, image.name, image.digest, image.manifest().digest, found.site_dir,
                      found.layers, found.triton_version, found.triton_record, found.files)
+
+
+def _diff_ids(config: dict, count: int) -> list[str | None]:
+    """The config's ``rootfs.diff_ids``, one per layer (None where it gives none kiln can check:
+    a malformed list is refused later, with its own message, by ``ImageModel.from_base``)."""
+    rootfs = config.get("rootfs")
+    listed = rootfs.get("diff_ids") if isinstance(rootfs, dict) else None
+    if not isinstance(listed, list) or len(listed) != count:
+        return [None] * count
+    return [d if isinstance(d, str) and _SHA256.fullmatch(d) else None for d in listed]
 
 
 def check_platform(config: dict, name: str) -> None:

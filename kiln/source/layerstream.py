@@ -1,15 +1,21 @@
 """A base layer's tar bytes as the layer walk reads them: fetched ahead, decompressed, bounded.
 
 Public API:
-    open_tar(reader, gzipped, name, budget, reporter=SILENT, advance=None) -> ctx[tarfile.TarFile]
+    open_tar(reader, mode, name, budget, reporter=SILENT, advance=None, diff_id=None)
+            -> ctx[tarfile.TarFile]
+        ``reader``: the layer's verifying reader (bytes as stored); ``mode``: how they are stored,
+        ``kiln.oci.mediatypes.tar_mode`` ("r|gz", "r|zst" or "r|"); the tar is opened in stream
+        mode over the decompressed bytes; ``advance(n)`` is told of the stored bytes read;
+        ``name`` ("<image>: layer <digest>") starts every error; ``diff_id``: the config's
+        ``rootfs.diff_ids`` entry, checked against the sha256 of every decompressed byte once
+        the stream has ended (None: not checked)
     Inflating(raw)       a gzip stream (every member) decompressed by ISA-L, bounded per read
-        ``reader``: the layer's verifying reader (bytes as stored: gzip when ``gzipped``); the tar
-        is opened in stream mode over the decompressed bytes; ``advance(n)`` is told of the
-        stored bytes read; ``name`` ("<image>: layer <digest>") starts every error
+    Unzstd(raw)          a zstd stream (every frame, skippable ones too) decompressed, bounded per read
     LAYER_BUFFER         bytes tarfile reads (and skips) at a time
 
 Every decompressed byte is counted against the build's ``Budget`` (``kiln.oci.limits``): a layer
-that inflates past the per-layer or per-build limit stops there, in one line naming the limit.
+that inflates past the per-layer or per-build limit stops there, in one line naming the limit,
+gzip and zstd alike (the count is of what the decompressor hands out, whatever it is).
 Decompression happens here, by ISA-L (``isal``: measured 2.1-2.3x the standard zlib on vLLM's
 layer, ahead of zlib-ng and rapidgzip, docs/BENCHMARKS.md), every gzip member of the stream, at
 most ``LAYER_BUFFER`` decompressed bytes per read, never in tarfile's ``r|gz`` mode, whose
@@ -18,6 +24,13 @@ skip that way, and memory grew with the compression ratio.
 Skipping an entry kiln does not need still means decompressing it (gzip cannot seek); only
 layers below those holding vLLM are never fetched or decompressed at all (``layerwalk``).
 
+zstd layers (``tar+zstd``, what BuildKit pushes with ``compression=zstd``) are decompressed by
+libzstd through Python 3.14's ``compression.zstd`` (its backport, ``backports.zstd``, before
+3.14), the same way: at most ``LAYER_BUFFER`` bytes per read (``max_length``), every frame of
+a concatenated stream, skippable frames (zstd:chunked's metadata) passed over, a stream cut
+before its frame's end refused. libzstd's default window limit (128 MiB) bounds the memory a
+frame can ask for: a frame declaring a larger window is refused, not allocated.
+
 A download that brings no byte for ``limits.stall_warning`` seconds says so through the
 ``Reporter`` (once per stall, naming the layer and the read timeout that will end the attempt),
 and the build's deadline is checked while waiting.
@@ -25,6 +38,7 @@ and the build's deadline is checked while waiting.
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import tarfile
 import threading
@@ -33,6 +47,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from isal import isal_zlib
+
+try:
+    from compression import zstd  # Python 3.14
+except ImportError:
+    from backports import zstd
 
 from kiln.errors import KilnError
 from kiln.oci.limits import Budget, seconds_text
@@ -43,20 +62,27 @@ LAYER_BUFFER = 1 << 20
 _POLL = 0.25  # seconds between deadline checks while a download brings nothing
 
 
+_DECOMPRESSORS = {"r|gz": lambda raw: Inflating(raw), "r|zst": lambda raw: Unzstd(raw), "r|": lambda raw: raw}
+
+
 @contextmanager
-def open_tar(reader, gzipped: bool, name: str, budget: Budget, reporter: Reporter = SILENT,
-             advance: Callable[[int], object] | None = None) -> Iterator[tarfile.TarFile]:
+def open_tar(reader, mode: str, name: str, budget: Budget, reporter: Reporter = SILENT,
+             advance: Callable[[int], object] | None = None, diff_id: str | None = None) -> Iterator[tarfile.TarFile]:
+    decompress = _DECOMPRESSORS[mode]
     with _Prefetch(reader, advance or (lambda n: None), name, budget, reporter) as fetched:
-        raw = Inflating(fetched) if gzipped else fetched
-        counted = _Counted(raw, name, budget)
+        counted = _Counted(decompress(fetched), name, budget, hashed=diff_id is not None)
         try:
             with tarfile.open(fileobj=counted, mode="r|", bufsize=LAYER_BUFFER) as tar:
                 yield tar
-            # the rest after the tar's end (padding) up to the gzip trailer, whose CRC is checked
+            # the rest after the tar's end (padding) up to the stream's end: the gzip trailer,
+            # whose CRC is checked, or the zstd frame's end (and its checksum, when it has one)
             while counted.read(LAYER_BUFFER):
                 pass
-        except (tarfile.TarError, EOFError, OSError, isal_zlib.error) as err:
+        except (tarfile.TarError, EOFError, OSError, isal_zlib.error, zstd.ZstdError) as err:
             raise KilnError(f"{name} is not a readable tar ({err})") from None
+        if diff_id is not None and counted.diff_id != diff_id:
+            raise KilnError(f"{name} decompresses to {counted.diff_id}, not to its diff_id {diff_id} in the "
+                            f"image config (rootfs.diff_ids): the layer or the config is corrupt")
 
 
 class Inflating:
@@ -91,16 +117,52 @@ class Inflating:
                 return data
 
 
-class _Counted:
-    """Decompressed bytes, counted against the budget as they are handed to tarfile."""
+class Unzstd:
+    """The bytes of a zstd stream, every frame (a layer may be concatenated frames, and
+    zstd:chunked's carry skippable ones), decompressed by libzstd; one ``read`` never returns
+    more than asked, whatever the compression ratio."""
 
-    def __init__(self, raw, name: str, budget: Budget):
+    def __init__(self, raw) -> None:
+        self._raw = raw
+        self._frame = zstd.ZstdDecompressor()
+
+    def read(self, n: int = -1) -> bytes:
+        want = LAYER_BUFFER if n is None or n < 0 else max(1, min(n, LAYER_BUFFER))
+        while True:
+            if self._frame.eof:  # the next frame starts with what the last one left
+                data = self._frame.unused_data or self._raw.read(_READ_CHUNK)
+                if not data:
+                    return b""
+                self._frame = zstd.ZstdDecompressor()
+            elif self._frame.needs_input:
+                data = self._raw.read(_READ_CHUNK)
+                if not data:
+                    raise EOFError("compressed data ended before the end of a zstd frame")
+            else:
+                data = b""  # output held back by max_length comes out before more input goes in
+            out = self._frame.decompress(data, want)
+            if out:
+                return out
+
+
+class _Counted:
+    """Decompressed bytes, counted against the budget and hashed (the layer's diff_id) as they
+    are handed to tarfile."""
+
+    def __init__(self, raw, name: str, budget: Budget, hashed: bool = True):
         self._raw, self._name, self._budget = raw, name, budget
         self.total = 0
+        self._sha256 = hashlib.sha256() if hashed else None
+
+    @property
+    def diff_id(self) -> str:
+        return f"sha256:{self._sha256.hexdigest()}"
 
     def read(self, n: int = -1) -> bytes:
         data = self._raw.read(LAYER_BUFFER if n is None or n < 0 else min(n, LAYER_BUFFER))
         if data:
+            if self._sha256 is not None:
+                self._sha256.update(data)
             self.total += len(data)
             self._budget.inflated(self._name, self.total, len(data))
             self._budget.check_deadline(self._name)

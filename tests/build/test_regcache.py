@@ -44,6 +44,7 @@ def files(tmp_path) -> RepoFiles:
 
 GZIP, TAR = "application/vnd.oci.image.layer.v1.tar+gzip", "application/vnd.oci.image.layer.v1.tar"
 DOCKER_GZIP = "application/vnd.docker.image.rootfs.diff.tar.gzip"
+ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
 
 
 def _layers(*names: str, media_type: str = GZIP) -> list[Descriptor]:
@@ -69,6 +70,7 @@ def test_the_patched_key_is_stable_and_names_what_the_patching_depends_on(files)
         "one layer deeper": patched_key(inputs, vllm_layers(BASE, 3), False)[0],
         "read to the bottom": patched_key(inputs, vllm_layers(BASE[3:], 2, to_bottom=True), False)[0],
         "a plain tar layer": patched_key(inputs, vllm_layers(_layers("vllm", "app", media_type=TAR), 2), False)[0],
+        "a zstd layer": patched_key(inputs, vllm_layers(_layers("vllm", "app", media_type=ZSTD), 2), False)[0],
         "read on for Triton": patched_key(inputs, WALK, True)[0],
     }
     # a patch module's bytes: the catalogue's digest of it
@@ -102,8 +104,8 @@ def test_the_probe_covers_each_depth_the_walk_may_stop_at_and_a_walk_is_keyed_by
     assert walks[1] == WALK == walk_read(BASE, [BASE[4].digest, BASE[3].digest])
     assert walk_read(BASE, [d.digest for d in reversed(BASE)]) == walks[-1]  # read down to its bottom
     assert [len(w["layers"]) for w in probe_walks(BASE, 3)] == [1, 2, 3]  # bounded; the bottom is beyond it
-    # a layer no walk reads (zstd): nothing at or below it is probed
-    odd = [*BASE[:3], Descriptor("application/vnd.oci.image.layer.v1.tar+zstd", BASE[3].digest, 1), BASE[4]]
+    # a layer no walk reads (not a tar): nothing at or below it is probed
+    odd = [*BASE[:3], Descriptor("application/vnd.in-toto+json", BASE[3].digest, 1), BASE[4]]
     assert [len(w["layers"]) for w in probe_walks(odd, 32)] == [1]
     with pytest.raises(KilnError, match="not the base's top-most"):
         walk_read(BASE, [BASE[4].digest, BASE[2].digest])

@@ -1,18 +1,28 @@
 """Gzip layers are inflated by ISA-L (``kiln.source.layerstream.Inflating``): same members as the
 standard library's ``r|gz``, every member of a concatenated gzip, corrupt or cut data refused,
-and no read larger than asked whatever the compression ratio."""
+and no read larger than asked whatever the compression ratio. zstd layers
+(``kiln.source.layerstream.Unzstd``) alike: every frame, skippable frames passed over, corrupt or
+cut data refused, bounded reads, the same limits. Every layer's decompressed bytes are checked
+against its diff_id."""
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
+import struct
 import tarfile
 
 import pytest
 
+try:
+    from compression import zstd
+except ImportError:
+    from backports import zstd
+
 from kiln.errors import KilnError
-from kiln.oci.limits import Budget, Limits
-from kiln.source.layerstream import LAYER_BUFFER, Inflating, open_tar
+from kiln.oci.limits import Budget, LimitExceeded, Limits
+from kiln.source.layerstream import LAYER_BUFFER, Inflating, Unzstd, open_tar
 
 
 def _tar(files: dict[str, bytes]) -> bytes:
@@ -38,10 +48,19 @@ class _OneByOne(io.RawIOBase):
 FILES = {f"usr/lib/vllm/m{i}.py": bytes([i % 251]) * (i * 997) for i in range(60)}
 
 
-def _members(fileobj, mode: str) -> dict[str, bytes]:
+def _members(fileobj, mode: str, diff_id: str | None = None, limits: Limits | None = None) -> dict[str, bytes]:
     """The layer's files as the layer walk reads them (``open_tar``)."""
-    with open_tar(fileobj, mode == "r|gz", "test layer", Budget(Limits())) as tar:
+    with open_tar(fileobj, mode, "test layer", Budget(limits or Limits()), diff_id=diff_id) as tar:
         return {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
+
+
+def _sha(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _skippable(payload: bytes) -> bytes:
+    """A zstd skippable frame (zstd:chunked keeps its table of contents in one)."""
+    return struct.pack("<II", 0x184D2A50, len(payload)) + payload
 
 
 def test_a_bomb_is_read_a_buffer_at_a_time():
@@ -77,3 +96,74 @@ def test_corrupt_and_cut_streams_are_refused():
         _members(io.BytesIO(gzip.compress(_tar(FILES))[:-4000]), "r|gz")
     with pytest.raises(KilnError, match="Invalid deflate block"):
         _members(io.BytesIO(b"\x1f\x8b\x08\x00" + b"\x00" * 600), "r|gz")
+
+
+# -- zstd ------------------------------------------------------------------------------------
+
+
+def test_a_zstd_bomb_is_read_a_buffer_at_a_time():
+    blob = zstd.compress(b"\0" * (256 << 20), 19)  # 256 MiB of zeros, ~8 KiB compressed
+    assert len(blob) < 64 << 10
+    unzstd = Unzstd(io.BytesIO(blob))
+    sizes = []
+    while chunk := unzstd.read(1 << 30):
+        sizes.append(len(chunk))
+    assert sum(sizes) == 256 << 20 and max(sizes) <= LAYER_BUFFER
+
+
+def test_zstd_gives_the_same_members_frames_and_skippable_frames_included():
+    raw = _tar(FILES)
+    assert _members(_OneByOne(zstd.compress(raw)), "r|zst", _sha(raw)) == FILES
+    third = len(raw) // 3
+    frames = (zstd.compress(raw[:third]) + _skippable(b"toc") + zstd.compress(raw[third:2 * third], 19)
+              + zstd.compress(raw[2 * third:]) + _skippable(b"footer"))
+    assert _members(_OneByOne(frames), "r|zst", _sha(raw)) == FILES
+
+
+def test_corrupt_and_cut_zstd_streams_are_refused():
+    raw = _tar(FILES)
+    blob = bytearray(zstd.compress(raw, options={zstd.CompressionParameter.checksum_flag: 1}))
+    blob[len(blob) // 2] ^= 0xFF
+    with pytest.raises(KilnError, match="test layer is not a readable tar .*"):
+        _members(io.BytesIO(bytes(blob)), "r|zst")
+    with pytest.raises(KilnError, match="ended before the end of a zstd frame"):
+        _members(io.BytesIO(zstd.compress(raw)[:-4000]), "r|zst")
+    with pytest.raises(KilnError, match="test layer is not a readable tar .*Unknown frame descriptor"):
+        _members(io.BytesIO(zstd.compress(raw) + b"not zstd"), "r|zst")  # nothing but frames follows
+    with pytest.raises(KilnError, match="Unknown frame descriptor"):
+        _members(io.BytesIO(gzip.compress(raw)), "r|zst")  # a gzip blob the manifest calls zstd
+
+
+def test_a_zstd_frame_asking_for_a_window_over_libzstds_limit_is_refused():
+    """A frame may declare a window (the memory its decoder needs) of up to 2 GiB and more;
+    libzstd's default limit (128 MiB) refuses one above it before allocating."""
+    options = {zstd.CompressionParameter.window_log: 28, zstd.CompressionParameter.enable_long_distance_matching: 1}
+    blob = zstd.compress(_tar({"big": b"\1" * (300 << 20)}), options=options)
+    with pytest.raises(KilnError, match="test layer is not a readable tar .*"):
+        _members(io.BytesIO(blob), "r|zst")
+
+
+@pytest.mark.parametrize("mode", ["r|gz", "r|zst"])
+def test_a_layer_stops_at_the_layer_limit(mode):
+    raw = _tar({"opt/zeros": b"\0" * (64 << 20)})
+    blob = gzip.compress(raw, mtime=0) if mode == "r|gz" else zstd.compress(raw, 19)
+    with pytest.raises(LimitExceeded, match="test layer: decompresses to more than 8 MiB, kiln's limit for one layer"):
+        _members(io.BytesIO(blob), mode, limits=Limits(layer_bytes=8 << 20))
+    budget = Budget(Limits(build_bytes=96 << 20))
+    with open_tar(io.BytesIO(blob), mode, "first", budget) as tar:
+        list(tar)
+    with pytest.raises(LimitExceeded, match="second: the layers read decompress to more than 96 MiB"):
+        with open_tar(io.BytesIO(blob), mode, "second", budget) as tar:
+            list(tar)
+
+
+@pytest.mark.parametrize("mode", ["r|gz", "r|zst", "r|"])
+def test_the_decompressed_bytes_must_be_the_diff_id(mode):
+    raw = _tar(FILES)
+    blob = {"r|gz": gzip.compress(raw, mtime=0), "r|zst": zstd.compress(raw), "r|": raw}[mode]
+    assert _members(io.BytesIO(blob), mode, _sha(raw)) == FILES
+    wrong = _sha(raw + b"\0" * 512)  # the same files, one more block of padding
+    with pytest.raises(KilnError) as err:
+        _members(io.BytesIO(blob), mode, wrong)
+    assert str(err.value) == (f"test layer decompresses to {_sha(raw)}, not to its diff_id {wrong} in the image "
+                              "config (rootfs.diff_ids): the layer or the config is corrupt")

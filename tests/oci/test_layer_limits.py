@@ -16,7 +16,7 @@ import pytest
 
 from tests.support import TEST_IMAGES
 from tests.support.faultproxy import Fault, FaultProxy
-from tests.support.hostile import Images, entry, tar_layer, zeros_layer
+from tests.support.hostile import OCI_LAYER_ZSTD, Images, entry, tar_layer, zeros_layer
 from tests.support.registry import VLLM_VERSION
 from tests.support.reliability_checks import (
     CliRun,
@@ -109,6 +109,17 @@ def test_bomb_layer_stops_at_the_layer_limit(build, bomb, monkeypatch, how):
                                 "layer (raise it with --max-layer-bytes or KILN_MAX_LAYER_BYTES)")
     assert "Traceback" not in run.err
     assert "64 MiB" in line
+
+
+def test_a_zstd_bomb_stops_at_the_layer_limit_as_a_gzip_one_does(build, images):
+    """8 GiB of zeros in zstd frames (a few KB: zstd's ratio is higher than gzip's) as the top
+    layer: stopped at the same limit, with the same message."""
+    blob, diff_id = zeros_layer("usr/lib/x86_64-linux-gnu/libbomb.so", 8 * GiB, "zstd")
+    assert len(blob) < 1 * MiB
+    digest, layer = images.with_top_layer("bomb-8g-zstd", blob, diff_id, media_type=OCI_LAYER_ZSTD)
+    run = build.run("bomb-8g-zstd", digest, "--max-layer-bytes", "64M")
+    build.failed_cleanly(run, f"layer {layer}", "decompresses to more than 64 MiB, kiln's limit for one "
+                         "layer (raise it with --max-layer-bytes or KILN_MAX_LAYER_BYTES)")
 
 
 def test_bomb_below_the_vllm_layer_is_never_decompressed(build, images, registry_plain):

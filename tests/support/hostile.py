@@ -7,9 +7,10 @@ own layer or manifest code -- on top of the fixture base's real blobs.
         .with_layers_at(tag, [(position, blob, diff_id)])   layers inserted below/among the base's
     tar_layer(entries) -> (blob, raw)    entry(name, kind, link, data, size)    sha(data)
     truncated_layer(name, declared)      one header declaring bytes that never follow
-    zeros_layer(name, size) -> (blob, diff_id)   a tar of one file of ``size`` zero bytes, gzip
-        in members of 64 MiB (valid gzip, a few KiB per GiB): a decompression bomb, built in
-        moments whatever its size
+    zeros_layer(name, size, compression="gzip") -> (blob, diff_id)   a tar of one file of ``size``
+        zero bytes, gzip in members of 64 MiB (valid gzip, a few KiB per GiB) or zstd in frames
+        of 64 MiB (``compression="zstd"``, a few hundred bytes per GiB): a decompression bomb,
+        built in moments whatever its size
 """
 
 from __future__ import annotations
@@ -23,12 +24,18 @@ from dataclasses import dataclass
 
 import requests
 
+try:
+    from compression import zstd
+except ImportError:
+    from backports import zstd
+
 from tests.support.registry import REPO, VLLM_VERSION
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
 OCI_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
+OCI_LAYER_ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
 
 
 def sha(data: bytes) -> str:
@@ -155,17 +162,18 @@ class Images:
 _MEMBER = 64 << 20
 
 
-def zeros_layer(name: str, size: int) -> tuple[bytes, str]:
-    """(gzip blob, diff_id) of a tar holding one file of ``size`` zeros (``size`` a multiple of
-    64 MiB): the zeros are one gzip member compressed once and repeated."""
+def zeros_layer(name: str, size: int, compression: str = "gzip") -> tuple[bytes, str]:
+    """(blob, diff_id) of a tar holding one file of ``size`` zeros (``size`` a multiple of
+    64 MiB): the zeros are one gzip member (or zstd frame) compressed once and repeated."""
     assert size % _MEMBER == 0
     info = tarfile.TarInfo(name)
     info.size, info.mode = size, 0o644
     header = info.tobuf(tarfile.PAX_FORMAT)
     tail = b"\0" * (2 * 512)  # the data is a whole number of blocks; then the end-of-archive marker
-    zeros = gzip.compress(b"\0" * _MEMBER, compresslevel=9, mtime=0)
+    compress = {"gzip": lambda data: gzip.compress(data, compresslevel=9, mtime=0),
+                "zstd": lambda data: zstd.compress(data, 19)}[compression]
     count = size // _MEMBER
-    blob = gzip.compress(header, mtime=0) + zeros * count + gzip.compress(tail, mtime=0)
+    blob = compress(header) + compress(b"\0" * _MEMBER) * count + compress(tail)
     diff = hashlib.sha256(header)
     chunk = b"\0" * _MEMBER
     for _ in range(count):
