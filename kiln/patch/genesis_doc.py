@@ -51,6 +51,16 @@ _BY_STATUS = {  # the keys a row of that status must have (and no other status-s
     "planned": set(),
 }
 _HEAD_KEYS = {"repository", "commit", "vllm", "presets"}
+# A preset setting that is no patch switch (`[setting.NAME]`): a value of a Genesis patch, a vLLM
+# variable, a sampling default. Its verdict: what the setting is to kiln.
+SETTING_VERDICTS = {
+    "fix": "a real fix kiln does not carry (the note says why)",
+    "carried": "kiln's images set the same",
+    "tuning": "a performance or sampling choice, not a fix",
+    "knob": "tunes a Genesis patch; that patch's row judges it",
+}
+_SETTING_KEYS = {"presets", "value", "what", "verdict", "note"}
+_SETTING = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _SWITCH = re.compile(r"^(GENESIS|SNDR)_[A-Z0-9_]+$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _RELEASE = re.compile(r"^\d+\.\d+\.\d+$")
@@ -75,6 +85,16 @@ class Row:
 
 
 @dataclass(frozen=True)
+class Setting:
+    name: str  # as the preset spells it: an environment variable, or a preset key (override_generation_config)
+    presets: tuple[str, ...]
+    value: str  # the preset's value(s), as written
+    what: str
+    verdict: str
+    note: str
+
+
+@dataclass(frozen=True)
 class Ledger:
     path: Path
     repository: str
@@ -82,6 +102,7 @@ class Ledger:
     vllm: str  # the release file:line evidence refers to
     presets: dict[str, str]  # key -> preset file in the Genesis repository
     rows: tuple[Row, ...]
+    settings: tuple[Setting, ...] = ()
 
     def row(self, switch: str) -> Row | None:
         return next((r for r in self.rows if r.switch == switch), None)
@@ -95,9 +116,10 @@ def load_ledger(path: Path) -> Ledger:
         raise KilnError(f"{path}: not found") from None
     except tomllib.TOMLDecodeError as err:
         raise KilnError(f"{path}: not valid TOML: {err}") from None
-    unknown = set(data) - {"genesis", "switch"}
+    unknown = set(data) - {"genesis", "switch", "setting"}
     if unknown:
-        raise KilnError(f"{path}: unknown table {sorted(unknown)[0]!r} (expected [genesis] and [switch.NAME])")
+        raise KilnError(f"{path}: unknown table {sorted(unknown)[0]!r} "
+                        "(expected [genesis], [switch.NAME] and [setting.NAME])")
     head = data.get("genesis")
     if not isinstance(head, dict):
         raise KilnError(f"{path}: [genesis] (repository, commit, vllm, presets) is missing")
@@ -117,7 +139,34 @@ def load_ledger(path: Path) -> Ledger:
     if not isinstance(switches, dict) or not switches:
         raise KilnError(f"{path}: no [switch.NAME] rows")
     rows = tuple(_row(path, name, raw, presets) for name, raw in switches.items())
-    return Ledger(path, str(head["repository"]), head["commit"], head["vllm"], dict(presets), rows)
+    settings = data.get("setting", {})
+    if not isinstance(settings, dict):
+        raise KilnError(f"{path}: setting: must be tables [setting.NAME]")
+    found = tuple(_setting(path, name, raw, presets) for name, raw in settings.items())
+    return Ledger(path, str(head["repository"]), head["commit"], head["vllm"], dict(presets), rows, found)
+
+
+def _setting(path: Path, name: str, raw, presets: Mapping[str, str]) -> Setting:
+    def fail(field: str, why: str) -> None:
+        raise KilnError(f"{path}: setting.{name}.{field}: {why}" if field else f"{path}: setting.{name}: {why}")
+
+    if not _SETTING.match(name):
+        fail("", "not a setting name (letters, digits and _)")
+    if not isinstance(raw, dict):
+        fail("", "must be a table")
+    for key in sorted(set(raw) - _SETTING_KEYS):
+        fail(key, f"unknown key (allowed: {', '.join(sorted(_SETTING_KEYS))})")
+    for key in sorted(_SETTING_KEYS - set(raw)):
+        fail(key, f"missing (a setting needs {', '.join(sorted(_SETTING_KEYS))})")
+    for key in sorted(_SETTING_KEYS - {"presets"}):
+        if not isinstance(raw[key], str) or not raw[key].strip():
+            fail(key, "must be a non-empty string")
+    if not isinstance(raw["presets"], list) or not raw["presets"] or not all(v in presets for v in raw["presets"]):
+        fail("presets", f"must be a non-empty list of presets of [genesis.presets] ({', '.join(presets)})")
+    if raw["verdict"] not in SETTING_VERDICTS:
+        fail("verdict", f"{raw['verdict']!r} is not one of {', '.join(SETTING_VERDICTS)}")
+    return Setting(name, tuple(raw["presets"]), raw["value"].strip(), raw["what"].strip(), raw["verdict"],
+                   raw["note"].strip())
 
 
 def _row(path: Path, name: str, raw, presets: Mapping[str, str]) -> Row:
@@ -244,6 +293,16 @@ def render_genesis_doc(ledger: Ledger, catalogue: Catalogue, record: Mapping[str
         what = row.what + (f" ({row.refs})" if row.refs else "")
         out.append(f"| `{row.switch}` | {row.genesis_id} | {presets} | {_cell(what)} | "
                    f"{_cell(_status_cell(row, record, pins))} | {_cell(row.note) or '-'} |")
+    if ledger.settings:
+        out += ["", "## Preset settings that are not patches", "",
+                "The presets also set values that switch no patch on: settings of Genesis's patches, vLLM "
+                "variables, sampling defaults. Each is judged: "
+                + "; ".join(f"**{k}**: {v}" for k, v in SETTING_VERDICTS.items()) + ".", "",
+                "| setting | presets | value | what it is | verdict | notes |", "|---|---|---|---|---|---|"]
+        for item in sorted(ledger.settings, key=lambda x: (list(SETTING_VERDICTS).index(x.verdict), x.name)):
+            presets = ", ".join(k for k in ledger.presets if k in item.presets)
+            out.append(f"| `{item.name}` | {presets} | {_cell(item.value)} | {_cell(item.what)} | {item.verdict} | "
+                       f"{_cell(item.note)} |")
     out += ["", "Regenerate with `python build.py patches --genesis-doc`; `tests/patch/test_genesis_doc.py` "
             "fails when a switch of the vendored preset lists or of the registry's default-on list "
             "(`tests/patch/genesis/`) has no row or this file is stale; `python build.py genesis --genesis-repo DIR "

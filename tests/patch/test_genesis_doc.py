@@ -16,7 +16,13 @@ import pytest
 from kiln import paths
 from kiln.commands.patches import GENESIS_LEDGER, genesis_doc
 from kiln.errors import KilnError
-from kiln.patch.genesis_doc import STATUSES, check_ledger, load_ledger, render_genesis_doc
+from kiln.patch.genesis_doc import (
+    SETTING_VERDICTS,
+    STATUSES,
+    check_ledger,
+    load_ledger,
+    render_genesis_doc,
+)
 from kiln.paths import RepoFiles
 from tests.support.cli import one_line_error, run
 
@@ -216,3 +222,50 @@ def test_a_default_on_row_is_marked_in_the_document(tmp_path, catalogue):
     text = render_genesis_doc(ledger, catalogue, {})
     assert "| `GENESIS_ENABLE_P58_ASYNC_PLACEHOLDER_FIX` | P58 | 27B (*default*) |" in text
     assert "counting the 1 its patch registry applies by default" in text
+
+
+def settings_by_preset(ledger) -> dict[str, set[str]]:
+    """Preset key -> the entries of its vendored list that switch no patch: a value other than
+    "0"/"1", or a "0" that is no GENESIS_ENABLE_/GENESIS_LEGACY_ switch."""
+    by_path = presets()
+    return {key: {s for s, v in by_path[path]["patches"].items()
+                  if v not in ("0", "1") or (v == "0" and not s.startswith(("GENESIS_ENABLE_", "GENESIS_LEGACY_")))}
+            for key, path in ledger.presets.items()}
+
+
+def test_every_preset_setting_that_is_no_patch_is_judged():
+    ledger = load_ledger(LEDGER)
+    found = settings_by_preset(ledger)
+    judged = {item.name: item for item in ledger.settings}
+    expected = set().union(*found.values()) | {"override_generation_config"}  # the sampling defaults
+    assert sorted(expected - set(judged)) == [], "preset settings with no [setting.NAME] in patchsets/genesis.toml"
+    assert sorted(set(judged) - expected) == [], "[setting.NAME] for settings no preset has"
+    for name, item in judged.items():
+        if name != "override_generation_config":
+            assert set(item.presets) == {k for k, names in found.items() if name in names}, name
+        assert item.verdict in SETTING_VERDICTS
+    assert "VLLM_TQ_DECODE_NUM_WARPS" in judged and "GENESIS_P67_NUM_KV_SPLITS" in judged
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ('presets = ["27B"]\nvalue = "4"\nwhat = "w"\nverdict = "great"\nnote = "n"', "verdict: 'great' is not one of fix"),
+    ('presets = ["27B"]\nvalue = "4"\nwhat = "w"\nverdict = "knob"', "setting.VLLM_X.note: missing"),
+    ('presets = ["70B"]\nvalue = "4"\nwhat = "w"\nverdict = "knob"\nnote = "n"', "setting.VLLM_X.presets: must be"),
+    ('presets = ["27B"]\nvalue = 4\nwhat = "w"\nverdict = "knob"\nnote = "n"', "setting.VLLM_X.value: must be a non-empty"),
+    ('presets = ["27B"]\nvalue = "4"\nwhat = "w"\nverdict = "knob"\nnote = "n"\nkiln = ["P5"]', "setting.VLLM_X.kiln: unknown key"),
+])
+def test_a_malformed_setting_is_one_line_naming_it(tmp_path, setting, message):
+    path = tmp_path / "genesis.toml"
+    path.write_text(ROW.format(row='status = "planned"') + "\n[setting.VLLM_X]\n" + setting + "\n")
+    with pytest.raises(KilnError) as err:
+        load_ledger(path)
+    assert message in str(err.value) and str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_settings_are_rendered_in_their_own_table(tmp_path, catalogue):
+    path = tmp_path / "genesis.toml"
+    path.write_text(ROW.format(row='status = "planned"') + '\n[setting.VLLM_X]\npresets = ["27B"]\nvalue = "4"\n'
+                    'what = "warps"\nverdict = "knob"\nnote = "P18B_TEXT\'s row"\n')
+    text = render_genesis_doc(load_ledger(path), catalogue, {})
+    assert "## Preset settings that are not patches" in text
+    assert "| `VLLM_X` | 27B | 4 | warps | knob | P18B_TEXT's row |" in text
