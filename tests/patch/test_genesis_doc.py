@@ -221,7 +221,7 @@ def test_a_default_on_row_is_marked_in_the_document(tmp_path, catalogue):
     assert ledger.rows[0].default_on
     text = render_genesis_doc(ledger, catalogue, {})
     assert "| `GENESIS_ENABLE_P58_ASYNC_PLACEHOLDER_FIX` | P58 | 27B (*default*) |" in text
-    assert "counting the 1 its patch registry applies by default" in text
+    assert "together with the 1 fixes its patch registry marks on by default" in text
 
 
 def settings_by_preset(ledger) -> dict[str, set[str]]:
