@@ -270,8 +270,7 @@ def render_genesis_doc(ledger: Ledger, catalogue: Catalogue, record: Mapping[str
         f"[Genesis](https://github.com/{ledger.repository}) applies its fixes at run time, each behind an",
         "environment switch. Its production presets for the two models kiln ships, together with the "
         f"{defaults} fixes its patch registry marks on by default (*default* below: on unless a preset switches "
-        "it off; at recent commits Genesis engages those only when GENESIS_LEGACY_DEFAULT_ON=1 or their switch "
-        "is set), turn on "
+        "it off), turn on "
         + " and ".join(f"{n} (`{k}`: `{ledger.presets[k]}`)" for k, n in per_preset.items())
         + f", {len(ledger.rows)} switches in all, read at Genesis commit `{ledger.commit}`. "
         "One row per switch: what it fixes and what kiln does about it:",
