@@ -32,8 +32,8 @@ from kiln.schema import skip_format_grammars
 # imports only its command's module (``bench``'s HTTP client and statistics, ``pin``'s bump and
 # ``plan``'s matrix are no part of a build, whose cache hit is timed to the tenth of a second:
 # docs/BENCHMARKS.md); ``--help``, no command or an unknown one registers them all.
-COMMANDS = {"patches": ("patches",), "verify": ("verify", "diff", "apply"), "build": ("build", "context", "values"),
-            "check": ("check",), "pin": ("pin",), "plan": ("plan",), "bench": ("bench",)}
+COMMANDS = {"patches": ("patches",), "genesis": ("genesis",), "verify": ("verify", "diff", "apply"),
+            "build": ("build", "context", "values"), "check": ("check",), "pin": ("pin",), "plan": ("plan",), "bench": ("bench",)}
 
 
 class _Version(argparse.Action):

@@ -1,9 +1,10 @@
 """docs/GENESIS.md, the Genesis ledger, generated from ``patchsets/genesis.toml``.
 
 Genesis (github Sandermage/genesis-vllm-patches) switches its fixes on per model preset with
-``GENESIS_*`` environment switches. The ledger has one row per switch that either of its two
-production presets for kiln's models turns on (and a ``judged`` row for a fix no preset turns on
-that kiln was asked to judge), and says what kiln does about it on the
+``GENESIS_*`` environment switches, and its patch registry turns some on by default. The ledger
+has one row per switch that either of its two production presets for kiln's models turns on, or
+that the registry turns on by default for them (``default_on = true``), and a ``judged`` row for a
+fix neither turns on that kiln was asked to judge; it says what kiln does about it on the
 releases kiln pins: ``ported`` (the kiln patch ids), ``upstream`` (the first vLLM release with
 the fix, and where it is on the release kiln checked), ``not-applicable`` (why: other hardware,
 another model, observability, Genesis's own tooling), ``declined`` (the evidence), ``planned``.
@@ -33,14 +34,17 @@ STATUSES = ("ported", "upstream", "not-applicable", "declined", "planned")
 # Why a switch does not apply to kiln's images (the `reason` of a not-applicable row).
 REASONS = {
     "hardware": "other hardware or another GPU path",
-    "model": "another model, quantization or serving setup",
+    "model": "another model or quantization",
+    "serving": "a serving setting kiln's images do not use",
     "observability": "logs or metrics, not a fix",
     "tooling": "Genesis's own tooling or configuration",
     "runtime": "a runtime feature or behaviour change, not a fix kiln can make at build time",
 }
-# Keys any row may have: `id`, `presets`, `what` (required), `note`, `refs`, `judged` (optional).
-# `judged`: why kiln judged a fix no preset switches on (an issue asked); such a row has `presets = []`.
-_COMMON = {"id", "presets", "what", "note", "refs", "judged"}
+# Keys any row may have: `id`, `presets`, `what` (required), `note`, `refs`, `default_on`, `judged`
+# (optional). `default_on`: true when Genesis's registry applies the fix without a switch set;
+# `presets` then lists the presets that do not switch it off. `judged`: why kiln judged a fix no
+# preset switches on (an issue asked); such a row has `presets = []`.
+_COMMON = {"id", "presets", "what", "note", "refs", "default_on", "judged"}
 _BY_STATUS = {  # the keys a row of that status must have (and no other status-specific key)
     "ported": {"kiln"},  # or `baked` (a file the images bake) or `aot` (launchers compiled ahead of time)
     "upstream": {"release", "evidence"},
@@ -49,6 +53,16 @@ _BY_STATUS = {  # the keys a row of that status must have (and no other status-s
     "planned": set(),
 }
 _HEAD_KEYS = {"repository", "commit", "vllm", "presets"}
+# A preset setting that is no patch switch (`[setting.NAME]`): a value of a Genesis patch, a vLLM
+# variable, a sampling default. Its verdict: what the setting is to kiln.
+SETTING_VERDICTS = {
+    "fix": "a real fix kiln does not carry (the note says why)",
+    "carried": "kiln's images set the same",
+    "tuning": "a performance or sampling choice, not a fix",
+    "knob": "tunes a Genesis patch; that patch's row judges it",
+}
+_SETTING_KEYS = {"presets", "value", "what", "verdict", "note"}
+_SETTING = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _SWITCH = re.compile(r"^(GENESIS|SNDR)_[A-Z0-9_]+$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _RELEASE = re.compile(r"^\d+\.\d+\.\d+$")
@@ -70,6 +84,17 @@ class Row:
     refs: str = ""
     note: str = ""
     judged: str = ""  # why a fix no preset turns on has a row
+    default_on: bool = False  # Genesis's registry applies it unless a preset switches it off
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # as the preset spells it: an environment variable, or a preset key (override_generation_config)
+    presets: tuple[str, ...]
+    value: str  # the preset's value(s), as written
+    what: str
+    verdict: str
+    note: str
 
 
 @dataclass(frozen=True)
@@ -80,6 +105,7 @@ class Ledger:
     vllm: str  # the release file:line evidence refers to
     presets: dict[str, str]  # key -> preset file in the Genesis repository
     rows: tuple[Row, ...]
+    settings: tuple[Setting, ...] = ()
 
     def row(self, switch: str) -> Row | None:
         return next((r for r in self.rows if r.switch == switch), None)
@@ -93,9 +119,10 @@ def load_ledger(path: Path) -> Ledger:
         raise KilnError(f"{path}: not found") from None
     except tomllib.TOMLDecodeError as err:
         raise KilnError(f"{path}: not valid TOML: {err}") from None
-    unknown = set(data) - {"genesis", "switch"}
+    unknown = set(data) - {"genesis", "switch", "setting"}
     if unknown:
-        raise KilnError(f"{path}: unknown table {sorted(unknown)[0]!r} (expected [genesis] and [switch.NAME])")
+        raise KilnError(f"{path}: unknown table {sorted(unknown)[0]!r} "
+                        "(expected [genesis], [switch.NAME] and [setting.NAME])")
     head = data.get("genesis")
     if not isinstance(head, dict):
         raise KilnError(f"{path}: [genesis] (repository, commit, vllm, presets) is missing")
@@ -115,7 +142,34 @@ def load_ledger(path: Path) -> Ledger:
     if not isinstance(switches, dict) or not switches:
         raise KilnError(f"{path}: no [switch.NAME] rows")
     rows = tuple(_row(path, name, raw, presets) for name, raw in switches.items())
-    return Ledger(path, str(head["repository"]), head["commit"], head["vllm"], dict(presets), rows)
+    settings = data.get("setting", {})
+    if not isinstance(settings, dict):
+        raise KilnError(f"{path}: setting: must be tables [setting.NAME]")
+    found = tuple(_setting(path, name, raw, presets) for name, raw in settings.items())
+    return Ledger(path, str(head["repository"]), head["commit"], head["vllm"], dict(presets), rows, found)
+
+
+def _setting(path: Path, name: str, raw, presets: Mapping[str, str]) -> Setting:
+    def fail(field: str, why: str) -> None:
+        raise KilnError(f"{path}: setting.{name}.{field}: {why}" if field else f"{path}: setting.{name}: {why}")
+
+    if not _SETTING.match(name):
+        fail("", "not a setting name (letters, digits and _)")
+    if not isinstance(raw, dict):
+        fail("", "must be a table")
+    for key in sorted(set(raw) - _SETTING_KEYS):
+        fail(key, f"unknown key (allowed: {', '.join(sorted(_SETTING_KEYS))})")
+    for key in sorted(_SETTING_KEYS - set(raw)):
+        fail(key, f"missing (a setting needs {', '.join(sorted(_SETTING_KEYS))})")
+    for key in sorted(_SETTING_KEYS - {"presets"}):
+        if not isinstance(raw[key], str) or not raw[key].strip():
+            fail(key, "must be a non-empty string")
+    if not isinstance(raw["presets"], list) or not raw["presets"] or not all(v in presets for v in raw["presets"]):
+        fail("presets", f"must be a non-empty list of presets of [genesis.presets] ({', '.join(presets)})")
+    if raw["verdict"] not in SETTING_VERDICTS:
+        fail("verdict", f"{raw['verdict']!r} is not one of {', '.join(SETTING_VERDICTS)}")
+    return Setting(name, tuple(raw["presets"]), raw["value"].strip(), raw["what"].strip(), raw["verdict"],
+                   raw["note"].strip())
 
 
 def _row(path: Path, name: str, raw, presets: Mapping[str, str]) -> Row:
@@ -139,7 +193,9 @@ def _row(path: Path, name: str, raw, presets: Mapping[str, str]) -> Row:
     for key in sorted({"id", "presets", "what"} | required):
         if key not in raw:
             fail(key, f"missing (a {status} row needs {', '.join(sorted({'id', 'presets', 'what'} | required))})")
-    for key in sorted(set(raw) - {"presets", "kiln", "baked", "aot"}):
+    if "default_on" in raw and raw["default_on"] is not True:
+        fail("default_on", "must be true (leave it out for a switch only a preset turns on)")
+    for key in sorted(set(raw) - {"presets", "kiln", "baked", "aot", "default_on"}):
         if not isinstance(raw[key], str) or not raw[key].strip():
             fail(key, "must be a non-empty string")
     for key in ("presets", "kiln", "baked", "aot"):
@@ -162,7 +218,8 @@ def _row(path: Path, name: str, raw, presets: Mapping[str, str]) -> Row:
                status=status, kiln=tuple(raw.get("kiln", ())), baked=tuple(raw.get("baked", ())),
                aot=tuple(raw.get("aot", ())), release=raw.get("release", ""),
                evidence=raw.get("evidence", "").strip(), reason=raw.get("reason", ""),
-               refs=raw.get("refs", ""), note=raw.get("note", "").strip(), judged=raw.get("judged", "").strip())
+               refs=raw.get("refs", ""), note=raw.get("note", "").strip(), default_on="default_on" in raw,
+               judged=raw.get("judged", "").strip())
 
 
 def check_ledger(ledger: Ledger, catalogue: Catalogue) -> None:
@@ -213,14 +270,17 @@ def render_genesis_doc(ledger: Ledger, catalogue: Catalogue, record: Mapping[str
     counts = {s: sum(1 for r in ledger.rows if r.status == s) for s in STATUSES}
     per_preset = {key: sum(1 for r in ledger.rows if key in r.presets) for key in ledger.presets}
     judged = sum(1 for r in ledger.rows if r.judged)
+    defaults = sum(1 for r in ledger.rows if r.default_on)
     out = [
-        "# Genesis ledger: what kiln does about each fix Genesis's presets switch on",
+        "# Genesis ledger: what kiln does about each fix Genesis's presets switch on or its registry applies by default",
         "",
         "<!-- generated by `python build.py patches --genesis-doc` from patchsets/genesis.toml,",
         "patchsets/ and patchsets/verdicts.toml; edit those, not this -->",
         "",
         f"[Genesis](https://github.com/{ledger.repository}) applies its fixes at run time, each behind an",
-        "environment switch. Its production presets for the two models kiln ships switch on "
+        "environment switch. Its production presets for the two models kiln ships, together with the "
+        f"{defaults} fixes its patch registry marks on by default (*default* below: on unless a preset switches "
+        "it off), turn on "
         + " and ".join(f"{n} (`{k}`: `{ledger.presets[k]}`)" for k, n in per_preset.items())
         + f", {len(ledger.rows) - judged} switches in all, read at Genesis commit `{ledger.commit}`. "
         + (f"{judged} more {'row judges a fix' if judged == 1 else 'rows judge fixes'} no preset switches on "
@@ -242,12 +302,24 @@ def render_genesis_doc(ledger: Ledger, catalogue: Catalogue, record: Mapping[str
         "|---|---|---|---|---|---|",
     ]
     for row in rows:
-        presets = ", ".join(k for k in ledger.presets if k in row.presets) or "none"
+        presets = (", ".join(k for k in ledger.presets if k in row.presets) or "none") + (
+            " (*default*)" if row.default_on else "")
         what = row.what + (f" ({row.refs})" if row.refs else "")
         note = " ".join(part for part in (f"Judged: {row.judged}" if row.judged else "", row.note) if part)
         out.append(f"| `{row.switch}` | {row.genesis_id} | {presets} | {_cell(what)} | "
                    f"{_cell(_status_cell(row, record, pins))} | {_cell(note) or '-'} |")
+    if ledger.settings:
+        out += ["", "## Preset settings that are not patches", "",
+                "The presets also set values that switch no patch on: settings of Genesis's patches, vLLM "
+                "variables, sampling defaults. Each is judged: "
+                + "; ".join(f"**{k}**: {v}" for k, v in SETTING_VERDICTS.items()) + ".", "",
+                "| setting | presets | value | what it is | verdict | notes |", "|---|---|---|---|---|---|"]
+        for item in sorted(ledger.settings, key=lambda x: (list(SETTING_VERDICTS).index(x.verdict), x.name)):
+            presets = ", ".join(k for k in ledger.presets if k in item.presets)
+            out.append(f"| `{item.name}` | {presets} | {_cell(item.value)} | {_cell(item.what)} | {item.verdict} | "
+                       f"{_cell(item.note)} |")
     out += ["", "Regenerate with `python build.py patches --genesis-doc`; `tests/patch/test_genesis_doc.py` "
-            "fails when a switch of the vendored preset lists (`tests/patch/genesis/`) has no row or this "
-            "file is stale."]
+            "fails when a switch of the vendored preset lists or of the registry's default-on list "
+            "(`tests/patch/genesis/`) has no row or this file is stale; `python build.py genesis --genesis-repo DIR "
+            "--at REV` lists what changed in Genesis since the ledger's commit (a local git repository of Genesis)."]
     return "\n".join(out) + "\n"

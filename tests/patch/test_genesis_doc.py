@@ -16,7 +16,13 @@ import pytest
 from kiln import paths
 from kiln.commands.patches import GENESIS_LEDGER, genesis_doc
 from kiln.errors import KilnError
-from kiln.patch.genesis_doc import STATUSES, check_ledger, load_ledger, render_genesis_doc
+from kiln.patch.genesis_doc import (
+    SETTING_VERDICTS,
+    STATUSES,
+    check_ledger,
+    load_ledger,
+    render_genesis_doc,
+)
 from kiln.paths import RepoFiles
 from tests.support.cli import one_line_error, run
 
@@ -30,22 +36,42 @@ def presets() -> dict[str, dict]:
     found = {}
     for fixture in sorted(FIXTURES.glob("*.toml")):
         data = tomllib.loads(fixture.read_text())
-        found[data["path"]] = data
+        if "patches" in data:
+            found[data["path"]] = data
     return found
 
 
+def registry_defaults() -> dict:
+    """The vendored default-on list of Genesis's registry (commit, default_on: id -> switch)."""
+    return tomllib.loads((FIXTURES / "registry-default-on.toml").read_text())
+
+
+def defaults() -> set[str]:
+    return set(registry_defaults()["default_on"].values())
+
+
 def enabled_by_preset(ledger) -> dict[str, set[str]]:
-    """Preset key of the ledger -> the switches its vendored list sets to "1"."""
+    """Preset key of the ledger -> the switches on under it: those its vendored list sets to "1",
+    and those the registry applies by default that it does not set to anything else."""
     by_path = presets()
-    return {key: {s for s, v in by_path[path]["patches"].items() if v == "1"} for key, path in ledger.presets.items()}
+    on = {}
+    for key, path in ledger.presets.items():
+        patches = by_path[path]["patches"]
+        on[key] = {s for s, v in patches.items() if v == "1"} | {s for s in defaults() if patches.get(s, "1") == "1"}
+    return on
 
 
 def test_fixtures_and_ledger_were_read_at_the_same_genesis_commit():
     ledger = load_ledger(LEDGER)
     fixtures = presets()
     assert set(fixtures) == set(ledger.presets.values())
-    for data in fixtures.values():
+    for data in [*fixtures.values(), registry_defaults()]:
         assert (data["repository"], data["commit"]) == (ledger.repository, ledger.commit)
+
+
+def test_a_row_is_marked_default_on_exactly_when_the_registry_applies_it_by_default():
+    rows = {row.switch: row for row in load_ledger(LEDGER).rows}
+    assert sorted(s for s, row in rows.items() if row.default_on) == sorted(defaults())
 
 
 def test_every_switch_a_preset_turns_on_has_exactly_its_row():
@@ -59,7 +85,9 @@ def test_every_switch_a_preset_turns_on_has_exactly_its_row():
     assert sorted(judged & everything) == [], "judged rows for switches a preset turns on (give their presets)"
     for switch, row in rows.items():
         assert set(row.presets) == {key for key, on in enabled.items() if switch in on}, switch
-    assert {k: len(v) for k, v in enabled.items()} == {"27B": 71, "35B-A3B": 76}  # the issue's count
+    # the issue's count (71 and 76 switched on by the presets) plus the registry's defaults (45: 44
+    # under the 35B-A3B preset, which switches GENESIS_LEGACY_P7 off; 10 of them the presets set too)
+    assert {k: len(v) for k, v in enabled.items()} == {"27B": 71 + 45 - 10, "35B-A3B": 76 + 44 - 10}
 
 
 def test_rows_have_valid_statuses_and_ported_rows_name_catalogue_patches(catalogue):
@@ -118,6 +146,8 @@ what = "placeholders"
     ('status = "not-applicable"\nreason = "dislike"', "reason: 'dislike' is not one of hardware, model"),
     ('status = "ported"\nkiln = []', "switch.GENESIS_ENABLE_P58_ASYNC_PLACEHOLDER_FIX.kiln: must be a non-empty list"),
     ('status = "planned"\npresets = ["27B"]', "not valid TOML"),
+    ('status = "planned"\ndefault_on = false', "default_on: must be true (leave it out"),
+    ('status = "planned"\ndefault_on = "yes"', "default_on: must be true (leave it out"),
 ])
 def test_a_malformed_row_is_one_line_naming_the_file_and_row(tmp_path, row, message):
     path = tmp_path / "genesis.toml"
@@ -203,3 +233,60 @@ def test_the_command_writes_the_document_and_a_bad_ledger_is_exit_2(tmp_path, ca
     assert code == 2
     assert "status: 'maybe' is not one of" in one_line_error(err)
     assert not (tmp_path / "other.md").exists()
+
+
+def test_a_default_on_row_is_marked_in_the_document(tmp_path, catalogue):
+    path = tmp_path / "genesis.toml"
+    path.write_text(ROW.format(row='status = "planned"\ndefault_on = true'))
+    ledger = load_ledger(path)
+    assert ledger.rows[0].default_on
+    text = render_genesis_doc(ledger, catalogue, {})
+    assert "| `GENESIS_ENABLE_P58_ASYNC_PLACEHOLDER_FIX` | P58 | 27B (*default*) |" in text
+    assert "together with the 1 fixes its patch registry marks on by default" in text
+
+
+def settings_by_preset(ledger) -> dict[str, set[str]]:
+    """Preset key -> the entries of its vendored list that switch no patch: a value other than
+    "0"/"1", or a "0" that is no GENESIS_ENABLE_/GENESIS_LEGACY_ switch."""
+    by_path = presets()
+    return {key: {s for s, v in by_path[path]["patches"].items()
+                  if v not in ("0", "1") or (v == "0" and not s.startswith(("GENESIS_ENABLE_", "GENESIS_LEGACY_")))}
+            for key, path in ledger.presets.items()}
+
+
+def test_every_preset_setting_that_is_no_patch_is_judged():
+    ledger = load_ledger(LEDGER)
+    found = settings_by_preset(ledger)
+    judged = {item.name: item for item in ledger.settings}
+    expected = set().union(*found.values()) | {"override_generation_config"}  # the sampling defaults
+    assert sorted(expected - set(judged)) == [], "preset settings with no [setting.NAME] in patchsets/genesis.toml"
+    assert sorted(set(judged) - expected) == [], "[setting.NAME] for settings no preset has"
+    for name, item in judged.items():
+        if name != "override_generation_config":
+            assert set(item.presets) == {k for k, names in found.items() if name in names}, name
+        assert item.verdict in SETTING_VERDICTS
+    assert "VLLM_TQ_DECODE_NUM_WARPS" in judged and "GENESIS_P67_NUM_KV_SPLITS" in judged
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ('presets = ["27B"]\nvalue = "4"\nwhat = "w"\nverdict = "great"\nnote = "n"', "verdict: 'great' is not one of fix"),
+    ('presets = ["27B"]\nvalue = "4"\nwhat = "w"\nverdict = "knob"', "setting.VLLM_X.note: missing"),
+    ('presets = ["70B"]\nvalue = "4"\nwhat = "w"\nverdict = "knob"\nnote = "n"', "setting.VLLM_X.presets: must be"),
+    ('presets = ["27B"]\nvalue = 4\nwhat = "w"\nverdict = "knob"\nnote = "n"', "setting.VLLM_X.value: must be a non-empty"),
+    ('presets = ["27B"]\nvalue = "4"\nwhat = "w"\nverdict = "knob"\nnote = "n"\nkiln = ["P5"]', "setting.VLLM_X.kiln: unknown key"),
+])
+def test_a_malformed_setting_is_one_line_naming_it(tmp_path, setting, message):
+    path = tmp_path / "genesis.toml"
+    path.write_text(ROW.format(row='status = "planned"') + "\n[setting.VLLM_X]\n" + setting + "\n")
+    with pytest.raises(KilnError) as err:
+        load_ledger(path)
+    assert message in str(err.value) and str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_settings_are_rendered_in_their_own_table(tmp_path, catalogue):
+    path = tmp_path / "genesis.toml"
+    path.write_text(ROW.format(row='status = "planned"') + '\n[setting.VLLM_X]\npresets = ["27B"]\nvalue = "4"\n'
+                    'what = "warps"\nverdict = "knob"\nnote = "P18B_TEXT\'s row"\n')
+    text = render_genesis_doc(load_ledger(path), catalogue, {})
+    assert "## Preset settings that are not patches" in text
+    assert "| `VLLM_X` | 27B | 4 | warps | knob | P18B_TEXT's row |" in text
