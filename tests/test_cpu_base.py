@@ -302,3 +302,51 @@ def test_a_locked_package_debian_no_longer_serves_fails_in_one_line_before_any_f
     assert "attempt" not in done.stderr  # not a mirror's hiccup: never tried again
     # only the index was read: no apt run, no package fetched
     assert requests and all("/dists/bookworm/main/binary-amd64/Packages" in r for r in requests), requests
+
+
+def _layout_with_status(folder: Path, status: str) -> Path:
+    """An OCI layout whose first layer holds ``var/lib/dpkg/status``, as the recipe's Debian layer does."""
+    import gzip
+    import hashlib
+    import io
+    import tarfile
+
+    blobs = folder / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+
+    def blob(data: bytes) -> str:
+        digest = hashlib.sha256(data).hexdigest()
+        (blobs / digest).write_bytes(data)
+        return f"sha256:{digest}"
+
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        data = status.encode()
+        info = tarfile.TarInfo("./var/lib/dpkg/status")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    layer = blob(gzip.compress(raw.getvalue(), mtime=0))
+    manifest = blob(json.dumps({"schemaVersion": 2, "layers": [{"digest": layer}]}).encode())
+    (folder / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
+        {"digest": manifest, "annotations": {"org.opencontainers.image.ref.name": "base"}}]}))
+    return folder
+
+
+def test_a_cached_base_is_compared_with_the_lock_from_its_own_dpkg_status_not_a_record(base, recipe_copy,
+                                                                                    tmp_path, monkeypatch):
+    """The serve check decides from this whether the pinned digest must hold: it reads the base's
+    own Debian layer, so a cache entry's record cannot say the root moved when it did not."""
+    status = ("Package: libfoo1\nStatus: install ok installed\nVersion: 1.0-2\n\n"
+              "Package: bar\nStatus: install ok installed\nArchitecture: all\nVersion: 2:3.1\n\n"
+              "Package: gone\nStatus: deinstall ok config-files\nVersion: 0.9\n")
+    layout = _layout_with_status(tmp_path / "layout", status)
+    assert base.root_packages(layout) == {"libfoo1": "1.0-2", "bar": "2:3.1"}
+    _lock(recipe_copy, {"libfoo1": "1.0-1", "bar": "2:3.1", "baz": "1"})
+    monkeypatch.setattr(base, "DEBIAN_LOCK", recipe_copy / "debian-packages.lock")
+    (layout.parent / "done").write_text(json.dumps({"debian": {"moved": {}}}))  # a record that says otherwise
+    state = base.debian_state(layout)
+    assert state["moved"] == {"baz": ["1", "-"], "libfoo1": ["1.0-1", "1.0-2"]}
+    line = base.moved_line(state["moved"])
+    assert "\n" not in line and "baz 1 -> -" in line and "libfoo1 1.0-1 -> 1.0-2" in line
+    _lock(recipe_copy, {"libfoo1": "1.0-2", "bar": "2:3.1"})
+    assert base.debian_state(layout)["moved"] == {}

@@ -41,6 +41,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import zlib
@@ -375,7 +376,7 @@ def build(cache: Path, attempts: int = DEBIAN_ATTEMPTS) -> Path:
     layout = entry / "layout"
     if (entry / "done").is_file():
         log(f"cached: {layout}")
-        moved = record(layout).get("debian", {}).get("moved")
+        moved = debian_state(layout)["moved"]
         if moved:  # said again on every run that uses this root, not only the one that built it
             log(moved_line(moved))
         return layout
@@ -404,6 +405,33 @@ def record(layout: Path) -> dict:
         return json.loads((layout.parent / "done").read_text())
     except (OSError, ValueError):
         return {}
+
+
+def root_packages(layout: Path) -> dict[str, str]:
+    """Every package installed in the layout's Debian layer (its first), by name: read from the
+    layer's own ``var/lib/dpkg/status``, so a record of the cache entry need not be trusted."""
+    blobs = layout / "blobs" / "sha256"
+    manifest = json.loads((blobs / layout_digest(layout).split(":", 1)[1]).read_bytes())
+    layer = blobs / manifest["layers"][0]["digest"].split(":", 1)[1]
+    with tarfile.open(layer, mode="r|gz") as tar:
+        for member in tar:
+            if member.name.lstrip("./") == "var/lib/dpkg/status" and member.isfile():
+                text = tar.extractfile(member).read().decode("utf-8", "replace")
+                break
+        else:
+            raise RecipeError(f"{layer}: no var/lib/dpkg/status in the Debian layer")
+    found = {}
+    for stanza in text.split("\n\n"):
+        fields = dict(f.split(": ", 1) for f in stanza.splitlines() if ": " in f and not f[0].isspace())
+        if fields.get("Status", "").endswith(" installed") and "Package" in fields:
+            found[fields["Package"]] = fields["Version"]
+    return found
+
+
+def debian_state(layout: Path) -> dict:
+    """The layout's Debian root against today's lock, as ``debian_root`` returns it."""
+    pins, found = debian_pins(), root_packages(layout)
+    return {"lock": pins, "root": found, "moved": moved_packages(pins, found)}
 
 
 def layout_digest(layout: Path) -> str:
@@ -452,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                   else f"the Debian root matches {DEBIAN_LOCK.name} ({len(debian['root'])} packages)")
             return 0
         layout = build(Path(args.cache), args.attempts)
-        debian = record(layout).get("debian", {})
+        debian = debian_state(layout)
         result = {"layout": str(layout), "key": layout.parent.name, "vllm": vllm_version(),
                   "layout_digest": layout_digest(layout), "debian_matches_lock": not debian.get("moved"),
                   "debian_moved": debian.get("moved", {})}
