@@ -7,11 +7,13 @@ The machine running the tests may have local wheels and indexes (a CPU torch no 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
@@ -63,3 +65,18 @@ def _test_extra() -> list[str]:
     import tomllib
 
     return tomllib.loads((paths.REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+
+
+def test_a_selection_of_ci_test_skips_pip_and_ruff_once_the_venv_is_current():
+    """`ci/test -k NAME` runs one test, not apt, pip and ruff first (3 min 25 s for one test, once):
+    pip is skipped when .venv was installed from this pyproject.toml, ruff for any selection."""
+    repo = Path(__file__).resolve().parent.parent
+    argv = ["bash", str(repo / "ci" / "test"), str(Path(__file__).resolve()), "-q", "-k", "no_test_has_this_name"]
+    runs = [subprocess.run(argv, cwd=repo, capture_output=True, text=True, timeout=900) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 5, run.stdout[-2000:] + run.stderr[-2000:]  # pytest: no test selected
+    second = runs[1].stdout + runs[1].stderr
+    assert "no pip, no ruff for a selection" in second, second[-2000:]
+    assert "All checks passed" not in second  # ruff did not run
+    stamp = (repo / ".venv" / ".kiln-installed").read_text().strip()
+    assert stamp == hashlib.sha256((repo / "pyproject.toml").read_bytes()).hexdigest()
