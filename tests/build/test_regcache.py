@@ -153,3 +153,15 @@ def test_the_registries_file_names_caches_and_a_bad_one_fails_before_any_work(fi
     conf.write_text('[cache]\nfrom = "ghcr.io/you/cache"\n')  # not a list: the schema says where
     assert commands.main(argv) == 2
     assert "cache" in capsys.readouterr().err
+
+
+def test_require_signed_is_a_checked_boolean_of_the_cache_table(tmp_path):
+    conf = tmp_path / "registries.toml"
+    conf.write_text('[cache]\nfrom = ["ghcr.io/you/cache"]\nrequire_signed = true\n')
+    assert RegistryConfig.load(path=conf).cache_require_signed is True
+    assert RegistryConfig.load(path=tmp_path / "absent.toml").cache_require_signed is False
+    for text in ('[cache]\nrequire_sigend = true\n', '[cache]\nrequire_signed = "yes"\n',
+                 'require_signed = true\n'):  # a typo, a string, outside [cache]: refused, naming the file
+        conf.write_text(text)
+        with pytest.raises(KilnError, match=str(conf)):
+            RegistryConfig.load(path=conf)
