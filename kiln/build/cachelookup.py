@@ -47,7 +47,14 @@ from kiln.build.cachekeys import (
     probe_walks,
 )
 from kiln.build.inputs import BuildInputs
-from kiln.build.regcache import CachedEntry, CacheUse, patched_agrees, plain_record, read_entry, verify_entry
+from kiln.build.regcache import (
+    CachedEntry,
+    CacheUse,
+    patched_agrees,
+    plain_record,
+    read_entry,
+    verify_entry,
+)
 from kiln.cache import cache_root
 from kiln.errors import KilnError
 from kiln.lifeline import uninterrupted
@@ -172,13 +179,14 @@ def facts_difference(local: dict, cached: dict) -> str | None:
         return None
     for pid in sorted(set(local["patches"]) | set(cached["patches"])):
         mine, theirs = local["patches"].get(pid), cached["patches"].get(pid)
+        named = pid if pid.isprintable() else repr(pid)  # on one line
         if mine is None or theirs is None:
-            return f"patch {pid} is {'not in the catalogue' if mine is None else 'missing'}"
+            return f"patch {named} is {'not in the catalogue' if mine is None else 'missing'}"
         for name in sorted(set(mine) | set(theirs)):
             if mine.get(name) != theirs.get(name):
-                return f"patch {pid} {name} is {theirs.get(name)!r}, the catalogue's {mine.get(name)!r}"
+                return f"patch {named} {name} is {theirs.get(name)!r}, the catalogue's {mine.get(name)!r}"
         if local["digests"].get(pid) != cached["digests"].get(pid):
-            return f"patch {pid} sha256 is {cached['digests'].get(pid)}, the catalogue's {local['digests'].get(pid)}"
+            return f"patch {named} sha256 is {cached['digests'].get(pid)!r}, the catalogue's {local['digests'].get(pid)}"
     return "its facts are not the catalogue's"
 
 

@@ -334,17 +334,17 @@ def patched_agrees(key_inputs: dict, platform: dict) -> Callable[[CachedEntry], 
         outcomes = entry.outcomes
         ids = [p["id"] for p in patches]
         if list(outcomes) != ids:
-            raise KilnError(f"its record's outcomes are of {', '.join(outcomes) or 'no patch'}; the selection "
-                            f"its key covers is {', '.join(ids) or 'no patch'}")
+            raise KilnError(f"its record's outcomes are of {_listed(outcomes, 'no patch')}; the selection "
+                            f"its key covers is {_listed(ids, 'no patch')}")
         modules = {p["id"]: p["sha256"] for p in patches}
         if record["modules"] != modules:
             wrong = next((pid for pid in modules if record["modules"].get(pid) != modules[pid]),
                          next(iter(set(record["modules"]) - set(modules)), None))
-            raise KilnError(f"its record's modules: {wrong}'s sha256 is not the selection's")
+            raise KilnError(f"its record's modules: {_listed([str(wrong)])}'s sha256 is not the selection's")
         applied = [pid for pid, o in outcomes.items() if o.verdict is Verdict.APPLIES]
         if record["applied"] != applied:
-            raise KilnError(f"its record's applied patches ({', '.join(record['applied']) or 'none'}) are not "
-                            f"those its outcomes apply ({', '.join(applied) or 'none'})")
+            raise KilnError(f"its record's applied patches ({_listed(record['applied'])}) are not "
+                            f"those its outcomes apply ({_listed(applied)})")
         for patch in patches:
             verdict = outcomes[patch["id"]].verdict
             if verdict.ok and (patch["out_of_range"] or patch["gated"]):
@@ -359,13 +359,18 @@ def patched_agrees(key_inputs: dict, platform: dict) -> Callable[[CachedEntry], 
                     made.setdefault(rel, set()).add(after)
         changed = entry.changed()
         if set(changed) != set(made):
-            raise KilnError(f"its layer's files ({', '.join(sorted(changed)) or 'none'}) are not those its "
-                            f"applied patches changed ({', '.join(sorted(made)) or 'none'})")
+            raise KilnError(f"its layer's files ({_listed(sorted(changed))}) are not those its "
+                            f"applied patches changed ({_listed(sorted(made))})")
         for rel, text in changed.items():
             if sha256_text(text) not in made[rel]:
-                raise KilnError(f"its layer's {rel} is not what its outcomes say the patching made of it")
+                raise KilnError(f"its layer's {_listed([rel])} is not what its outcomes say the patching made of it")
 
     return check
+
+
+def _listed(names, none: str = "none") -> str:
+    """Names a record gives, for a one-line warning: any with a control character quoted."""
+    return ", ".join(name if name.isprintable() else repr(name) for name in names) or none
 
 
 def _unpacked(path: Path, created_by: str, removals: list) -> LayerContents:

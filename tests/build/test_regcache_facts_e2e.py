@@ -29,7 +29,6 @@ from tests.build.test_regcache_e2e import (
     _key_pair,
     _put_blob,
     _put_entry,
-    written_by_a_first_runner,
 )
 
 pytestmark = [pytest.mark.registry, pytest.mark.reliability]
