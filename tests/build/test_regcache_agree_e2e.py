@@ -117,6 +117,14 @@ def test_an_entry_of_another_selection_rekeyed_is_a_miss(project, capsys, tmp_pa
     assert "its record's outcomes are of P65; the selection its key covers is" in warning, warning
     assert "\n" not in warning
 
+    # the four-patch build's own entry (four outcomes, in the order the key lists them): a hit
+    _fresh_runner(monkeypatch, tmp_path, "four-own")
+    code, own, err = _build(project, capsys, images, FOUR, "--cache-from", f"{cache.host}/{repo}-four",
+                            "--insecure-registry", cache.host)
+    assert code == 0, err
+    assert own["cache"]["hit"] and len(patch_runs) == runs + 1 and not _refused(own), own["warnings"]
+    assert own["manifest_digest"] == four["manifest_digest"]
+
 
 def test_a_record_that_puts_the_modules_under_etc_is_a_miss(project, capsys, tmp_path, monkeypatch, patch_runs,
                                                             start_registry):
