@@ -7,7 +7,8 @@ Public API:
         .patched(inputs, layers, need_triton, platform) -> (CacheUse, CachedEntry) | None   the hit, if any
         .read(use, agrees=None) -> CachedEntry | None   ``use``'s entry from the first cache that has it verified
     cached_catalogue(patchsets, cache_from, config, reporter=SILENT, open_record=plain_record, cache=None)
-        -> (Catalogue of facts, where) | None   the ``catalogue`` entry of these ``patchsets/`` bytes
+        -> (Catalogue of facts, where) | (loaded Catalogue, None) | None   the ``catalogue`` entry of these ``patchsets/`` bytes
+    facts_difference(local, cached) -> str | None   the first patch field where two catalogues' facts differ
 
 The ``patched`` key names the vLLM layers the walk reads (``kiln.build.cachekeys``), which are
 known only once read. So the probe computes the key of each depth the walk may have stopped
@@ -142,7 +143,7 @@ class CacheReader:
 
 
 def cached_catalogue(patchsets: Path, cache_from, config: RegistryConfig, reporter: Reporter = SILENT,
-                     open_record=plain_record, cache: Path | None = None) -> tuple[Catalogue, str] | None:
+                     open_record=plain_record, cache: Path | None = None) -> tuple[Catalogue, str | None] | None:
     """The catalogue's facts for exactly these ``patchsets`` bytes (and kiln's code), from the first
     of ``cache_from`` whose entry verifies and parses; None (a miss: the catalogue is loaded).
     ``cache``: the kiln cache (its ``build/`` holds the entry while it is checked).
