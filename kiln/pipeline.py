@@ -173,6 +173,7 @@ def record_opener(public_key=None):
             raise KilnError("it is not signed; --cache-key takes signed entries only")
         return verify_envelope(data, public_key, where)
 
+    open_record.verifies = public_key is not None  # what it opens, its key signed (``CachedEntry.signed``)
     return open_record
 
 

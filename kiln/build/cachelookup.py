@@ -4,10 +4,11 @@ entry by probing, before any base layer is read; the ``kernels`` entry by its ke
 Public API:
     PROBE_DEPTH, PROBE_THREADS
     CacheReader(cache_from, config, stats, budget, cache, reporter=SILENT, open_record=plain_record)
-        .patched(inputs, layers, need_triton) -> (CacheUse, CachedEntry) | None   the hit, if any
-        .read(use) -> CachedEntry | None   ``use``'s entry from the first cache that has it verified
+        .patched(inputs, layers, need_triton, platform) -> (CacheUse, CachedEntry) | None   the hit, if any
+        .read(use, agrees=None) -> CachedEntry | None   ``use``'s entry from the first cache that has it verified
     cached_catalogue(patchsets, cache_from, config, reporter=SILENT, open_record=plain_record, cache=None)
-        -> (Catalogue of facts, where) | None   the ``catalogue`` entry of these ``patchsets/`` bytes
+        -> (Catalogue of facts, where) | (loaded Catalogue, None) | None   the ``catalogue`` entry of these ``patchsets/`` bytes
+    facts_difference(local, cached) -> str | None   the first patch field where two catalogues' facts differ
 
 The ``patched`` key names the vLLM layers the walk reads (``kiln.build.cachekeys``), which are
 known only once read. So the probe computes the key of each depth the walk may have stopped
@@ -25,7 +26,10 @@ The ``kernels`` key is known once the layers read are: from the ``patched`` hit'
 the walk (``kiln.build.prepare`` pulls, then asks, before it compiles).
 
 The ``catalogue`` entry is read first of all, before the definition is loaded: its key is the
-bytes of ``patchsets/`` and kiln's code, known without importing anything.
+bytes of ``patchsets/`` and kiln's code, known without importing anything. Only a signed entry
+(verified with ``--cache-key``) stands in for the catalogue: an unsigned one could put any
+title or target into the SBOM, so the catalogue is loaded and the entry compared with it (a
+difference: a miss with a warning naming the patch and the field).
 """
 
 from __future__ import annotations
@@ -44,7 +48,14 @@ from kiln.build.cachekeys import (
     probe_walks,
 )
 from kiln.build.inputs import BuildInputs
-from kiln.build.regcache import CachedEntry, CacheUse, plain_record, read_entry, verify_entry
+from kiln.build.regcache import (
+    CachedEntry,
+    CacheUse,
+    patched_agrees,
+    plain_record,
+    read_entry,
+    verify_entry,
+)
 from kiln.cache import cache_root
 from kiln.errors import KilnError
 from kiln.lifeline import uninterrupted
@@ -52,8 +63,8 @@ from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.limits import Budget
 from kiln.oci.manifest import Descriptor
 from kiln.oci.registry import RegistryClient, TransferStats
-from kiln.patch.catalog import Catalogue
-from kiln.patch.facts import facts_catalogue
+from kiln.patch.catalog import Catalogue, load_catalogue
+from kiln.patch.facts import catalogue_facts, facts_catalogue
 from kiln.report import SILENT, Reporter
 
 PROBE_DEPTH = 32  # bounds a cold build's requests: at most 33 tags per cache
@@ -69,9 +80,11 @@ class CacheReader:
                           for location in cache_from]
         self.workroot, self.reporter, self.open_record = cache / "build", reporter, open_record
 
-    def patched(self, inputs: BuildInputs, layers: list[Descriptor],
-                need_triton: bool) -> tuple[CacheUse, CachedEntry] | None:
-        """The ``patched`` hit for a base of ``layers`` (bottom first), before any is read."""
+    def patched(self, inputs: BuildInputs, layers: list[Descriptor], need_triton: bool,
+                platform: dict) -> tuple[CacheUse, CachedEntry] | None:
+        """The ``patched`` hit for a base of ``layers`` (bottom first), before any is read; one that
+        differs from the selection its key covers or the base's ``platform`` is a miss
+        (``regcache.patched_agrees``)."""
         uses = [CacheUse(PATCHED, *patched_key(inputs, walk, need_triton)) for walk in probe_walks(layers, PROBE_DEPTH)]
         jobs = [(use, location, client) for use in uses for location, client in self.locations]
 
@@ -102,7 +115,8 @@ class CacheReader:
                 continue
             with self._workdir() as workdir:
                 entry = verify_entry(client, location.repository, manifest, PATCHED, use.key, use.inputs,
-                                     Path(workdir), self.reporter, self.open_record)
+                                     Path(workdir), self.reporter, self.open_record,
+                                     patched_agrees(use.inputs, platform))
             if entry is not None:
                 use.hit, use.location = entry.where, location
                 return use, entry
@@ -112,12 +126,12 @@ class CacheReader:
                                    f"({len(uses)} depths of the base's layers probed)")
         return None
 
-    def read(self, use: CacheUse) -> CachedEntry | None:
-        """``use``'s entry (its key known), from the first location whose entry verifies."""
+    def read(self, use: CacheUse, agrees=None) -> CachedEntry | None:
+        """``use``'s entry (its key known), from the first location whose entry verifies (and ``agrees``)."""
         for location, client in self.locations:
             with self._workdir() as workdir:
                 entry = read_entry(client, location.repository, use.kind, use.key, use.inputs, Path(workdir),
-                                   self.reporter, self.open_record)
+                                   self.reporter, self.open_record, agrees)
             if entry is not None:
                 use.hit, use.location = entry.where, location
                 return entry
@@ -129,10 +143,14 @@ class CacheReader:
 
 
 def cached_catalogue(patchsets: Path, cache_from, config: RegistryConfig, reporter: Reporter = SILENT,
-                     open_record=plain_record, cache: Path | None = None) -> tuple[Catalogue, str] | None:
+                     open_record=plain_record, cache: Path | None = None) -> tuple[Catalogue, str | None] | None:
     """The catalogue's facts for exactly these ``patchsets`` bytes (and kiln's code), from the first
     of ``cache_from`` whose entry verifies and parses; None (a miss: the catalogue is loaded).
-    ``cache``: the kiln cache (its ``build/`` holds the entry while it is checked)."""
+    ``cache``: the kiln cache (its ``build/`` holds the entry while it is checked).
+
+    An unsigned entry (``open_record`` verifies no signature) is not used in the catalogue's
+    place: the catalogue is loaded, the entry compared with it (a difference is a warning naming
+    the patch and field), and ``(the loaded catalogue, None)`` returned (not a hit)."""
     if not cache_from or not patchsets.is_dir():  # (a missing catalogue: load_catalogue says so)
         return None
     use = CacheUse(CATALOGUE, *catalogue_key(patchsets))
@@ -142,10 +160,35 @@ def cached_catalogue(patchsets: Path, cache_from, config: RegistryConfig, report
     if entry is None:
         return None
     try:
-        return facts_catalogue(patchsets, entry.record["facts"], f"build cache entry {entry.where}"), entry.where
+        facts = facts_catalogue(patchsets, entry.record["facts"], f"build cache entry {entry.where}")
     except KilnError as err:
         reporter.warn(f"{err}; loading the catalogue instead")
         return None
+    if entry.signed:
+        return facts, entry.where
+    local = load_catalogue(patchsets)  # imports every patch module (libcst): what a signed entry spares
+    difference = facts_difference(catalogue_facts(local), catalogue_facts(facts))
+    if difference:
+        reporter.warn(f"build cache entry {entry.where} refused, building without it: its facts differ from "
+                      f"{patchsets}: {difference}")
+    return local, None
+
+
+def facts_difference(local: dict, cached: dict) -> str | None:
+    """The first field where ``cached`` facts (``catalogue_facts``) differ from ``local``'s; None when equal."""
+    if local == cached:
+        return None
+    for pid in sorted(set(local["patches"]) | set(cached["patches"])):
+        mine, theirs = local["patches"].get(pid), cached["patches"].get(pid)
+        named = pid if pid.isprintable() else repr(pid)  # on one line
+        if mine is None or theirs is None:
+            return f"patch {named} is {'not in the catalogue' if mine is None else 'missing'}"
+        for name in sorted(set(mine) | set(theirs)):
+            if mine.get(name) != theirs.get(name):
+                return f"patch {named} {name} is {theirs.get(name)!r}, the catalogue's {mine.get(name)!r}"
+        if local["digests"].get(pid) != cached["digests"].get(pid):
+            return f"patch {named} sha256 is {cached['digests'].get(pid)!r}, the catalogue's {local['digests'].get(pid)}"
+    return "its facts are not the catalogue's"
 
 
 def _add(stats: TransferStats, moved: TransferStats) -> None:

@@ -52,11 +52,12 @@ class BuildInputs:
 
 
 def load_build_inputs(files: RepoFiles, image: str, pin: str, sm: int | str,
-                      cached: tuple[Catalogue, str] | None = None) -> BuildInputs:
+                      cached: tuple[Catalogue, str | None] | None = None) -> BuildInputs:
     """The definition, pin and catalogue named by ``--image``/``--pin``/``--sm``, checked to match.
 
     ``cached``: the catalogue's facts read from a registry build cache, and where from (instead
-    of loading the catalogue: ``kiln.patch.facts``)."""
+    of loading the catalogue: ``kiln.patch.facts``); or the catalogue already loaded, and None
+    (``kiln.build.cachelookup.cached_catalogue`` of an unsigned entry)."""
     catalogue, catalogue_hit = cached or (load_catalogue(files.patchsets), None)
     pins = load_pins(files.pins)
     definition = load_definition(files.images, image, catalogue, pins)

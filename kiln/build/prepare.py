@@ -42,7 +42,7 @@ from kiln.build.cachelookup import PROBE_DEPTH, CacheReader
 from kiln.build.inputs import BuildInputs
 from kiln.build.layers import audit_record, source_contents, with_audit
 from kiln.build.provenance import kiln_revision, kiln_source_url
-from kiln.build.regcache import CacheUse, plain_record
+from kiln.build.regcache import CacheUse, base_platform, plain_record
 from kiln.build.wheelcache import RegistryWheels
 from kiln.cache import cache_root
 from kiln.errors import KilnError
@@ -180,7 +180,7 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     if cache_from:  # the patched entry by the layers it was keyed by, before any is read
         check_platform(base.config(), base.name)
         source.client.budget.check_layers(base.name, len(base.layers()))
-        if (found_hit := reader.patched(inputs, base.layers(), need_triton)) is not None:
+        if (found_hit := reader.patched(inputs, base.layers(), need_triton, base_platform(base.config()))) is not None:
             patched_use, patched_hit = found_hit
             if kernels:  # the walk that wrote it read down to Triton: the same layers hold it
                 kernels_use = kernels_use_of(patched_use.inputs["vllm_layers"]["layers"])
@@ -264,7 +264,8 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
             patched_source = patched_hit.layers[0]
         applied = [pid for pid, o in outcomes.items() if o.verdict is Verdict.APPLIES]
         uses[0].fields = {"vllm_version": vllm_version, "site_dir": site_dir, "outcomes": [o.to_json() for o in outcomes.values()],
-                          "applied": applied, "before": before}
+                          "applied": applied, "before": before, "platform": base_platform(base.config()),
+                          "modules": {p["id"]: p["sha256"] for p in uses[0].inputs["patches"]}}
         uses[0].contents = [patched_source]
 
         # 4. what kiln's layers hold, and the image's labels
@@ -298,6 +299,7 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
         if kernels:
             uses[1].fields, uses[1].contents = {"env": env, "triton": triton}, layers[1:]
     labels = image_labels(inputs, base_ref, resolved, applied, vllm_version)
+    unsigned_use(uses, [hit for hit in (patched_hit, kernels_hit) if hit is not None], reporter)
     return PreparedBuild(
         inputs=inputs, base_ref=base_ref, base_digest=resolved, found=found, base=base, base_model=base_model,
         client=source.client, stats=stats, outcomes=outcomes, applied=applied,
@@ -305,6 +307,17 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
         vllm_version=vllm_version, site_dir=site_dir, base_manifest_digest=base.manifest().digest,
         cache=[*uses, catalogue_use], cache_mounts=mounts, wheels=wheels,
     )
+
+
+def unsigned_use(uses: list[CacheUse], hits: list, reporter: Reporter) -> None:
+    """The one line a build that uses unsigned registry cache entries says (``docs/TRUST.md``)."""
+    unsigned = [(use, hit) for use in uses for hit in hits if use.hit == hit.where and not hit.signed]
+    if unsigned:
+        repos = sorted({use.location.name for use, _ in unsigned if use.location is not None})
+        reporter.warn(f"build cache: using unsigned {' and '.join(use.kind for use, _ in unsigned)} "
+                      f"entr{'ies' if len(unsigned) > 1 else 'y'} from {', '.join(repos)}: whoever can push there "
+                      "can change its patched bytes undetected; --cache-key PUB (or [cache] require_signed) "
+                      "takes signed entries only")
 
 
 def patched_selection(catalogue, tree, target, selection: list[str], cache: Path, forked):

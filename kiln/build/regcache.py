@@ -5,11 +5,13 @@ Public API:
     parse_cache_location(text, where) -> ImageReference     ``REGISTRY/REPO``, no tag or digest
     CacheUse(kind, key, inputs, sm)  one entry a build looks up: hit or not, what it would write
     CachedEntry(record, layers, where)                       a verified entry: its layers as ``LayerContents``
-    read_entry(client, repository, kind, key, key_inputs, workdir, reporter=SILENT, open_record=plain_record)
-        -> CachedEntry | None
+    read_entry(client, repository, kind, key, key_inputs, workdir, reporter=SILENT, open_record=plain_record,
+               agrees=None) -> CachedEntry | None
     verify_entry(client, repository, manifest, kind, key, key_inputs, workdir, reporter=SILENT,
-                 open_record=plain_record) -> CachedEntry | None    the same, of a manifest already found
+                 open_record=plain_record, agrees=None) -> CachedEntry | None    the same, of a manifest already found
     plain_record(data, media_type, where) -> bytes   the record of an unsigned entry (a signed one: a miss)
+    patched_agrees(key_inputs, platform) -> (CachedEntry -> None)   a patched entry against what the build knows
+    SITE_DIR                                         the site dirs the layer walk finds vLLM in
     entry_record(use, layers) -> dict
     write_entry(client, repository, kind, key, record, layers, seal=None) -> str (the entry's manifest digest)
 
@@ -41,6 +43,15 @@ kind, key and inputs equal the ones this build computed (an entry copied under a
 refused; the inputs name the vLLM layers, so an entry is used only on a base whose walk reads
 exactly them); the layers re-derive: their contents written again by ``kiln.oci.layer`` give
 the recorded digest and diff_id, so what the build bakes from them is byte for byte the entry.
+Then every fact the build knows without the entry is compared with it (``agrees``; for a
+patched entry ``patched_agrees``): its outcomes are of exactly the patches the key's selection
+covers, each module's sha256 is the selection's, the applied patches are those whose verdict
+is APPLIES, no patch the target gates off or puts out of range is applied, each changed
+file's bytes are what an outcome says the patching made; its vLLM version is the pin's, its
+site dir one the walk could find vLLM in (``SITE_DIR``), its platform the base config's. An
+unsigned entry is trusted to whoever can push to the cache repository: these checks catch an
+entry of another build re-keyed, or a record that lies about where the modules go, but not
+patched bytes rewritten together with the sha256 the record gives them (``docs/TRUST.md``).
 Anything wrong is a miss with a warning, never an image; a miss of one entry leaves the other
 usable. Concurrent writers of one key are safe: each uploads every blob its manifest names
 (content-addressed, so they share them) before it PUTs the manifest, and a tag's PUT replaces
@@ -53,6 +64,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import re
 import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,7 +72,7 @@ from pathlib import Path
 
 from kiln.build.cachekeys import ARTIFACT_TYPES, CATALOGUE, KERNELS, PATCHED, canonical, entry_tag
 from kiln.errors import KilnError
-from kiln.oci.digest import sha256_digest
+from kiln.oci.digest import sha256_digest, sha256_text
 from kiln.oci.layer import WHITEOUT_PREFIX, Layer, LayerContents, write_layer
 from kiln.oci.manifest import Descriptor, Manifest
 from kiln.oci.mediatypes import OCI_LAYER_GZIP, OCI_MANIFEST
@@ -74,6 +86,8 @@ SIGNED_RECORD_MEDIA_TYPE = "application/vnd.dsse.envelope.v1+json"  # its payloa
 KEY_ANNOTATION = "dev.kiln.cache.key"
 _RECORD_MAX = 16 << 20  # a record is verdicts and digests: kilobytes
 _UNPACKED_MAX = 4 << 30  # what one cached layer may inflate to before it is refused
+# where the layer walk (``kiln.source.layerwalk``) finds vLLM: a site dir, relative, no ``.``/``..``
+SITE_DIR = re.compile(r"(?:(?!\.{1,2}/)[^/]+/)*lib/python3(?:\.\d+)?/(?:dist|site)-packages")
 
 
 def parse_cache_location(text: str, where: str) -> ImageReference:
@@ -117,6 +131,7 @@ class CachedEntry:
     record: dict
     layers: list[LayerContents]
     where: str  # registry/repository:tag it was read from
+    signed: bool = False  # its record's signature verified with the reader's key (``--cache-key``)
 
     @property
     def outcomes(self) -> dict[str, Outcome]:
@@ -177,8 +192,10 @@ def write_entry(client: RegistryClient, repository: str, kind: str, key: str, re
 
 def read_entry(client: RegistryClient, repository: str, kind: str, key: str, key_inputs: dict, workdir: Path,
                reporter: Reporter = SILENT, open_record: Callable[[bytes, str, str], bytes] = plain_record,
-               ) -> CachedEntry | None:
-    """The ``kind`` entry of ``key``, verified; None (a miss) when there is none or it is not right (with a warning)."""
+               agrees: Callable[[CachedEntry], None] | None = None) -> CachedEntry | None:
+    """The ``kind`` entry of ``key``, verified; None (a miss) when there is none or it is not right (with a warning).
+
+    ``agrees``: raises KilnError naming the field where the entry differs from what the build knows."""
     tag = entry_tag(kind, key)
     try:
         manifest = client.find_manifest(repository, tag)
@@ -189,16 +206,24 @@ def read_entry(client: RegistryClient, repository: str, kind: str, key: str, key
     if manifest is None:
         reporter.note(f"build cache {client.endpoint.registry}/{repository}: no {kind} entry for this build")
         return None
-    return verify_entry(client, repository, manifest, kind, key, key_inputs, workdir, reporter, open_record)
+    return verify_entry(client, repository, manifest, kind, key, key_inputs, workdir, reporter, open_record, agrees)
 
 
 def verify_entry(client: RegistryClient, repository: str, manifest: Manifest, kind: str, key: str, key_inputs: dict,
                  workdir: Path, reporter: Reporter = SILENT,
-                 open_record: Callable[[bytes, str, str], bytes] = plain_record) -> CachedEntry | None:
-    """The entry ``manifest`` (found under ``key``'s tag), verified; None (a miss, with a warning) when not right."""
+                 open_record: Callable[[bytes, str, str], bytes] = plain_record,
+                 agrees: Callable[[CachedEntry], None] | None = None) -> CachedEntry | None:
+    """The entry ``manifest`` (found under ``key``'s tag), verified; None (a miss, with a warning) when not right.
+
+    The entry is ``signed`` when ``open_record`` checks signatures (its ``verifies`` attribute):
+    a record it opens is one its key signed."""
     where = f"{client.endpoint.registry}/{repository}:{entry_tag(kind, key)}"
     try:
-        return _verified(client, repository, manifest, kind, key, key_inputs, workdir, where, open_record)
+        entry = _verified(client, repository, manifest, kind, key, key_inputs, workdir, where, open_record)
+        entry.signed = bool(getattr(open_record, "verifies", False))
+        if agrees is not None:
+            agrees(entry)
+        return entry
     except KilnError as err:
         reporter.warn(f"build cache entry {where} refused, building without it: {err}")
         return None
@@ -252,7 +277,8 @@ def _verified(client: RegistryClient, repository: str, manifest: Manifest, kind:
 # how many layers an entry of each kind has: a patched entry its changed modules; a kernels
 # entry one SM's kernel layer, or none when it was left out; a catalogue entry none
 _LAYER_COUNTS = {PATCHED: (1,), KERNELS: (0, 1), CATALOGUE: (0,)}
-_FIELDS = {PATCHED: {"outcomes": list, "applied": list, "vllm_version": str, "site_dir": str, "before": dict},
+_FIELDS = {PATCHED: {"outcomes": list, "applied": list, "vllm_version": str, "site_dir": str, "before": dict,
+                     "modules": dict, "platform": dict},
            KERNELS: {"env": dict, "triton": dict}, CATALOGUE: {"facts": dict}}
 
 
@@ -276,11 +302,75 @@ def _check_fields(kind: str, entry: CachedEntry) -> None:
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise KilnError(f"its record's outcomes or its layer's files do not parse ({err!r})") from None
     prefix = f"{record['site_dir']}/vllm/"
-    if not all(path.startswith(prefix) for path in entry.layers[0].files):
+    if not all(path.startswith(prefix) and posixpath.normpath(path) == path and ".." not in path.split("/")
+               for path in entry.layers[0].files):
         raise KilnError(f"its layer holds files outside {prefix}")
     if not set(record["before"]) <= set(changed) or \
             not all(isinstance(v, str) for v in record["before"].values()):
         raise KilnError("its record's 'before' is not a sha256 per changed file")
+
+
+def base_platform(config: dict) -> dict:
+    """What a base's config says of its platform (a patched record carries its writer's)."""
+    return {name: config.get(name) for name in ("os", "architecture", "variant")}
+
+
+def patched_agrees(key_inputs: dict, platform: dict) -> Callable[[CachedEntry], None]:
+    """The check of a verified ``patched`` entry against what the build knows without it: the
+    selection its key covers (``key_inputs``: ``kiln.build.cachekeys.patched_key``'s, this build's
+    own) and the base's ``platform`` (``base_platform``). Raises KilnError naming the field."""
+
+    def check(entry: CachedEntry) -> None:
+        record = entry.record
+        patches = key_inputs["patches"]
+        if not SITE_DIR.fullmatch(record["site_dir"]):
+            raise KilnError(f"its record's site_dir {record['site_dir']!r} is not a Python site dir "
+                            "the base's vLLM could be in (…/lib/python3.N/site-packages or dist-packages)")
+        if record["vllm_version"] != key_inputs["vllm"]:
+            raise KilnError(f"its record's vllm_version {record['vllm_version']!r} is not the pin's "
+                            f"{key_inputs['vllm']!r}")
+        if record["platform"] != platform:
+            raise KilnError(f"its record's platform {record['platform']} is not the base's {platform}")
+        outcomes = entry.outcomes
+        ids = [p["id"] for p in patches]
+        if list(outcomes) != ids:
+            raise KilnError(f"its record's outcomes are of {_listed(outcomes, 'no patch')}; the selection "
+                            f"its key covers is {_listed(ids, 'no patch')}")
+        modules = {p["id"]: p["sha256"] for p in patches}
+        if record["modules"] != modules:
+            wrong = next((pid for pid in modules if record["modules"].get(pid) != modules[pid]),
+                         next(iter(set(record["modules"]) - set(modules)), None))
+            raise KilnError(f"its record's modules: {_listed([str(wrong)])}'s sha256 is not the selection's")
+        applied = [pid for pid, o in outcomes.items() if o.verdict is Verdict.APPLIES]
+        if record["applied"] != applied:
+            raise KilnError(f"its record's applied patches ({_listed(record['applied'])}) are not "
+                            f"those its outcomes apply ({_listed(applied)})")
+        for patch in patches:
+            verdict = outcomes[patch["id"]].verdict
+            if verdict.ok and (patch["out_of_range"] or patch["gated"]):
+                raise KilnError(f"its record's outcomes: {patch['id']} is {verdict}, but this target "
+                                f"{'puts it out of range' if patch['out_of_range'] else 'gates it off'}")
+            if verdict.blocks_build:
+                raise KilnError(f"its record's outcomes: {patch['id']} is {verdict}, which no build writes")
+        made: dict[str, set] = {}  # rel path -> what the applied patches say they made of it
+        for outcome in outcomes.values():
+            if outcome.verdict is Verdict.APPLIES:
+                for rel, (_, after) in (outcome.files or {}).items():
+                    made.setdefault(rel, set()).add(after)
+        changed = entry.changed()
+        if set(changed) != set(made):
+            raise KilnError(f"its layer's files ({_listed(sorted(changed))}) are not those its "
+                            f"applied patches changed ({_listed(sorted(made))})")
+        for rel, text in changed.items():
+            if sha256_text(text) not in made[rel]:
+                raise KilnError(f"its layer's {_listed([rel])} is not what its outcomes say the patching made of it")
+
+    return check
+
+
+def _listed(names, none: str = "none") -> str:
+    """Names a record gives, for a one-line warning: any with a control character quoted."""
+    return ", ".join(name if name.isprintable() else repr(name) for name in names) or none
 
 
 def _unpacked(path: Path, created_by: str, removals: list) -> LayerContents:

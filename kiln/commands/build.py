@@ -40,7 +40,8 @@ def register(sub) -> None:
                    help="write this build's cache entry to REPO (repeatable; docs/ARCHITECTURE.md, Caches); "
                         "signed with --sign-key when given")
     p.add_argument("--cache-key", type=Path, metavar="PEM",
-                   help="read only cache entries signed by this public key (an unsigned or mis-signed one is a miss)")
+                   help="read only cache entries signed by this public key (an unsigned or mis-signed one is a miss); "
+                        "required with the registries file's [cache] require_signed = true")
 
     p = _image_command(sub, "context", "write a build context for the Dockerfile (same files as build)", run_context)
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="the context directory to write")
@@ -80,6 +81,10 @@ def run_build_command(args, out) -> int:
     config = options.registry_config(args)
     cache_from, cache_to = _cache_locations(args, config)
     cache_key = load_public_key(args.cache_key) if args.cache_key else None
+    if cache_from and cache_key is None and config.cache_require_signed:
+        raise KilnError(f"{config.path}: cache.require_signed: reading the build cache "
+                        f"({', '.join(loc.name for loc in cache_from)}) needs --cache-key PUB: "
+                        "unsigned entries are refused")
     reporter = out.reporter()
     files = options.repo_files(args)
     # the catalogue's facts from the cache, when it has them: no patch module is imported unless

@@ -73,6 +73,7 @@ class RegistryConfig:
     containers_files: list[Path] = field(default_factory=list)  # the registries.conf files read
     cache_from: list[str] = field(default_factory=list)  # [cache] from: REGISTRY/REPO build caches read
     cache_to: list[str] = field(default_factory=list)  # [cache] to: written (checked by ``kiln.build.regcache``)
+    cache_require_signed: bool = False  # [cache] require_signed: reading a cache needs --cache-key
 
     def endpoint(self, registry: str, push: bool = False) -> Endpoint:
         """Where ``registry`` is contacted. Mirrors serve pulls only (containerd's rule): a push
@@ -128,6 +129,7 @@ class RegistryConfig:
             self._add_insecure(host, f"{path}: insecure")
         self.cache_from = list(data.get("cache", {}).get("from", self.cache_from))
         self.cache_to = list(data.get("cache", {}).get("to", self.cache_to))
+        self.cache_require_signed = bool(data.get("cache", {}).get("require_signed", self.cache_require_signed))
 
 
 def parse_mirror(text: str, where: str = "--mirror") -> tuple[str, str, bool]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import re
 import shutil
 from dataclasses import replace
 
@@ -21,9 +22,11 @@ from kiln.build.cachekeys import (
     walk_read,
 )
 from kiln.build.inputs import load_build_inputs
-from kiln.build.regcache import parse_cache_location
+from kiln.build.regcache import CachedEntry, parse_cache_location, patched_agrees
 from kiln.errors import KilnError
+from kiln.oci.digest import sha256_text
 from kiln.oci.endpoints import RegistryConfig
+from kiln.oci.layer import LayerContents
 from kiln.oci.manifest import Descriptor
 from kiln.paths import RepoFiles
 from tests.support import TEST_IMAGES
@@ -155,3 +158,59 @@ def test_the_registries_file_names_caches_and_a_bad_one_fails_before_any_work(fi
     conf.write_text('[cache]\nfrom = "ghcr.io/you/cache"\n')  # not a list: the schema says where
     assert commands.main(argv) == 2
     assert "cache" in capsys.readouterr().err
+
+
+def test_require_signed_is_a_checked_boolean_of_the_cache_table(tmp_path):
+    conf = tmp_path / "registries.toml"
+    conf.write_text('[cache]\nfrom = ["ghcr.io/you/cache"]\nrequire_signed = true\n')
+    assert RegistryConfig.load(path=conf).cache_require_signed is True
+    assert RegistryConfig.load(path=tmp_path / "absent.toml").cache_require_signed is False
+    for text in ('[cache]\nrequire_sigend = true\n', '[cache]\nrequire_signed = "yes"\n',
+                 'require_signed = true\n'):  # a typo, a string, outside [cache]: refused, naming the file
+        conf.write_text(text)
+        with pytest.raises(KilnError, match=str(conf)):
+            RegistryConfig.load(path=conf)
+
+
+def _patched_entry(**fields) -> CachedEntry:
+    """A verified-shape patched entry of P65 applied to one file, with ``fields`` replaced."""
+    text = "x = 1\n"
+    site = "usr/local/lib/python3.12/dist-packages"
+    record = {"kind": "patched", "site_dir": site, "vllm_version": "0.20.1", "before": {"a.py": "0" * 64},
+              "outcomes": [{"patch": "P65", "verdict": "APPLIES", "detail": "",
+                            "files": {"a.py": {"before": "0" * 64, "after": sha256_text(text)}}},
+                           {"patch": "P5", "verdict": "GATED", "detail": "sm"}],
+              "applied": ["P65"], "modules": {"P65": "1" * 64, "P5": "2" * 64},
+              "platform": {"os": "linux", "architecture": "amd64", "variant": None}}
+    record.update(fields)
+    return CachedEntry(record, [LayerContents({f"{record['site_dir']}/vllm/a.py": text.encode()}, ())], "here")
+
+
+_KEY_INPUTS = {"vllm": "0.20.1", "patches": [{"id": "P65", "sha256": "1" * 64, "out_of_range": None, "gated": None},
+                                            {"id": "P5", "sha256": "2" * 64, "out_of_range": None, "gated": "sm"}]}
+_PLATFORM = {"os": "linux", "architecture": "amd64", "variant": None}
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"site_dir": "etc"}, "site_dir 'etc'"),
+    ({"site_dir": "usr/lib/python3.12/../../etc/site-packages"}, "site_dir"),
+    ({"vllm_version": "0.19.0"}, "vllm_version '0.19.0' is not the pin's '0.20.1'"),
+    ({"platform": {"os": "linux", "architecture": "arm64", "variant": None}}, "platform"),
+    ({"outcomes": [{"patch": "P65", "verdict": "APPLIES", "detail": ""}]}, "outcomes are of P65; the selection"),
+    ({"outcomes": [{"patch": "P5", "verdict": "GATED"}, {"patch": "P65", "verdict": "APPLIES"}]}, "outcomes are of P5, P65"),
+    ({"modules": {"P65": "9" * 64, "P5": "2" * 64}}, "modules: P65's sha256"),
+    ({"modules": {"P65": "1" * 64, "P5": "2" * 64, "P9\nok": "3" * 64}}, "modules: 'P9\\nok'"),
+    ({"applied": []}, "applied patches (none) are not those its outcomes apply (P65)"),
+    ({"outcomes": [{"patch": "P65", "verdict": "APPLIES", "detail": "",
+                    "files": {"a.py": {"before": "0" * 64, "after": "f" * 64}}},
+                   {"patch": "P5", "verdict": "GATED"}]}, "its layer's a.py is not what its outcomes say"),
+    ({"outcomes": [{"patch": "P65", "verdict": "APPLIES", "detail": ""},
+                   {"patch": "P5", "verdict": "APPLIES", "files": {"a.py": {"before": None, "after": "0" * 64}}}],
+      "applied": ["P65", "P5"]}, "P5 is APPLIES, but this target gates it off"),
+])
+def test_a_patched_entry_that_disagrees_with_the_build_names_the_field(fields, named):
+    check = patched_agrees(_KEY_INPUTS, _PLATFORM)
+    check(_patched_entry())  # the entry as written: agrees
+    with pytest.raises(KilnError, match=re.escape(named)) as err:
+        check(_patched_entry(**fields))
+    assert "\n" not in str(err.value)
