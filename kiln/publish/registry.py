@@ -4,6 +4,8 @@ Public API:
     RegistryPublisher(destination, tags, config, reporter=SILENT)
     PushReport        what a push did (uploaded / mounted / present blobs, bytes)
 
+``check`` (before any work) opens a blob upload in the destination repository and cancels it:
+an unreachable registry or missing push rights fail the build before its pull.
 Staging uploads (or mounts, or finds) every blob (kiln's layers read from a registry build
 cache on the same host are mounted from the cache's repository), the attestations' too; committing PUTs the
 image manifest by digest, its attestations (OCI 1.1 artifacts whose ``subject`` is it: through
@@ -59,6 +61,17 @@ class RegistryPublisher(Publisher):
         self.reporter = reporter
         self.client: RegistryClient | None = None
         self.report: PushReport | None = None
+
+    def check(self, inputs=()) -> None:
+        """The destination takes a push, checked before any pull or patch: a registry that does not
+        answer, or credentials without push rights, fail here in one line, not after the build."""
+        super().check(inputs)
+        endpoint = self.config.endpoint(self.destination.registry, push=True)
+        client = RegistryClient(endpoint, stats=TransferStats(), budget=self.budget)
+        try:
+            client.check_push(self.destination.repository)
+        except KilnError as err:
+            raise KilnError(f"--repository {self.destination.name}: cannot push there: {err}") from None
 
     def _client_for(self, image) -> tuple[RegistryClient, str | None]:
         """A client for the destination; when it is the host the base came from (through a
