@@ -61,20 +61,30 @@ def run_pin_lock(args, out) -> int:
     files = repo_files(args)
     results = lock_pins(files.pins, args.names, registry_config(args))
     failed = [r for r in results if r.status == "failed"]
+    changed = [r for r in results if r.status in ("locked", "re-locked")]
     if args.json:
-        out.json({"pins_file": str(files.pins), "pins": [r.to_json() for r in results]})
+        out.json({"pins_file": str(files.pins), "pins": [r.to_json() for r in results], "changed": bool(changed)})
         return 1 if failed else 0
     for r in results:
-        style = {"unchanged": "dim", "locked": "green", "re-locked": "yellow", "failed": "red"}[r.status]
+        style = {"unchanged": "dim", "locked": "green", "re-locked": "yellow", "kept": "yellow",
+                 "failed": "red"}[r.status]
         if r.status == "failed":
             out.stdout.print(f"[{style}]{r.status:>9}[/] {escape(r.name)}  {escape(r.image)}: {escape(r.error)}")
             continue
         was = f" (was {r.previous})" if r.status == "re-locked" else ""
-        out.stdout.print(f"[{style}]{r.status:>9}[/] {escape(r.name)}  {escape(r.image)}@{r.digest}{was}")
+        out.stdout.print(f"[{style}]{r.status:>9}[/] {escape(r.name)}  {escape(r.image)}@{r.previous if r.status == 'kept' else r.digest}{was}")
+        if r.status == "kept":
+            out.warn(f"pin {r.name}: locked, not re-checked now: {r.error}")
+    pins = escape(str(files.pins))
+    if changed:
+        out.stderr.print(f"{pins} updated ({escape(', '.join(r.name for r in changed))}): review and commit it, "
+                         f"e.g. git add {pins} && git commit -m 'pin lock'")
+    elif not failed:
+        out.stderr.print(f"{pins} unchanged: the pins asked for are already locked, nothing to commit")
     if failed:
         kept = "left as they were" if len(failed) > 1 else "left as it was"
         out.stderr.print(f"[red]pin lock: {len(failed)} of {len(results)} pins not locked[/] "
-                         f"({escape(', '.join(r.name for r in failed))}: {kept} in {escape(str(files.pins))})")
+                         f"({escape(', '.join(r.name for r in failed))}: {kept} in {pins})")
     return 1 if failed else 0
 
 
