@@ -95,7 +95,10 @@ class RegistryPublisher(Publisher):
         report = PushReport(repository, manifest.digest, list(self.tags))
         descriptors = model.blobs()
         from_cache = self._cache_mount(image, client)
-        with self.reporter.task(f"push {repository}", total=sum(d.size for d in descriptors)) as task:
+        # The task counts bytes sent: a blob mounted or already there moves none, so it leaves the
+        # total instead of being counted as pushed (the plain line says how many of each).
+        remaining = sum(d.size for d in descriptors)
+        with self.reporter.task(f"push {repository}", total=remaining) as task:
             for descriptor in descriptors:
                 digest = descriptor.digest
                 if client.blob_exists(repository, digest):
@@ -110,7 +113,12 @@ class RegistryPublisher(Publisher):
                     client.upload_blob(repository, digest, path, chunk_size=chunk)
                     report.uploaded.append(digest)
                     report.bytes_uploaded += descriptor.size
-                task.advance(descriptor.size)
+                    task.advance(descriptor.size)
+                    continue
+                remaining -= descriptor.size
+                task.update(total=remaining)
+            task.update(description=f"push {repository} ({_blobs(len(report.uploaded))} uploaded, "
+                                    f"{len(report.mounted)} mounted, {len(report.present)} already there)")
         for artifact in image.attestations:  # the SBOM and provenance: small, uploaded unless present
             for descriptor in artifact.descriptors():
                 if not client.blob_exists(repository, descriptor.digest):
@@ -155,3 +163,7 @@ class RegistryPublisher(Publisher):
         host = self.client.endpoint.host if self.client else self.destination.registry
         via = "" if host == self.destination.registry else f" (pushed to {host})"
         return f"{self.destination.name}:{self.tags[0]}@{image.manifest.digest}{via}"
+
+
+def _blobs(count: int) -> str:
+    return f"{count} blob{'' if count == 1 else 's'}"
