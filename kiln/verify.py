@@ -134,18 +134,23 @@ class DefinitionVerdicts:
                 for pin, o in self.rows if o.verdict.blocks_build]
 
 
-def out_of_range_note(outcomes: Iterable[Outcome], label: str) -> str | None:
+def out_of_range_note(outcomes: Iterable[Outcome], label: str, maintainer: bool = False) -> str | None:
     """What ``OUT_OF_RANGE`` verdicts on ``label`` mean, naming the patches; None when there are none.
 
     Unlike ``GATED`` (the release, SM or model does not have the failure) it is no judgement of
-    the release: the patch is left out because nobody has read that release for it.
+    the release: the patch is left out because nobody has read that release for it. What to do
+    about it (widen the patch's ``written_for``, or gate it) is the maintainers' business, not
+    the user's: it is said only with ``maintainer`` (``verify --maintainer``).
     """
     ids = [o.patch_id for o in outcomes if o.verdict is Verdict.OUT_OF_RANGE]
     if not ids:
         return None
-    return (f"{len(ids)} patch(es) OUT_OF_RANGE on {label} ({', '.join(ids)}): the release is outside the "
-            "releases each was written for (its `written_for`), so the build leaves them out without knowing "
-            "whether this release has the failure; read the release, then widen `written_for` or gate the patch")
+    note = (f"{len(ids)} patch(es) OUT_OF_RANGE on {label} ({', '.join(ids)}): kiln's patches have not been "
+            "checked against this release, so a build leaves them out; the image may lack their fixes")
+    if maintainer:
+        note += (" (maintainers: the release is outside the releases each was written for, its `written_for`; "
+                 "read the release, then widen `written_for` or gate the patch)")
+    return note
 
 
 def verify_definition(definition: ImageDefinition, pins: dict[str, Pin], catalogue: Catalogue,
