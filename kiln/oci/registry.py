@@ -20,8 +20,6 @@ Public API:
                                                         resumed with ``Range`` when the connection breaks
         .open_blob(repo, digest, size=None) -> ctx[VerifyingReader]  verified on leaving the block
         .mount_blob(repo, digest, from_repo) -> bool    False when the registry refused (202)
-        .check_push(repo)                               may we push there? a blob upload opened and
-                                                        cancelled (nothing written); KilnError if not
         .upload_blob(repo, digest, data, chunk_size=None)   bytes or Path; monolithic or PATCH chunks;
                                                         a broken session is abandoned and restarted
         .put_manifest(repo, ref, data, media_type) -> str   byte-exact, returns the digest
@@ -275,21 +273,6 @@ class RegistryClient:
             except KilnError:
                 pass
         return False
-
-    def check_push(self, repo: str) -> None:
-        """Whether ``repo`` takes a push, before any work: the registry answers, the credentials
-        get the push scope and it opens a blob upload session (202), which is cancelled at once
-        (best effort). Nothing is written. A ``KilnError`` (unreachable, 401, 403, ...) otherwise."""
-        what = f"{repo} push check (open a blob upload)"
-        resp = self._request("POST", self._url(repo, "blobs", "uploads/"), {push_scope(repo)}, ok=(202,), what=what)
-        location = resp.headers.get("Location")
-        resp.close()
-        if location:  # an abandoned session would linger until the registry's GC
-            try:
-                self._request("DELETE", self._absolute(location), {push_scope(repo)}, ok=(204, 404, 405),
-                              what=f"{repo} cancel upload")
-            except KilnError:
-                pass
 
     def upload_blob(self, repo: str, digest: str, data: bytes | Path, chunk_size: int | None = None) -> None:
         """Upload ``data`` (bytes or a file) as ``digest``: one PUT, or PATCH chunks then PUT.

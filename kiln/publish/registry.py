@@ -25,6 +25,7 @@ from kiln.attest.referrers import merged_index, referrers_tag
 from kiln.errors import KilnError
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.mediatypes import OCI_INDEX
+from kiln.oci.pushcheck import check_push
 from kiln.oci.reference import ImageReference
 from kiln.oci.registry import RegistryClient, TransferStats
 from kiln.pausepoint import pause_point
@@ -69,7 +70,7 @@ class RegistryPublisher(Publisher):
         endpoint = self.config.endpoint(self.destination.registry, push=True)
         client = RegistryClient(endpoint, stats=TransferStats(), budget=self.budget)
         try:
-            client.check_push(self.destination.repository)
+            check_push(client, self.destination.repository)
         except KilnError as err:
             raise KilnError(f"--repository {self.destination.name}: cannot push there: {err}") from None
 
