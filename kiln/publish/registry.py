@@ -72,7 +72,7 @@ class RegistryPublisher(Publisher):
         try:
             check_push(client, self.destination.repository)
         except KilnError as err:
-            raise KilnError(f"--repository {self.destination.name}: cannot push there: {err}") from None
+            raise KilnError(f"--push to {self.destination.name}: cannot push there: {err}") from None
 
     def _client_for(self, image) -> tuple[RegistryClient, str | None]:
         """A client for the destination; when it is the host the base came from (through a

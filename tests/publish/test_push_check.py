@@ -36,7 +36,7 @@ def test_an_unreachable_repository_fails_in_one_line_before_the_pull(project, ca
     took = time.monotonic() - start
     assert code == 2
     line = one_line_error(err)  # the only line on stderr: no stage, no transfer was reported
-    assert line.startswith(f"error: --repository {dest}: cannot push there: ") and "unreachable" in line, line
+    assert line.startswith(f"error: --push to {dest}: cannot push there: ") and "unreachable" in line, line
     assert took < 20, took
     _no_work_done()
 
@@ -47,7 +47,7 @@ def test_a_repository_that_refuses_the_push_fails_before_the_pull(project, capsy
                                  "--insecure-registry", registry_basic.host)
     assert code == 2
     line = one_line_error(err)
-    assert line.startswith(f"error: --repository {dest}: cannot push there: "), line
+    assert line.startswith(f"error: --push to {dest}: cannot push there: "), line
     _no_work_done()
 
 
