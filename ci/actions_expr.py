@@ -241,6 +241,26 @@ def _hash_files(root: Path, patterns: list[str]) -> str:
     return outer.hexdigest()
 
 
+_STATUS_FUNCTIONS = ("success", "failure", "always", "cancelled")
+
+
+def with_status(condition) -> str:
+    """An ``if:`` as GitHub evaluates it: one that calls no status function (``success()``,
+    ``failure()``, ``always()``, ``cancelled()``) is implicitly ``success() && (…)``, so a step
+    whose ``if:`` is ``github.event_name == 'push'`` does not run after an earlier step failed."""
+    if isinstance(condition, bool):
+        text = "true" if condition else "false"
+    else:
+        text = str(condition).strip()
+        whole = _TEMPLATE.fullmatch(text)
+        if whole:
+            text = whole.group(1).strip()
+    tokens = _tokens(text)
+    calls = any(kind == "name" and value.lower() in _STATUS_FUNCTIONS and i + 1 < len(tokens)
+                and tokens[i + 1][1] == "(" for i, (kind, value) in enumerate(tokens))
+    return text if calls else f"success() && ({text})"
+
+
 def evaluate(text: str, context: dict):
     return _Parser(text.strip(), context).parse()
 

@@ -5,7 +5,8 @@
         [--input all=true] [--var NAME=VALUE] [--secret NAME=VALUE] [--owner NAME]
         [--skip-job test] [--work DIR]
 
-It reads the workflow, orders the jobs by ``needs``, evaluates job and step ``if:``s and every
+It reads the workflow, orders the jobs by ``needs``, evaluates job and step ``if:``s (one that
+calls no status function is ``success() && (…)``, as on GitHub) and every
 ``${{ }}`` (``ci/actions_expr.py``) against the event given, expands a job's matrix from the
 outputs of the jobs it needs (the build matrix is what ``plan`` printed), and runs each job's
 ``run:`` steps in order with ``bash -eo pipefail`` in a fresh clone of the repository at the
@@ -39,7 +40,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from actions_expr import ExpressionError, evaluate, interpolate, to_string, truthy  # noqa: E402
+from actions_expr import ExpressionError, evaluate, interpolate, to_string, truthy, with_status  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SETUP_ONLY = ("actions/setup-python",)  # actions that only prepare the runner machine: stubbed
@@ -154,12 +155,14 @@ class Runner:
             self.say(f"== job {name}: skipped on request (--skip-job)")
             return
         failed = [n for n in needs if self.results[n]["result"] not in ("success", "skipped on request")]
-        context = {**self.context, "needs": {n: self.results[n] for n in needs}}
-        if failed:
+        context = {**self.context, "needs": {n: self.results[n] for n in needs},
+                   "__status__": "failure" if failed else "success"}
+        condition = with_status(job.get("if", "success()"))
+        if failed and not truthy(_condition(condition, context)):
             self.results[name] = {"result": "skipped", "outputs": {}}
             self.say(f"== job {name}: skipped (needs {', '.join(failed)}, which did not succeed)")
             return
-        if "if" in job and not truthy(_condition(job["if"], context)):
+        if not truthy(_condition(condition, context)):
             self.results[name] = {"result": "skipped", "outputs": {}}
             self.say(f"== job {name}: skipped (if: {job['if']})")
             return
@@ -179,6 +182,7 @@ class Runner:
         home = self.work / "jobs" / f"{name}-{uuid.uuid4().hex[:8]}"
         workspace = home / "workspace"
         (home / "docker").mkdir(parents=True)
+        workspace.mkdir()  # a runner's workspace exists before any checkout
         (self.work / "tmp").mkdir(exist_ok=True)
         job_env = {k: to_string(v) for k, v in interpolate(job.get("env", {}), context).items()}
         extra_env: dict[str, str] = {}
@@ -188,7 +192,7 @@ class Runner:
             label = step.get("name") or step.get("uses") or step.get("run", "").splitlines()[0]
             context["__status__"] = status
             context["env"] = {**job_env, **extra_env}
-            condition = step.get("if", "success()")
+            condition = with_status(step.get("if", "success()"))  # no status function: success() && (…)
             if not truthy(_condition(condition, context)):
                 self.say(f"-- step {label}: skipped (if: {condition})")
                 continue

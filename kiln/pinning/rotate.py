@@ -2,7 +2,9 @@
 
 Public API:
     rotated_pins_text(text, path, current, rollback, candidate) -> str
-    write_bump(pins_path, record_path, preflight) -> None    both files, or neither
+    updated_image_text(path, dropped, replacement) -> (text, pins)   an image's pins list, the dropped pin replaced
+    write_bump(pins_path, record_path, preflight) -> None    both files (and the images --update-images
+                                                             updates), or none
 
 The pins rotate (current -> rollback, the old rollback dropped, the candidate added as
 ``current`` with its digest) and the candidate's verdicts are recorded under the new pin's
@@ -120,8 +122,24 @@ def _expected_pins(text: str, current: Pin, rollback: Pin | None, candidate: Can
     return pins
 
 
+def updated_image_text(path: Path, dropped: str, replacement: str) -> tuple[str, list[str]]:
+    """The image definition with ``replacement`` in ``dropped``'s place in its ``pins`` list
+    (tomlkit: comments and layout kept), and the list it then holds."""
+    text = path.read_text()
+    document = tomlkit.parse(text)
+    pins = document.get("pins")
+    if pins is None or dropped not in list(pins):
+        raise KilnError(f"{path}: pins does not list {dropped!r}; nothing to update")
+    if replacement in list(pins):
+        pins.remove(dropped)
+    else:
+        pins[list(pins).index(dropped)] = replacement
+    return tomlkit.dumps(document), [str(p) for p in pins]
+
+
 def write_bump(pins_path: Path, record_path: Path, pre: Preflight) -> None:
-    """Rotate the pins and record the candidate's verdicts: both files, or neither."""
+    """Rotate the pins, record the candidate's verdicts and update the images ``--update-images``
+    chose (``pre.updated_images``): every file, or none."""
     candidate, current, rollback = pre.candidate, pre.current, pre.rollback
     original = pins_path.read_text()
     pins_text = rotated_pins_text(original, pins_path, current, rollback, candidate)
@@ -140,10 +158,23 @@ def write_bump(pins_path: Path, record_path: Path, pre: Preflight) -> None:
         if record.get(candidate.name) != expected_record or any(name in record for name in drop):
             raise KilnError(f"{record_path}: the updated record does not read back as intended; nothing written")
 
+    images = []
+    for impact in pre.updated_images:
+        path = Path(impact.path)
+        image_text, expected = updated_image_text(path, impact.names_dropped_pin, impact.replaced_by)
+
+        def check_image(staged: Path, path=path, expected=expected) -> None:
+            if tomllib.loads(staged.read_text()).get("pins") != expected:
+                raise KilnError(f"{path}: the updated pins list does not read back as intended; nothing written")
+
+        images.append((path, image_text, check_image))
+
     stages = []
     try:
         stages.append(stage_bytes(pins_path.resolve(), pins_text.encode(), check_pins))
         stages.append(stage_bytes(record_path.resolve(), record_text.encode(), check_record))
+        for path, image_text, check_image in images:
+            stages.append(stage_bytes(path.resolve(), image_text.encode(), check_image))
     except BaseException:
         discard_all(stages)
         raise

@@ -4,9 +4,10 @@ Public API:
     Publisher          ``kind``, ``check(inputs)`` before any work, ``stage(image) -> Staged``,
                        ``where(image) -> str`` once committed
     publish(image, publishers, budget=None) -> dict[kind, where]
-    check_outputs(publishers, inputs=())   every destination checked (``kiln.publish.destinations``:
-                                           never an input, a special file, inside another layout),
-                                           and checked distinct
+    check_outputs(publishers, inputs=(), budget=None)   every destination checked
+                                           (``kiln.publish.destinations``: never an input, a special
+                                           file, inside another layout), and checked distinct; a push
+                                           destination is probed (reachable, takes a push)
 
 The publishers (ko's multi-publisher, go-containerregistry's writers):
     registry.RegistryPublisher    push: blobs, then the manifest per tag
@@ -54,11 +55,18 @@ class Publisher:
         raise NotImplementedError
 
 
-def check_outputs(publishers: list[Publisher], inputs: Sequence[Input] = ()) -> None:
-    """Check each destination (against ``inputs`` too), then that no two share a place."""
+def check_outputs(publishers: list[Publisher], inputs: Sequence[Input] = (), budget: Budget | None = None) -> None:
+    """Check each destination (against ``inputs`` too), then that no two share a place; a
+    registry destination is asked whether it takes a push (within ``budget``'s limits)."""
     for publisher in publishers:
+        publisher.budget = budget
+    local = [p for p in publishers if not p.last]
+    for publisher in local:
         publisher.check(inputs)
     check_distinct((p.option, p.path) for p in publishers if p.path is not None)
+    for publisher in publishers:  # the push last: no request while a local destination is wrong
+        if publisher.last:
+            publisher.check(inputs)
 
 
 def publish(image, publishers: list[Publisher], budget: Budget | None = None) -> dict[str, str]:

@@ -4,6 +4,8 @@ Public API:
     RegistryPublisher(destination, tags, config, reporter=SILENT)
     PushReport        what a push did (uploaded / mounted / present blobs, bytes)
 
+``check`` (before any work) opens a blob upload in the destination repository and cancels it:
+an unreachable registry or missing push rights fail the build before its pull.
 Staging uploads (or mounts, or finds) every blob (kiln's layers read from a registry build
 cache on the same host are mounted from the cache's repository), the attestations' too; committing PUTs the
 image manifest by digest, its attestations (OCI 1.1 artifacts whose ``subject`` is it: through
@@ -23,6 +25,7 @@ from kiln.attest.referrers import merged_index, referrers_tag
 from kiln.errors import KilnError
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.mediatypes import OCI_INDEX
+from kiln.oci.pushcheck import check_push
 from kiln.oci.reference import ImageReference
 from kiln.oci.registry import RegistryClient, TransferStats
 from kiln.pausepoint import pause_point
@@ -60,6 +63,17 @@ class RegistryPublisher(Publisher):
         self.client: RegistryClient | None = None
         self.report: PushReport | None = None
 
+    def check(self, inputs=()) -> None:
+        """The destination takes a push, checked before any pull or patch: a registry that does not
+        answer, or credentials without push rights, fail here in one line, not after the build."""
+        super().check(inputs)
+        endpoint = self.config.endpoint(self.destination.registry, push=True)
+        client = RegistryClient(endpoint, stats=TransferStats(), budget=self.budget)
+        try:
+            check_push(client, self.destination.repository)
+        except KilnError as err:
+            raise KilnError(f"--push to {self.destination.name}: cannot push there: {err}") from None
+
     def _client_for(self, image) -> tuple[RegistryClient, str | None]:
         """A client for the destination; when it is the host the base came from (through a
         mirror, say), it shares the base client's session, tokens and stats, and blobs are
@@ -82,7 +96,10 @@ class RegistryPublisher(Publisher):
         report = PushReport(repository, manifest.digest, list(self.tags))
         descriptors = model.blobs()
         from_cache = self._cache_mount(image, client)
-        with self.reporter.task(f"push {repository}", total=sum(d.size for d in descriptors)) as task:
+        # The task counts bytes sent: a blob mounted or already there moves none, so it leaves the
+        # total instead of being counted as pushed (the plain line says how many of each).
+        remaining = sum(d.size for d in descriptors)
+        with self.reporter.task(f"push {repository}", total=remaining) as task:
             for descriptor in descriptors:
                 digest = descriptor.digest
                 if client.blob_exists(repository, digest):
@@ -97,7 +114,12 @@ class RegistryPublisher(Publisher):
                     client.upload_blob(repository, digest, path, chunk_size=chunk)
                     report.uploaded.append(digest)
                     report.bytes_uploaded += descriptor.size
-                task.advance(descriptor.size)
+                    task.advance(descriptor.size)
+                    continue
+                remaining -= descriptor.size
+                task.update(total=remaining)
+            task.update(description=f"push {repository} ({_blobs(len(report.uploaded))} uploaded, "
+                                    f"{len(report.mounted)} mounted, {len(report.present)} already there)")
         for artifact in image.attestations:  # the SBOM and provenance: small, uploaded unless present
             for descriptor in artifact.descriptors():
                 if not client.blob_exists(repository, descriptor.digest):
@@ -142,3 +164,7 @@ class RegistryPublisher(Publisher):
         host = self.client.endpoint.host if self.client else self.destination.registry
         via = "" if host == self.destination.registry else f" (pushed to {host})"
         return f"{self.destination.name}:{self.tags[0]}@{image.manifest.digest}{via}"
+
+
+def _blobs(count: int) -> str:
+    return f"{count} blob{'' if count == 1 else 's'}"

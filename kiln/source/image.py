@@ -13,6 +13,8 @@ Public API:
                                                  (``kiln.oci.limits``), by default from ``registry_config.limits``
         the ``SourceProvider`` for images: .describe() -> str, .fetch() -> SourceTree,
         .pull() -> ImageVllm (the same plus what the bake step needs)
+    cached_image_vllm(digest, cache=None) -> ImageVllm | None   what a pull of ``digest`` left in the
+                                                 cache (no network), e.g. for ``verify --pin``
 
 Caching: layers by digest in the blob cache; the extracted tree under
 ``<cache>/sources/image-<hex>/`` where ``<hex>`` is the sha256 of the digests of the layers read
@@ -185,6 +187,17 @@ class ImageSource(CachedProvider):
                 f"{self.expected_version}; refusing a mismatched base"
             )
         return found
+
+
+def cached_image_vllm(digest: str, cache: Path | None = None) -> ImageVllm | None:
+    """What kiln already read from the image ``digest`` (a build's pull: its record under
+    ``<cache>/images/``, with its tree still in the cache), or None. No network."""
+    cache = cache or cache_root()
+    for suffix in ("", "+triton"):
+        found = _load_record(cache / "images" / f"{digest.replace(':', '-')}{suffix}.json")
+        if found is not None:
+            return found
+    return None
 
 
 def _save_record(path: Path, found: ImageVllm) -> None:

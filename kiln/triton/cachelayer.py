@@ -69,9 +69,12 @@ def triton_cache_layer(preset: KernelPreset, sm: int, found: ImageVllm, changed:
             raise KilnError(f"{unusable} (docs/TRITON.md); pass {LEAVE_OUT_OPTION} to build without them")
         reporter.warn(f"{unusable}: the kernel layer is left out ({LEAVE_OUT_OPTION})")
         return None
-    with reporter.status(f"compiling Triton kernels for sm_{sm} (Triton {toolchain.version})"):
+    # not "compiling": the kernels may come from kiln's cache, which the status then says
+    with reporter.status(f"Triton kernels for sm_{sm} (Triton {toolchain.version})") as status:
         result = compile_kernel_caches(preset, [sm], sources, toolchain, cache, runtime_env=runtime_env,
                                        image_libtriton=keyed.libtriton_sha256)[sm]
+        status.finish("from kiln's cache, none compiled" if result.cached
+                      else f"{result.compiled} compiled and checked")
     for failure in result.failures:
         reporter.warn(f"sm_{sm}: kernel {failure['kernel']} "
                       f"({', '.join(f'{k}={v}' for k, v in failure['params'].items())}) is not in the cache: "

@@ -289,7 +289,9 @@ def token_rig(tmp_path, registry_token, base_layout, monkeypatch):
 def test_reliability_token_expired_mid_build_is_renewed(token_rig, clean_digest, registry_token):
     rig = token_rig
     rig.proxy.add(Fault("GET", rig.vllm_blob(), "expire_token"),
-                  Fault("POST", r"/blobs/uploads/", "expire_token"),
+                  # the push's first POST, with the token it got: the two before it are the push
+                  # check's (the registry's own 401 challenge, then its upload, opened and cancelled)
+                  Fault("POST", r"/blobs/uploads/", "expire_token", nth=3),
                   Fault("PUT", r"/manifests/", "expire_token"))
     tokens_before = len(registry_token.token_server.requests_seen)
     rig.assert_complete(rig.build(), clean_digest)

@@ -12,7 +12,7 @@ from tests.support.cli import run
 def test_the_patches_document_is_current():
     text = DOC.read_text()
     assert text == patches_doc(RepoFiles(), doc_notes(text)), (
-        f"{DOC} is stale: run `python build.py patches --doc` and commit it")
+        f"{DOC} is stale: run `.venv/bin/python build.py patches --doc` and commit it")
 
 
 def test_every_patch_and_every_recorded_change_is_in_the_document(catalogue):

@@ -111,7 +111,7 @@ def test_rows_have_valid_statuses_and_ported_rows_name_catalogue_patches(catalog
 
 def test_the_genesis_document_is_current():
     assert DOC.read_text() == genesis_doc(RepoFiles()), \
-        "docs/GENESIS.md is stale: python build.py patches --genesis-doc"
+        "docs/GENESIS.md is stale: .venv/bin/python build.py patches --genesis-doc"
 
 
 def test_every_row_is_in_the_document():

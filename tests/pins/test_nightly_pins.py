@@ -23,7 +23,7 @@ from kiln.paths import RepoFiles
 from kiln.pins import Pin
 from kiln.source.image import ImageSource
 from kiln.source.wheel import WheelSource
-from kiln.verify import choose_source, provider_for_pin
+from kiln.verify import BuiltSource, choose_source, provider_for_pin
 from tests.support.registry import (
     NIGHTLY_MARK,
     NIGHTLY_TAG,
@@ -91,6 +91,9 @@ def test_the_source_of_a_pin_is_its_wheel_or_else_its_image():
     for version in (NIGHTLY_VERSION, "0.34.0rc1", "0.34.0.dev3"):
         nightly = Pin("n", "current", NIGHTLY, Version(version), "cu130", digest)
         provider = provider_for_pin(nightly, config)
+        # locked: what a build already read of that digest first (kiln's cache), else the image
+        assert isinstance(provider, BuiltSource) and provider.pin is nightly
+        provider = provider.fallback
         assert isinstance(provider, ImageSource)
         assert provider.reference.digest == digest  # locked: read by digest
         assert provider.expected_version == Version(version)

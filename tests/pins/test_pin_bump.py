@@ -367,3 +367,49 @@ def test_rotation_refuses_other_layouts(tmp_path):
     with pytest.raises(KilnError, match=r'one \[pins."NAME"\] table per pin'):
         rotated_pins_text(inline, tmp_path / "pins.toml", current, None, _candidate("v3.0"))
 
+
+
+def test_update_images_lists_the_new_pin_in_the_dropped_pins_place(capsys, work):
+    """--update-images: an image that lists the pin the bump drops gets the candidate in its place
+    (comments and layout kept), judged as built on it, written with the pins and the record."""
+    pinned = work / "images" / "line-pinned.toml"
+    text = pinned.read_text().replace('pins = ["v0.20.1"]', 'pins = ["v0.18.0", "v0.20.1"]  # rotated by bumps')
+    pinned.write_text(text)
+    before = snapshot(work)
+    code, out, err = bump(capsys, work, "--to", "0.33.0", "--update-images", "--json")  # the preflight alone
+    assert code == 1, err
+    report = json.loads(out)
+    assert report["blockers"] == [] and report["downgrade"] is False and "downgrade" not in err
+    [impact] = [i for i in report["images"] if i["image"] == "line-pinned"]
+    assert impact["names_dropped_pin"] == "v0.18.0" and impact["replaced_by"] == "v0.33.0"
+    # judged on the candidate: P961 is gone from 0.33.0, so the image would not build there
+    assert any(f.startswith("image line-pinned would list v0.33.0 in place of v0.18.0 (--update-images) and fail "
+                            f"on it: {GONE_PATCH} TARGET_GONE") for f in report["failures"]), report["failures"]
+    assert snapshot(work) == before
+
+    code, out, err = bump(capsys, work, "--to", "0.33.0", "--update-images", "--write", "--force")
+    assert code == 0, err
+    assert f"wrote {pinned}: pins lists v0.33.0 in place of v0.18.0" in " ".join(out.split()), out
+    assert pinned.read_text() == text.replace('["v0.18.0", "v0.20.1"]', '["v0.33.0", "v0.20.1"]')
+    assert (work / "images" / "every-pin.toml").read_bytes() == before["images/every-pin.toml"]
+    assert (work / "pins.toml").read_text() == ROTATED_TEXT.format(cuda="cu130")
+    # the images load against the rotated pins
+    from kiln.definitions import load_definitions
+    from kiln.pins import load_pins
+
+    loaded = load_definitions(work / "images", load_catalogue(work / "patchsets"), load_pins(work / "pins.toml"))
+    assert {d.name: list(d.pins) for d in loaded}["line-pinned"] == ["v0.33.0", "v0.20.1"]
+
+
+def test_a_downgrade_warns(capsys, work):
+    """A candidate older than the current pin is a downgrade: said on stderr and in the report."""
+    (work / "pins.toml").write_text(PINS_TEXT.replace('"v0.20.1"', '"v0.33.0"').replace(
+        "vllm-openai:v0.20.1", "vllm-openai:v0.33.0").replace('vllm = "0.20.1"', 'vllm = "0.33.0"'))
+    for name in IMAGES:
+        image = work / "images" / f"{name}.toml"
+        image.write_text(image.read_text().replace('pins = ["v0.20.1"]', 'pins = ["v0.33.0"]'))
+    code, out, err = bump(capsys, work, "--to", "0.20.1", "--json")
+    report = json.loads(out)
+    assert report["downgrade"] is True, err
+    assert ("warning: --to 0.20.1: vLLM 0.20.1 is older than the current pin v0.33.0's 0.33.0: this bump is a "
+            "downgrade (v0.33.0 would become the rollback)") in " ".join(err.split()), err

@@ -223,3 +223,38 @@ def test_lock_all_leaves_the_cpu_pin_alone(capsys, tmp_path, registry_plain):
     code, result, err = lock(capsys, pins, "cpu-v0.32.0", mirror=registry_plain.mirror)
     assert code == 1 and [p["name"] for p in result["pins"]] == ["cpu-v0.32.0"]
     assert pins.read_text() == locked
+
+
+def test_lock_says_to_commit_and_already_locked_pins_exit_0(capsys, tmp_path, pins_file, registry_plain):
+    """The text report says to commit pins.toml when it changed, and that there is nothing to
+    commit when the pins asked for are already locked (exit 0 both times)."""
+    code, out, err = run_cli(capsys, "--pins", pins_file, "pin", "lock", "v0.20.1", "--mirror", registry_plain.mirror)
+    assert code == 0, err
+    assert "locked v0.20.1" in out
+    assert f"{pins_file} updated (v0.20.1): review and commit it, e.g. git add {pins_file}" in " ".join(err.split()), err
+    locked = pins_file.read_text()
+    code, out, err = run_cli(capsys, "--pins", pins_file, "pin", "lock", "v0.20.1", "--mirror", registry_plain.mirror)
+    assert code == 0, err
+    assert "unchanged v0.20.1" in out
+    assert "already locked, nothing to commit" in err and "commit it" not in err, err
+    assert pins_file.read_text() == locked
+
+
+def test_an_already_locked_pin_is_kept_when_its_registry_is_out_of_reach(capsys, tmp_path, registry_plain):
+    """Docker Hub out of reach: a pin that is locked stays locked (exit 0, a warning that it was
+    not re-checked); an unlocked one asked for beside it still fails the command."""
+    digest = registry_plain.digest_of(BASE)
+    pins = tmp_path / "pins.toml"
+    text = PINS_TEXT.replace('digest = ""', f'digest = "{digest}"', 1)
+    pins.write_text(text)
+    nowhere = f"docker.io=http://127.0.0.1:{free_port()}"
+    code, out, err = run_cli(capsys, "--pins", pins, "pin", "lock", "v0.20.1", "--mirror", nowhere)
+    assert code == 0, err
+    assert f"kept v0.20.1  docker.io/{BASE}@{digest}" in out, out
+    assert "warning: pin v0.20.1: locked, not re-checked now:" in err and "unreachable" in err, err
+    assert "nothing to commit" in err and "not locked" not in err, err
+    assert pins.read_text() == text
+    code, result, err = lock(capsys, pins, mirror=nowhere)  # both: the unlocked one fails
+    assert code == 1
+    assert [(p["name"], p["status"]) for p in result["pins"]] == [("v0.20.1", "kept"), ("v0.20.1-docker", "failed")]
+    assert result["changed"] is False and pins.read_text() == text
