@@ -192,28 +192,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def kernel_check(args) -> int:
     sys.path.insert(0, str(REPO))
-    from kiln import paths
     from kiln.cache import cache_root
-    from kiln.definitions import load_definition
-    from kiln.patch.catalog import load_catalogue
-    from kiln.patch.engine import Session, run_selection
-    from kiln.pins import load_pins
-    from kiln.source.wheel import WheelSource
+    from kiln.paths import RepoFiles
     from kiln.triton import aot
     from kiln.triton.kernels import RUNTIME_CACHE_DIR, launch_plan
     from kiln.triton.toolchain import toolchain_for
+    from kiln.verify import patched_source
 
-    catalogue = load_catalogue(paths.PATCHSETS)
-    pins = load_pins(paths.REPO / "pins.toml")
-    definition = load_definition(paths.REPO / "images", args.image, catalogue, pins)
+    # the image's first pin (ImageDefinition.pins_of), its selection as a build applies it
+    patched = patched_source(RepoFiles(), args.image, args.sm)
+    definition, tree = patched.inputs.definition, patched.tree
     preset = definition.model.kernels
     if preset is None:
         print(f"gpu_check: {definition.path} declares no [model.kernels]", file=sys.stderr)
         return 2
-    pin = pins[(definition.pins or tuple(pins))[0]]
-    tree = WheelSource(pin.vllm).fetch()
-    result = run_selection(catalogue, Session(tree), definition.target(pin, args.sm), list(definition.patches))
-    sources = aot.KernelSources(result.changed_text(), tree.root)
+    sources = aot.KernelSources(patched.changed, tree.root)
     import triton
 
     toolchain = toolchain_for(triton.__version__, definition.name, cache_root())
