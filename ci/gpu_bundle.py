@@ -100,8 +100,8 @@ def write_bundle(args) -> int:
         return _fail(f"the GPU machine's Triton cannot read kiln's cache: {keyed.problem}")
     built = aot.compile_kernel_caches(preset, [args.sm], sources, toolchain, cache_root(),
                                       image_libtriton=keyed.libtriton_sha256)[args.sm]
-    staged, _ = aot._stage_sources(preset, sources)
-    stock, _ = aot._stage_sources(preset, aot.KernelSources({}, tree.root))
+    staged, _ = aot.stage_sources(preset, sources)
+    stock, _ = aot.stage_sources(preset, aot.KernelSources({}, tree.root))
     out.mkdir(parents=True, exist_ok=True)
     shutil.copytree(built.root, out / "cache")
     shutil.copytree(staged, out / "src")

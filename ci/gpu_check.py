@@ -66,13 +66,13 @@ def gpu_main(job_path: str) -> int:
     compiles, hits = [], []
     triton.knobs.compilation.listener = lambda *, src, metadata, metadata_group, times, cache_hit: (
         hits if cache_hit else compiles).append(metadata["name"])
-    worker._install_vllm(job["roots"], [launch["module"] for launch in job["launches"]] + [worker.TQ_CONFIG])
-    worker._DEVICE = "cuda"
+    worker.install_vllm(job["roots"], [launch["module"] for launch in job["launches"]] + [worker.TQ_CONFIG])
+    worker.use_device("cuda")
     import importlib
 
     for launch in job["launches"]:
         module = importlib.import_module(launch["module"])
-        worker._force_fp8_flavour(job["sm"])
+        worker.force_fp8_flavour(job["sm"])
         try:
             worker.BUILDERS[launch["builder"]](getattr(module, launch["function"]), job["preset"], launch["params"])
         except Exception as err:  # the known sm_86 bf16 limitation fails here as at build time
@@ -214,7 +214,7 @@ def kernel_check(args) -> int:
         built_root = args.cache
     else:
         built_root = aot.compile_kernel_caches(preset, [args.sm], sources, toolchain, cache_root())[args.sm].root
-    staged, _ = aot._stage_sources(preset, sources)
+    staged, _ = aot.stage_sources(preset, sources)
     with tempfile.TemporaryDirectory(prefix="kiln-gpu-check-") as tmp:
         copy = Path(tmp) / "cache"
         shutil.copytree(built_root, copy)

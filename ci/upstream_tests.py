@@ -295,7 +295,7 @@ def _run_folder(venv: Path, tests_root: Path, names: list[str], overlay: Path, w
         xml = work / f"{overlay.name}-{runs}.xml"
         ran, out, culprit = _pytest(venv, tests_root, batch, overlay, xml, coverage, deadline)
         if xml.is_file():
-            results.update(_junit(xml))
+            results.update(junit_results(xml))
             continue
         died = culprit or (batch[0] if len(batch) == 1 else None)
         if died is None:
@@ -341,7 +341,7 @@ def _pytest(venv: Path, tests_root: Path, files: list[str], overlay: Path, xml: 
     return ran.returncode, first[first.index("Fatal Python error"):], culprit
 
 
-def _junit(xml: Path) -> dict[str, dict]:
+def junit_results(xml: Path) -> dict[str, dict]:
     results = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
         # tests.a.test_b.TestC::test_d[param]; a file that failed to collect has no class name
