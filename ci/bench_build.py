@@ -44,19 +44,17 @@ from pathlib import Path
 import httpread
 from benchlib import REPO, Measured, machine, measured, write_section
 from inflate import inflate_rates
-
-sys.path[:0] = [str(REPO)]
-from tests.support.registry import REPO as BASE_REPO  # noqa: E402
-from tests.support.registry import (  # noqa: E402  (the test fixtures' registry + wheel helpers)
+from registry_host import (  # ci/registry_host.py: the registry process and wheel the registry tests use too
+    BASE_REPO,
     SITE,
     TRITON_CP312_RECORD,
     VLLM_VERSION,
-    _tar,
     fetch_vllm_wheel,
     missing_tools,
     run,
-    start_registry_process,
+    start_registry_server,
 )
+from registry_host import tar as _tar
 
 IMAGE, PIN, SM = "qwen3.6-27b-tq", f"v{VLLM_VERSION}", 120
 TRITON = "3.6.0"
@@ -167,7 +165,9 @@ def main() -> None:
     missing = missing_tools()
     if missing:
         sys.exit(f"missing tools: {', '.join(missing)} (apt-get install -y docker-registry skopeo umoci busybox-static)")
-    wheel = fetch_vllm_wheel()
+    from kiln.cache import cache_root
+
+    wheel = fetch_vllm_wheel(cache_root() / "test-assets" / "wheels")  # where the registry tests keep it
     work = Path(tempfile.mkdtemp(prefix="kiln-bench-build-", dir=args.work))
     server = None
     loads = [f"start {load()}"]
@@ -177,7 +177,7 @@ def main() -> None:
         print(f"building the base image in {work} ...", flush=True)
         started = time.perf_counter()
         layers = build_base(work, wheel, int(args.filler_gib * 2**30), args.fillers)
-        server = start_registry_process(work / "registry")
+        server = start_registry_server(work / "registry")
         server.push(f"oci:{work / 'layout'}:base", f"{BASE_REPO}:{PIN}")
         shutil.rmtree(work / "layout")
         print(f"base ready in {time.perf_counter() - started:.0f} s", flush=True)

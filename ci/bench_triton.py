@@ -28,16 +28,12 @@ from pathlib import Path
 from benchlib import REPO, machine, write_section
 
 sys.path.insert(0, str(REPO))
-from kiln import paths  # noqa: E402
 from kiln.cache import cache_root  # noqa: E402
-from kiln.definitions import load_definition  # noqa: E402
 from kiln.oci.layer import LayerBuilder  # noqa: E402
-from kiln.patch.catalog import load_catalogue  # noqa: E402
-from kiln.patch.engine import Session, run_selection  # noqa: E402
-from kiln.pins import load_pins  # noqa: E402
-from kiln.source.wheel import WheelSource  # noqa: E402
+from kiln.paths import RepoFiles  # noqa: E402
 from kiln.triton.aot import KernelSources, compile_kernel_caches, kernel_cache_files  # noqa: E402
 from kiln.triton.toolchain import toolchain_for  # noqa: E402
+from kiln.verify import patched_source  # noqa: E402
 
 SMS = [86, 89, 90, 120]
 
@@ -48,16 +44,13 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (the goal is stated for 2 cores)")
     args = parser.parse_args()
 
-    catalogue = load_catalogue(paths.PATCHSETS)
-    pins = load_pins(paths.REPO / "pins.toml")
-    definition = load_definition(paths.REPO / "images", args.image, catalogue, pins)
+    # the image's first pin (ImageDefinition.pins_of), its selection as a build applies it
+    patched = patched_source(RepoFiles(), args.image, SMS[-1])
+    definition, pin, tree = patched.inputs.definition, patched.inputs.pin, patched.tree
     preset = definition.model.kernels
     if preset is None:
         sys.exit(f"{definition.path}: declares no [model.kernels]")
-    pin = pins[(definition.pins or tuple(pins))[0]]
-    tree = WheelSource(pin.vllm).fetch()
-    result = run_selection(catalogue, Session(tree), definition.target(pin, SMS[-1]), list(definition.patches))
-    sources = KernelSources(result.changed_text(), tree.root)
+    sources = KernelSources(patched.changed, tree.root)
 
     toolchain = toolchain_for("3.6.0", definition.name, cache_root())  # fetched once, kept
     load_before = os.getloadavg()

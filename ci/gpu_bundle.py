@@ -65,17 +65,14 @@ def _record_version(record: str) -> str | None:
 
 def write_bundle(args) -> int:
     sys.path.insert(0, str(REPO))
-    from kiln import paths
     from kiln.cache import cache_root
-    from kiln.definitions import load_definition
-    from kiln.patch.catalog import load_catalogue
-    from kiln.patch.engine import Session, run_selection
-    from kiln.pins import load_pins
-    from kiln.source.wheel import WheelSource
+    from kiln.errors import KilnError
+    from kiln.paths import RepoFiles
     from kiln.triton import aot
     from kiln.triton.imagekey import runtime_key
     from kiln.triton.keyfiles import read_key_sources
     from kiln.triton.toolchain import toolchain_for
+    from kiln.verify import patched_source
 
     out: Path = args.bundle
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -86,21 +83,16 @@ def write_bundle(args) -> int:
     version = _record_version(record)
     if version is None:
         return _fail(f"--gpu-triton-record {args.gpu_triton_record}: not a Triton dist-info RECORD")
-    catalogue = load_catalogue(paths.PATCHSETS)
-    pins = load_pins(paths.REPO / "pins.toml")
-    definition = load_definition(paths.REPO / "images", args.image, catalogue, pins)
+    try:  # the pin by default: the image's first (ImageDefinition.pins_of)
+        patched = patched_source(RepoFiles(), args.image, args.sm, args.pin)
+    except KilnError as err:
+        return _fail(str(err))
+    definition, pin, tree = patched.inputs.definition, patched.inputs.pin, patched.tree
     preset = definition.model.kernels
     if preset is None:
         return _fail(f"{definition.path} declares no [model.kernels]")
-    names = definition.pins or tuple(pins)
-    pin_name = args.pin or names[0]
-    if pin_name not in names:
-        return _fail(f"--pin {pin_name}: {definition.name} is built for {', '.join(names)}")
-    pin = pins[pin_name]
-    tree = WheelSource(pin.vllm).fetch()
-    result = run_selection(catalogue, Session(tree), definition.target(pin, args.sm), list(definition.patches))
-    applied = sorted(pid for pid, outcome in result.outcomes.items() if outcome.verdict.name == "APPLIES")
-    sources = aot.KernelSources(result.changed_text(), tree.root)
+    applied = patched.applied
+    sources = aot.KernelSources(patched.changed, tree.root)
     toolchain = toolchain_for(version, definition.name, cache_root())
     keyed = runtime_key(record, toolchain.record, args.gpu_python, toolchain.wheel_python,
                         read_key_sources(toolchain.site, toolchain.version))
@@ -108,8 +100,8 @@ def write_bundle(args) -> int:
         return _fail(f"the GPU machine's Triton cannot read kiln's cache: {keyed.problem}")
     built = aot.compile_kernel_caches(preset, [args.sm], sources, toolchain, cache_root(),
                                       image_libtriton=keyed.libtriton_sha256)[args.sm]
-    staged, _ = aot._stage_sources(preset, sources)
-    stock, _ = aot._stage_sources(preset, aot.KernelSources({}, tree.root))
+    staged, _ = aot.stage_sources(preset, sources)
+    stock, _ = aot.stage_sources(preset, aot.KernelSources({}, tree.root))
     out.mkdir(parents=True, exist_ok=True)
     shutil.copytree(built.root, out / "cache")
     shutil.copytree(staged, out / "src")
@@ -117,7 +109,7 @@ def write_bundle(args) -> int:
     if "P103" in applied:  # the GDN prefill ops, stock and patched, for ci/gpu_p103.py
         import gpu_p103
 
-        gpu_p103.write_packages(tree.root / "vllm" / gpu_p103.OPS, result.changed_text(), out)
+        gpu_p103.write_packages(tree.root / "vllm" / gpu_p103.OPS, patched.changed, out)
     from kiln.triton.kernels import launch_plan
 
     plan = launch_plan(preset, sources.runtime_layout())

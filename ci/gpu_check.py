@@ -66,13 +66,13 @@ def gpu_main(job_path: str) -> int:
     compiles, hits = [], []
     triton.knobs.compilation.listener = lambda *, src, metadata, metadata_group, times, cache_hit: (
         hits if cache_hit else compiles).append(metadata["name"])
-    worker._install_vllm(job["roots"], [launch["module"] for launch in job["launches"]] + [worker.TQ_CONFIG])
-    worker._DEVICE = "cuda"
+    worker.install_vllm(job["roots"], [launch["module"] for launch in job["launches"]] + [worker.TQ_CONFIG])
+    worker.use_device("cuda")
     import importlib
 
     for launch in job["launches"]:
         module = importlib.import_module(launch["module"])
-        worker._force_fp8_flavour(job["sm"])
+        worker.force_fp8_flavour(job["sm"])
         try:
             worker.BUILDERS[launch["builder"]](getattr(module, launch["function"]), job["preset"], launch["params"])
         except Exception as err:  # the known sm_86 bf16 limitation fails here as at build time
@@ -192,28 +192,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def kernel_check(args) -> int:
     sys.path.insert(0, str(REPO))
-    from kiln import paths
     from kiln.cache import cache_root
-    from kiln.definitions import load_definition
-    from kiln.patch.catalog import load_catalogue
-    from kiln.patch.engine import Session, run_selection
-    from kiln.pins import load_pins
-    from kiln.source.wheel import WheelSource
+    from kiln.paths import RepoFiles
     from kiln.triton import aot
     from kiln.triton.kernels import RUNTIME_CACHE_DIR, launch_plan
     from kiln.triton.toolchain import toolchain_for
+    from kiln.verify import patched_source
 
-    catalogue = load_catalogue(paths.PATCHSETS)
-    pins = load_pins(paths.REPO / "pins.toml")
-    definition = load_definition(paths.REPO / "images", args.image, catalogue, pins)
+    # the image's first pin (ImageDefinition.pins_of), its selection as a build applies it
+    patched = patched_source(RepoFiles(), args.image, args.sm)
+    definition, tree = patched.inputs.definition, patched.tree
     preset = definition.model.kernels
     if preset is None:
         print(f"gpu_check: {definition.path} declares no [model.kernels]", file=sys.stderr)
         return 2
-    pin = pins[(definition.pins or tuple(pins))[0]]
-    tree = WheelSource(pin.vllm).fetch()
-    result = run_selection(catalogue, Session(tree), definition.target(pin, args.sm), list(definition.patches))
-    sources = aot.KernelSources(result.changed_text(), tree.root)
+    sources = aot.KernelSources(patched.changed, tree.root)
     import triton
 
     toolchain = toolchain_for(triton.__version__, definition.name, cache_root())
@@ -221,7 +214,7 @@ def kernel_check(args) -> int:
         built_root = args.cache
     else:
         built_root = aot.compile_kernel_caches(preset, [args.sm], sources, toolchain, cache_root())[args.sm].root
-    staged, _ = aot._stage_sources(preset, sources)
+    staged, _ = aot.stage_sources(preset, sources)
     with tempfile.TemporaryDirectory(prefix="kiln-gpu-check-") as tmp:
         copy = Path(tmp) / "cache"
         shutil.copytree(built_root, copy)

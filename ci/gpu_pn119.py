@@ -116,9 +116,9 @@ def _load(root: str, sm: int):
 
     for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
         del sys.modules[name]
-    worker._install_vllm([root], [DECODE, STORE, worker.TQ_CONFIG])
+    worker.install_vllm([root], [DECODE, STORE, worker.TQ_CONFIG])
     decode = importlib.import_module(DECODE)
-    worker._force_fp8_flavour(sm)
+    worker.force_fp8_flavour(sm)
     counts: dict = {}
     for name in ("_tq_decode_stage1", "tq_grouped_decode_stage1"):
         if name in decode.__dict__:

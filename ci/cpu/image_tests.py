@@ -16,7 +16,7 @@ the kiln image and its pristine base, so vLLM's CPU environment is there twice, 
    ``VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1``. The command runs
    through the spec's ``in_root`` prefix for that rootfs (serve_check's ``in_chroot``: a chroot
    in its own PID and mount namespaces) with ``kiln.lifeline``, so it dies with this process.
-4. The verdict: ``upstream_tests._junit`` reads each report, ``upstream_tests.compare`` compares
+4. The verdict: ``upstream_tests.junit_results`` reads each report, ``upstream_tests.compare`` compares
    them. A test passing on pristine and failing (or missing) patched is a regression.
 
 The whole run is bounded (the spec's ``timeout``). Prints the evidence (JSON) and exits 0; on a
@@ -113,7 +113,7 @@ def run_side(side: str, rootfs: Path, tests_root: Path, files: list[str], run_in
         lines = [line for line in out.splitlines() if line.strip()]
         raise Failed(f"pytest on the {side} side wrote no report (exit {status}: {lines[-1] if lines else 'no output'})")
     try:
-        results = upstream._junit(report)
+        results = upstream.junit_results(report)
     except ET.ParseError as err:
         raise Failed(f"the {side} side's report {report}: {err}") from None
     return {"results": results, "seconds": round(time.monotonic() - started, 1), "vllm_from": origin,

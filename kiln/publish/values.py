@@ -1,7 +1,7 @@
 """Helm values for a kiln image: what a chart needs to run it, the image pinned by digest.
 
 Public API:
-    VALUES_SCHEMA                          ``ci/helm/values.schema.json`` (JSON Schema 2020-12)
+    VALUES_SCHEMA                          ``kiln/schemas/helm/values.schema.json`` (JSON Schema 2020-12)
     CHARTS                                 the charts values are written for: ``kiln``, ``vllm-stack``
     helm_values(definition, pin, sm, repository, tag, digest) -> dict      kiln's own
     chart_values(chart, definition, pin, sm, repository, tag, digest) -> dict
@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kiln import labels as L
-from kiln import paths
 from kiln.build.inputs import BuildInputs, destination
 from kiln.definitions import ImageDefinition
 from kiln.errors import KilnError
@@ -41,7 +40,8 @@ from kiln.publish import Input, Publisher
 from kiln.publish.vllm_stack import vllm_config, vllm_stack_values
 from kiln.staging import Staged, stage_bytes
 
-VALUES_SCHEMA = paths.REPO / "ci" / "helm" / "values.schema.json"
+# package data (pyproject.toml), so an installed kiln has it too
+VALUES_SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "helm" / "values.schema.json"
 GPU_RESOURCE = "nvidia.com/gpu"
 # Node labels set by NVIDIA GPU feature discovery (part of the GPU operator).
 COMPUTE_MAJOR = "nvidia.com/gpu.compute.major"

@@ -26,12 +26,13 @@ flags rendered from ``vllmConfig`` and then ``vllmConfig.extraArgs`` in order. S
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from kiln import labels as L
-from kiln import paths
 from kiln.errors import KilnError
 
-VLLM_STACK_SCHEMA = paths.REPO / "ci" / "helm" / "vllm-stack" / "values.schema.json"
+# package data (pyproject.toml): kiln/schemas/helm/vllm-stack/, with its SOURCE.toml
+VLLM_STACK_SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "helm" / "vllm-stack" / "values.schema.json"
 
 # vllm serve flag -> (vllmConfig field, type of its value). The chart renders each one back as
 # that flag (hasKey …: "--max-model-len" {{ .maxModelLen | quote }}), so the mapping is exact.

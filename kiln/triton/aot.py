@@ -7,6 +7,7 @@ Public API:
                           runtime_dir=RUNTIME_CACHE_DIR, progress=None, image_libtriton=None)
         -> dict[int, SmCache]     ``image_libtriton``: key entries for that libtriton.so (``imagekey.py``)
     kernel_cache_files(sm_cache, toolchain, preset, runtime_dir=RUNTIME_CACHE_DIR) -> dict[str, bytes]
+    stage_sources(preset, sources) -> (Path, str)   the files the worker imports, staged; their hash
     reads_source(preset, rel) -> bool     whether the compile reads vLLM's ``rel`` (kernel dirs + config)
     KERNEL_AUDIT_PATH     "opt/kiln/triton-kernels.json" (inside the image)
 
@@ -111,7 +112,7 @@ def reads_source(preset: KernelPreset, rel: str) -> bool:
     return rel == _CONFIG_FILE or any(rel.startswith(directory + "/") for directory in _kernel_dirs(preset))
 
 
-def _stage_sources(preset: KernelPreset, sources: KernelSources) -> tuple[Path, str]:
+def stage_sources(preset: KernelPreset, sources: KernelSources) -> tuple[Path, str]:
     """The files the worker imports, under ``STAGE/src-<content>/vllm/`` (same text, same lines)."""
     dirs = _kernel_dirs(preset)
     rels = {_CONFIG_FILE}
@@ -371,7 +372,7 @@ def compile_kernel_caches(preset: KernelPreset, sms: list[int], sources: KernelS
     plan = launch_plan(preset, sources.runtime_layout())
     own = toolchain.libtriton_sha256
     key_libtriton = {"own": own, "image": image_libtriton} if image_libtriton and image_libtriton != own else None
-    staged, source_hash = _stage_sources(preset, sources)
+    staged, source_hash = stage_sources(preset, sources)
     entries = cache / "triton" / "kernels"
     entries.mkdir(parents=True, exist_ok=True)
     workers = max(1, min(len(sms), jobs or os.cpu_count() or 1))

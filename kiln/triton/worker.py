@@ -34,6 +34,8 @@ Job (JSON): {"mode": "compile"|"check", "sm": int, "toolchain_site": str|null, "
              "roots": [overlay, pristine], "preset": {...}, "launches": [{"kernel", "module",
              "function", "builder", "params"}], "key_libtriton": {"own": hex, "image": hex}|null}
 The cache directory and Triton's environment come from the process environment.
+What ``ci/gpu_check.py`` and ``ci/gpu_pn119.py`` use on a real GPU (imported by path): ``install_vllm``,
+``force_fp8_flavour``, ``use_device``, ``BUILDERS``, ``TQ_CONFIG``.
 Report (written to the job's "report" path): {"triton": version, "launches": [{"kernel", "params", "compiled": [...], "hits": [...],
          "error": str|null}], "modules": {module: file}}
 """
@@ -137,7 +139,7 @@ class _Platform:
         raise AttributeError(name)
 
 
-def _install_vllm(roots: list[str], modules: list[str]) -> None:
+def install_vllm(roots: list[str], modules: list[str]) -> None:
     import triton
     import triton.language as tl
 
@@ -172,7 +174,7 @@ def _install_vllm(roots: list[str], modules: list[str]) -> None:
         package(name.rpartition(".")[0])
 
 
-def _force_fp8_flavour(sm: int) -> None:
+def force_fp8_flavour(sm: int) -> None:
     """Seed vLLM's per-device memo of ``_use_fp8_e4b15`` with what the GPU would answer."""
     decode = sys.modules.get("vllm.v1.attention.ops.triton_turboquant_decode")
     memo = getattr(decode, "_FP8_E4B15", None)
@@ -193,7 +195,13 @@ def _tq_config(preset: dict, kv_preset: str):
     return config.TurboQuantConfig.from_cache_dtype(kv_preset, preset["head_dim"])
 
 
-_DEVICE = "cpu"  # the job's "device": "cuda" when ci/gpu_check.py runs the builders on a GPU
+_DEVICE = "cpu"  # where the builders allocate: "cuda" when ci/gpu_check.py runs them on a GPU (use_device)
+
+
+def use_device(device: str) -> None:
+    """Allocate the builders' tensors on ``device`` ("cpu", or "cuda" on a real GPU)."""
+    global _DEVICE
+    _DEVICE = device
 
 
 def _dtype(name: str):
@@ -309,7 +317,7 @@ def run(job: dict) -> dict:
     triton = _install_driver(sm)
     _key_for_image(job.get("key_libtriton"))
     launches = job["launches"]
-    _install_vllm(job["roots"], [launch["module"] for launch in launches] + [TQ_CONFIG])
+    install_vllm(job["roots"], [launch["module"] for launch in launches] + [TQ_CONFIG])
     import importlib
 
     events: list[tuple[str, bool]] = []
@@ -328,7 +336,7 @@ def run(job: dict) -> dict:
             module = importlib.import_module(launch["module"])
             report["modules"][launch["module"]] = module.__file__
             fn = getattr(module, launch["function"])
-            _force_fp8_flavour(sm)
+            force_fp8_flavour(sm)
             for name, value in vars(module).items():
                 # vLLM's placeholder decorator would make this a plain function: compile nothing
                 if name.startswith("_tq_") and callable(value) and not isinstance(value, triton.runtime.JITFunction):

@@ -1,4 +1,4 @@
-"""Helm values from the real image definition, checked against ``ci/helm/values.schema.json``.
+"""Helm values from the real image definition, checked against ``kiln/schemas/helm/values.schema.json``.
 
 The end-to-end path (build --push --values, then ``build.py values``) is in
 ``tests/oci/test_helm_values.py``; here: the values' content, the schema's teeth, staging.

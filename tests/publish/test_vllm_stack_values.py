@@ -1,5 +1,5 @@
 """``--chart vllm-stack``: values for vLLM production-stack's chart, checked against that chart's
-own ``values.schema.json`` (vendored, ``ci/helm/vllm-stack/SOURCE.toml``) and against what its
+own ``values.schema.json`` (vendored, ``kiln/schemas/helm/vllm-stack/SOURCE.toml``) and against what its
 Deployment template renders from them (``helm/templates/deployment-vllm-multi.yaml``)."""
 
 from __future__ import annotations

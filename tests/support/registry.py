@@ -39,15 +39,10 @@ registry_basic and registry_token hold only ``vllm/vllm-openai:v0.20.1``.
 from __future__ import annotations
 
 import base64
-import functools
 import hashlib
 import json
-import os
 import random
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -59,17 +54,30 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-import requests
 
 from kiln.cache import cache_root
-from kiln.lifeline import child_of
 
-VLLM_VERSION = "0.20.1"
+# the registry process and the wheel, shared with ci/bench_build.py (which imports no tests/)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ci"))
+from registry_host import (  # noqa: E402,F401  (re-exported: the registry tests import them from here)
+    BASE_REPO,
+    SITE,
+    TOOLS,
+    VLLM_VERSION,
+    RegistryServer,
+    dies_with_us,
+    free_port,
+    missing_tools,
+    run,
+    start_registry_server,
+)
+from registry_host import fetch_vllm_wheel as _fetch_vllm_wheel  # noqa: E402
+from registry_host import tar as _tar  # noqa: E402
+
 # A nightly build's version, as vLLM's nightly images carry one (0.20.1's files under it).
 NIGHTLY_VERSION = "0.20.2rc1.dev424+g3f5a1e173"
 NIGHTLY_TAG = "nightly-3f5a1e1733200760169ff31ebe60a271072b199e"
 NIGHTLY_MARK = "# kiln fixture: a nightly build's own file"
-SITE = "usr/local/lib/python3.12/dist-packages"
 # The RECORD of Triton 3.6.0's wheel for CPython 3.12 (what vLLM's images install), copied out of
 # triton-3.6.0-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl from PyPI, sha256
 # 74caf5e34b66d9f3a429af689c1c7128daba1d8208df60e81106b115c00d6fca.
@@ -87,9 +95,8 @@ TRITON_CP312_RECORDS = {"3.6.0": TRITON_CP312_RECORD,
 # 68988ac85d5e7086baeda0ddc175af9667db7529b3c5e11a5c0601b8bef2200a.
 TRITON_CP311_RECORDS = {version: Path(__file__).with_name(f"triton-{version}-cp311.RECORD")
                         for version in ("3.6.0", "3.8.0")}
-REPO = "vllm/vllm-openai"
+REPO = BASE_REPO
 USER, PASSWORD = "testuser", "testpass"
-TOOLS = ("docker-registry", "skopeo", "umoci", "openssl", "htpasswd", "busybox", "tar")
 
 # Resolved at import, before any test points KILN_CACHE_DIR at a temporary directory.
 _ASSETS = cache_root() / "test-assets"
@@ -98,28 +105,11 @@ _ASSETS = cache_root() / "test-assets"
 TOOLCHAIN_CACHE = _ASSETS / "toolchain-cache"
 
 
-def missing_tools() -> list[str]:
-    return [tool for tool in TOOLS if shutil.which(tool) is None]
-
-
 def require_tools() -> None:
     missing = missing_tools()
     if missing:
         # ci/test installs them; a missing tool is a broken environment, never a pass
         pytest.fail(f"registry tools missing: {', '.join(missing)} (run ci/test, which installs them)")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def run(*cmd: str | Path, cwd: Path | None = None) -> str:
-    result = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({result.returncode}): {result.stderr[-2000:]}")
-    return result.stdout
 
 
 # -- token server --------------------------------------------------------------------------------
@@ -202,81 +192,9 @@ class TokenServer:
 # -- registry processes -------------------------------------------------------------------------
 
 
-@dataclass
-class RegistryServer:
-    flavour: str  # "plain", "basic", "token"
-    host: str  # "127.0.0.1:PORT"
-    root: Path
-    pid: int
-    token_server: TokenServer | None = None
-    username: str | None = None
-    password: str | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}"
-
-    @property
-    def mirror(self) -> str:
-        """The ``--mirror`` option making this registry stand in for Docker Hub."""
-        return f"docker.io=http://{self.host}"
-
-    def blob_file(self, digest: str) -> Path:
-        """Where the filesystem driver keeps a blob (tests corrupt it to check verification)."""
-        hexdigest = digest.split(":", 1)[1]
-        return self.root / "data/docker/registry/v2/blobs/sha256" / hexdigest[:2] / hexdigest / "data"
-
-    def log(self) -> str:
-        return (self.root / "log.txt").read_text(errors="replace")
-
-    def skopeo_creds(self, direction: str) -> list[str]:
-        flags = [f"--{direction}-tls-verify=false"]
-        if self.username:
-            flags.append(f"--{direction}-creds={self.username}:{self.password}")
-        return flags
-
-    def push(self, source: str, name: str, *extra: str) -> None:
-        run("skopeo", "copy", "--quiet", *self.skopeo_creds("dest"), *extra, source, f"docker://{self.host}/{name}")
-
-    def digest_of(self, name: str) -> str:
-        """The manifest digest as skopeo (not kiln) sees it: sha256 of the raw manifest bytes."""
-        flags = ["--tls-verify=false"] + ([f"--creds={self.username}:{self.password}"] if self.username else [])
-        result = subprocess.run(["skopeo", "inspect", "--raw", *flags, f"docker://{self.host}/{name}"],
-                                capture_output=True, check=True)
-        return "sha256:" + hashlib.sha256(result.stdout).hexdigest()
-
-    def stop(self) -> None:
-        try:
-            os.kill(self.pid, signal.SIGTERM)
-            for _ in range(50):
-                if _reaped(self.pid):
-                    break
-                time.sleep(0.1)
-            else:
-                os.kill(self.pid, signal.SIGKILL)
-                _reaped(self.pid)
-        except ProcessLookupError:
-            pass
-        if self.token_server:
-            self.token_server.stop()
-
-
-def _reaped(pid: int) -> bool:
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        return done == pid
-    except ChildProcessError:
-        return True
-
-
 def start_registry_process(root: Path, flavour: str = "plain", copy_from: RegistryServer | None = None,
                            password: str = PASSWORD) -> RegistryServer:
     root.mkdir(parents=True, exist_ok=True)
-    if copy_from:
-        shutil.copytree(copy_from.root / "data", root / "data")
-    else:
-        (root / "data").mkdir(exist_ok=True)
-    port = free_port()
     auth, token_server, user = "", None, None
     if flavour == "basic":
         run("htpasswd", "-Bbc", root / "htpasswd", USER, password)
@@ -295,34 +213,7 @@ def start_registry_process(root: Path, flavour: str = "plain", copy_from: Regist
         user = USER
     elif flavour != "plain":
         raise ValueError(flavour)
-    (root / "config.yml").write_text(
-        "version: 0.1\nlog:\n  level: info\n  accesslog:\n    disabled: false\n"
-        f"storage:\n  filesystem:\n    rootdirectory: {root}/data\n  delete:\n    enabled: true\n"
-        f"http:\n  addr: 127.0.0.1:{port}\n{auth}"
-    )
-    with open(root / "log.txt", "wb") as log:
-        process = subprocess.Popen(["docker-registry", "serve", str(root / "config.yml")],
-                                   stdout=log, stderr=subprocess.STDOUT, preexec_fn=dies_with_us())
-    server = RegistryServer(flavour, f"127.0.0.1:{port}", root, process.pid, token_server, user,
-                            password if user else None)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"docker-registry exited: {server.log()[-2000:]}")
-        try:
-            requests.get(f"{server.url}/v2/", timeout=1)
-            return server
-        except requests.RequestException:
-            time.sleep(0.05)
-    server.stop()
-    raise RuntimeError(f"docker-registry did not answer on {server.host}: {server.log()[-2000:]}")
-
-
-def dies_with_us():
-    """A ``preexec_fn``: the server is killed when this test process dies, even by SIGKILL (a
-    pytest run that is killed leaves no registry behind; ``kiln.lifeline`` does the same for
-    kiln's own children)."""
-    return functools.partial(child_of, os.getpid())
+    return start_registry_server(root, auth, token_server, user, password, copy_from)
 
 
 # -- the base image -----------------------------------------------------------------------------
@@ -330,22 +221,10 @@ def dies_with_us():
 
 def fetch_vllm_wheel() -> Path:
     """The real wheel, downloaded once with pip into the kiln cache (reused across sessions)."""
-    wheels = _ASSETS / "wheels"
-    found = sorted(wheels.glob(f"vllm-{VLLM_VERSION}-*.whl"))
-    if found:
-        return found[0]
-    wheels.mkdir(parents=True, exist_ok=True)
-    staging = wheels / f".tmp-{os.getpid()}"
     try:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                        f"vllm=={VLLM_VERSION}", "-d", str(staging)], check=True, capture_output=True)
-        wheel = next(staging.glob(f"vllm-{VLLM_VERSION}-*.whl"))
-        os.replace(wheel, wheels / wheel.name)
-        return wheels / wheel.name
-    except (subprocess.CalledProcessError, StopIteration) as err:
-        pytest.fail(f"cannot download vllm=={VLLM_VERSION} with pip: {err}")
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        return _fetch_vllm_wheel(_ASSETS / "wheels")
+    except RuntimeError as err:
+        pytest.fail(str(err))
 
 
 @dataclass
@@ -362,12 +241,6 @@ class BaseLayout:
 
     def oci(self, tag: str) -> str:
         return f"oci:{self.path}:{tag}"
-
-
-def _tar(src: Path, out: Path) -> Path:
-    run("tar", "--sort=name", "--owner=0", "--group=0", "--numeric-owner", "--format=pax",
-        "--mtime=2024-01-01T00:00:00Z", "-C", src, "-cf", out, ".")
-    return out
 
 
 def _blob(layout: Path, data: bytes) -> tuple[str, int]:

@@ -132,7 +132,7 @@ def test_fresh_process_rerun_compiles_nothing(built, toolchain, sources, tmp_pat
     copy = tmp_path / "cache"
     shutil.copytree(result.root, copy)
     rewrite_group_prefix(copy, RUNTIME_CACHE_DIR, str(copy))
-    staged, _ = aot._stage_sources(preset(), sources)
+    staged, _ = aot.stage_sources(preset(), sources)
     job = {"mode": "check", "sm": 90, "toolchain_site": str(toolchain.staged_site()), "roots": [str(staged)],
            "standin_torch": str(aot._STANDIN_TORCH), "preset": preset().to_json(),
            "launches": launch_plan(preset(), LAYOUT_0201), "report": str(tmp_path / "r.json")}
@@ -178,7 +178,7 @@ def test_a_line_shift_is_a_named_miss(built, toolchain, tree_0201, tmp_path):
     _, caches = built
     rel = KERNELS["turboquant_decode"].file
     shifted = KernelSources({rel: "\n" + tree_0201.read(rel)}, tree_0201.root)
-    staged, _ = aot._stage_sources(preset(), shifted)
+    staged, _ = aot.stage_sources(preset(), shifted)
     build_dir = tmp_path / "cache"
     shutil.copytree(caches[120].root, build_dir)
     job = {"sm": 120, "toolchain_site": str(toolchain.staged_site()), "roots": [str(staged)],
