@@ -34,7 +34,7 @@ from contextlib import contextmanager
 
 from isal import isal_zlib
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, is_no_space
 from kiln.oci.limits import Budget, seconds_text
 from kiln.report import SILENT, Reporter
 
@@ -56,6 +56,8 @@ def open_tar(reader, gzipped: bool, name: str, budget: Budget, reporter: Reporte
             while counted.read(LAYER_BUFFER):
                 pass
         except (tarfile.TarError, EOFError, OSError, isal_zlib.error) as err:
+            if is_no_space(err):  # the disk filled (the tree, or the blob cache's copy): not the layer's fault
+                raise
             raise KilnError(f"{name} is not a readable tar ({err})") from None
 
 
