@@ -84,7 +84,7 @@ def no_space_line(err: OSError, fallback: list | tuple = ()) -> str:
     ``fallback``: directories the command writes under, named (the fullest first) when the
     error carries no path (a plain ``write()`` on an open file does not say which).
     """
-    path = err.filename
+    path = err.filename2 or err.filename  # (shutil's copies name the source first, the target second)
     if path is None:
         candidates = [(free, str(p)) for p in fallback if p is not None and (free := _free(str(p))) is not None]
         if candidates:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.build_processes import Workspace, finish
+from tests.build.test_killed_builds import KillWorkspace
+from tests.support.build_processes import Workspace, finish, wait_for_pause
 
 pytestmark = [pytest.mark.registry, pytest.mark.reliability]
 
@@ -128,4 +129,36 @@ def test_a_full_output_disk_is_one_line_naming_the_path(reference, tmpfs, tmp_pa
     print(left, sizes, line)
     assert not out.exists()
     assert [p.name for p in mount.iterdir() if p.name != "filler"] == []
+    assert [str(p.relative_to(cache)) for p in cache.rglob(".tmp-*")] == []
+
+
+# (pause point, the image): held there, the disk filled, then let go: the next write meets it
+FILLED_AT = [("patching", "e2e-p65"), ("patch", "e2e-p65"), ("bake", "e2e-p65"), ("kernels", "e2e-kill")]
+
+
+@pytest.mark.parametrize(("point", "image"), FILLED_AT, ids=[p for p, _ in FILLED_AT])
+def test_a_cache_disk_filled_at_a_stage_is_one_line_naming_the_path(reference, registry_plain, tmpfs, tmp_path,
+                                                                     monkeypatch, point, image):
+    workspace, _ = reference
+    mount, fill = tmpfs
+    cache, out, resume = mount / "cache", tmp_path / "out", tmp_path / "resume"
+    monkeypatch.setenv("KILN_TEST_RESUME", str(resume))
+    dest = f"test/nospace-{point}"
+    if image == "e2e-kill":
+        process = KillWorkspace.create(tmp_path / "kill-ws", registry_plain).start(cache, out, dest, pause_at=point)
+    else:
+        process = workspace.start(cache, PIN, SM, out, dest, pause_at=point)
+    try:
+        wait_for_pause(process, point)
+        fill(0)
+        resume.touch()
+        stdout, stderr = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    line = _assert_one_line(done, mount)
+    print(point, line)
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if ".kiln-" in p.name] == []
     assert [str(p.relative_to(cache)) for p in cache.rglob(".tmp-*")] == []
