@@ -49,6 +49,9 @@ import sys
 import traceback
 import types
 
+NO_SPACE = (28, 122)  # ENOSPC, EDQUOT
+NO_SPACE_MARK, NO_SPACE_EXIT = "kiln-worker-no-space: ", 28
+
 
 def _setup_path(job: dict) -> None:
     site = job.get("toolchain_site")
@@ -338,6 +341,8 @@ def run(job: dict) -> dict:
             del events[:]
             BUILDERS[launch["builder"]](fn, job["preset"], launch["params"])
         except Exception as err:  # reported per launch; the caller names kernel and SM
+            if isinstance(err, OSError) and err.errno in NO_SPACE:  # a full disk is no kernel's fault
+                raise
             entry["error"] = _describe(err)
         for name, hit, digest in events:
             entry["hits" if hit else "compiled"].append({"name": name, "hash": digest})
@@ -406,4 +411,10 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    try:
+        sys.exit(main(sys.argv))
+    except OSError as err:  # a full disk: one line kiln turns into its own (kiln.triton.aot)
+        if err.errno not in NO_SPACE:
+            raise
+        sys.stderr.write(f"{NO_SPACE_MARK}{err.errno} {err.filename2 or err.filename or ''}\n")
+        sys.exit(NO_SPACE_EXIT)
