@@ -6,7 +6,8 @@ session id. At each point the build is held with ``KILN_TEST_PAUSE_AT`` (``kiln/
 while those processes run, then signalled. kiln promises:
 
 - no process of that build is alive 2 s after the signal (``kiln/lifeline.py``: children die
-  with the build);
+  with the build); and, with the machine loaded (``-loaded``: two busy loops at nice 0 from the
+  pause on; at ``kernels`` once the worker's ``ptxas`` runs), none 3 s after a SIGKILL at any point;
 - SIGTERM stops it cleanly: exit 143, last line ``error: interrupted (SIGTERM)``, no output, no
   stage beside it, no temporary cache entry, no tag; Ctrl-C (SIGINT to the process group) the
   same with exit 130;

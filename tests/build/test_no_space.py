@@ -106,7 +106,8 @@ def _cache_budget(sizes: dict, stage: str) -> int:
     }[stage]
 
 
-@pytest.mark.parametrize(("stage", "named"), [("pull", "blobs/sha256/"), ("tree", "sources/.tmp-image-")])
+@pytest.mark.parametrize(("stage", "named"), [("pull", "blobs/sha256/"), ("tree", "sources/.tmp-image-")],
+                         ids=["pull", "tree"])
 def test_a_full_cache_disk_is_one_line_naming_the_path(reference, tmpfs, tmp_path, stage, named):
     workspace, sizes = reference
     mount, fill = tmpfs
