@@ -163,19 +163,18 @@ def test_killed_build_leaves_no_process_and_the_next_run_no_staging(workspace, t
     signum = SIGNALS[signame]
     load = cpu_hogs() if loaded else nullcontext()
     cache, out = tmp_path / "cache", tmp_path / "out"
-    dest = f"test/kill-{point}-{signame.lower()}"
+    dest = f"test/kill-{point}-{signame.lower()}{'-loaded' if loaded else ''}"  # (each case its own tag)
     build = workspace.start(cache, out, dest, pause_at=point)
     try:
         wait_for_pause(build, point)
-        if loaded and point == "kernels":  # killed while the worker's own child, ptxas, assembles a kernel
-            wait_for_process(build.pid, "/ptxas", 120)
+        if point == "kernels":  # a Triton kernel worker compiling (or its launcher, about to exec it;
+            # mid-exec its command line reads empty for a moment: read again). Loaded: killed while
+            # the worker's own child, ptxas, assembles a kernel (a grandchild of the build)
+            wait_for_process(build.pid, "/ptxas" if loaded else "kiln/triton/worker.py", 120 if loaded else 10)
         load.__enter__()  # the hogs run from here until the build's processes are counted
         running = session_processes(build.pid)
         if point == "patching":  # the build and its forked patch workers, held in a group's run
             assert len(running) >= 3, running
-        if point == "kernels":  # a Triton kernel worker compiling (or its launcher, about to exec it;
-            # mid-exec its command line reads empty for a moment, longer under load: read again)
-            running = wait_for_process(build.pid, "kiln/triton/worker.py", 10)
         if signum == signal.SIGINT:
             os.killpg(build.pid, signum)  # as a terminal's Ctrl-C: the build and its workers get it
         else:
