@@ -127,9 +127,12 @@ def _written_under(args) -> list[str]:
 
     from kiln.cache import cache_dir
 
-    places = [getattr(args, name, None) for name in ("oci", "docker_archive", "values", "out")]
-    places = [os.path.dirname(os.path.abspath(p)) if name != "oci" else os.path.abspath(p)
-              for name, p in zip(("oci", "docker_archive", "values", "out"), places) if isinstance(p, (str, os.PathLike))]
+    places = []
+    for name in ("oci", "docker_archive", "values", "out"):
+        path = getattr(args, name, None)
+        if isinstance(path, (str, os.PathLike)):  # a directory (--oci) or a file's directory
+            path = os.path.abspath(path)
+            places.append(path if name == "oci" else os.path.dirname(path))
     try:
         places.append(str(cache_dir()))
     except Exception:  # (an unusable cache setting was reported already, or will be)

@@ -200,8 +200,7 @@ class LayoutPublisher(Publisher):
         Every write into the layout is inside ``layout_write()``: a full disk there names the
         layout and the bytes it needs (one elsewhere, e.g. kiln's layer materialised in the work
         directory, names its own path)."""
-        model, manifest = image.model, image.manifest
-        for descriptor in model.blobs():
+        for descriptor in image.model.blobs():
             target = blob_dir / descriptor.digest.split(":", 1)[1]
             if not target.exists():
                 source = image.blobs.path(descriptor)
