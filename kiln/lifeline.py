@@ -25,6 +25,8 @@ The death signal is tied to the thread that forked the child, not the process: e
 here forks from a thread that waits for the child (a pool's submitting thread waits for its
 results; ``run`` waits in ``communicate``), so the thread outlives the child's useful life. The
 parent may die between the fork and the prctl: the child checks ``getppid()`` afterwards.
+A death signal is not inherited across fork, so a child's own children need theirs: the Triton
+kernel worker arms it in each process it starts (``ptxas``; ``kiln.triton.worker.children_die_with_me``).
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ Phases, in build order:
     push      every blob is in the registry; no manifest PUT yet (no tag)
     commit    the local outputs are committed; the manifest PUT (the tag) not sent yet
 
+With ``KILN_TEST_RESUME=FILE`` the build goes on once FILE exists (``tests/build/test_no_space.py``
+fills the disk while the build waits, so the next stage meets a full disk).
+
 A paused build still stops on SIGTERM/SIGINT (``kiln.lifeline``): the pause raises
 ``Interrupted`` in whichever thread it holds.
 """
@@ -36,6 +39,7 @@ def pause_point(phase: str) -> None:
         return
     sys.stderr.write(f"kiln: paused at {phase}\n")
     sys.stderr.flush()
-    while True:
+    resume = os.environ.get("KILN_TEST_RESUME")
+    while not (resume and os.path.exists(resume)):
         check()
         time.sleep(0.1)

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln.errors import writing
 from kiln.lifeline import uninterrupted
 
 _STAGE = re.compile(r"^\..+\.kiln-(\d+)(?:\.(\d+))?-[A-Za-z0-9_]+$")
@@ -104,7 +105,11 @@ def streamed_file(directory: Path, prefix: str, suffix: str = "") -> Iterator[St
     try:
         yield out
     finally:
-        out.handle.close()
+        try:
+            out.handle.close()
+        except OSError:  # (a full disk flushing the rest: the error being raised says so; landed, close did not fail)
+            if out.landed is not None:
+                raise
         if out.landed is None:
             out.path.unlink(missing_ok=True)
 
@@ -118,7 +123,7 @@ def stage_bytes(dest: Path, data: bytes, check: Callable[[Path], None] | None = 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = stage_file(dest)
     try:
-        with open(tmp, "wb") as handle:
+        with writing(dest, len(data)), open(tmp, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())

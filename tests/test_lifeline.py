@@ -23,6 +23,15 @@ pytestmark = pytest.mark.reliability
 ROOT = Path(__file__).resolve().parents[1]
 PARENT = r"""
 import multiprocessing, os, sys, threading, time
+WORKER_CHILD = (
+    "import importlib.util, subprocess, sys, time\n"
+    "spec = importlib.util.spec_from_file_location('worker', sys.argv[1])\n"
+    "worker = importlib.util.module_from_spec(spec)\n"
+    "spec.loader.exec_module(worker)\n"
+    "worker.children_die_with_me()\n"
+    "subprocess.Popen(['sleep', '600'])\n"
+    "time.sleep(600)\n"
+)
 from concurrent.futures import ProcessPoolExecutor
 from kiln import lifeline
 
@@ -41,6 +50,9 @@ elif how == "pool-in-thread":
 elif how == "exec-in-thread":
     threading.Thread(target=lifeline.run, args=(["sleep", "600"],),
                      kwargs={"started": lambda: print("ready", flush=True)}).start()
+elif how == "kernel-worker-child":  # the Triton worker (exec'd) and its own child, as ptxas
+    threading.Thread(target=lifeline.run, args=([sys.executable, "-c", WORKER_CHILD, "kiln/triton/worker.py"],),
+                     kwargs={"started": lambda: print("ready", flush=True)}).start()
 time.sleep(600)
 """
 
@@ -58,14 +70,14 @@ def _session(sid: int) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("how", ["pool", "pool-in-thread", "exec-in-thread"])
+@pytest.mark.parametrize("how", ["pool", "pool-in-thread", "exec-in-thread", "kernel-worker-child"])
 def test_children_die_with_a_killed_parent(how):
     parent = subprocess.Popen([sys.executable, "-c", PARENT, how], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                               start_new_session=True)
     try:
         assert parent.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 10
-        while len(_session(parent.pid)) < (3 if how.startswith("pool") else 2):
+        while len(_session(parent.pid)) < (3 if how.startswith("pool") or how == "kernel-worker-child" else 2):
             assert time.monotonic() < deadline, _session(parent.pid)
             time.sleep(0.05)
         parent.send_signal(signal.SIGKILL)

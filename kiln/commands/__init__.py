@@ -7,7 +7,8 @@ package never prints: progress reaches the user through the ``Reporter`` a comma
 
 Exit codes: 0 success; 1 a check failed (verdicts differ from the record, a preflight failed);
 2 an error (``KilnError``: one line naming the file, field, option or patch at fault, or a
-usage error); 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM (128 + the signal, as a shell
+usage error; a full disk anywhere: one line naming the path written and the bytes it needed,
+``kiln.errors.no_space_line``); 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM (128 + the signal, as a shell
 reports it), with one line ``error: interrupted (SIGTERM)`` once the build stopped cleanly: its
 worker processes killed, its staging removed, nothing committed (``kiln.lifeline``).
 """
@@ -23,7 +24,7 @@ from typing import NoReturn
 
 from kiln.commands.options import KilnParser, add_repo_options, command_inputs, progress_mode
 from kiln.commands.output import Output
-from kiln.errors import Interrupted, KilnError
+from kiln.errors import Interrupted, KilnError, is_no_space, no_space_line
 from kiln.lifeline import stop_on_signals
 from kiln.publish.destinations import check_stdout
 from kiln.schema import skip_format_grammars
@@ -108,10 +109,35 @@ def main(argv: list[str] | None = None, prog: str = "build.py") -> int:
     except KilnError as err:
         out.error(str(err))
         return 2
+    except OSError as err:
+        if not is_no_space(err):
+            raise
+        out.error(no_space_line(err, _written_under(args)))  # a full disk is one line, not a traceback
+        return 2
     except KeyboardInterrupt as err:  # Interrupted (a signal the build stopped on), or Ctrl-C
         signum = err.signum if isinstance(err, Interrupted) else signal.SIGINT
         out.error(f"interrupted ({signal.Signals(signum).name})")
         return 128 + signum
+
+
+def _written_under(args) -> list[str]:
+    """Where a command writes (its outputs, kiln's cache, the temporary directory): the one with
+    the least space left is named when a full disk's error carries no path."""
+    import tempfile
+
+    from kiln.cache import cache_dir
+
+    places = []
+    for name in ("oci", "docker_archive", "values", "out"):
+        path = getattr(args, name, None)
+        if isinstance(path, (str, os.PathLike)):  # a directory (--oci) or a file's directory
+            path = os.path.abspath(path)
+            places.append(path if name == "oci" else os.path.dirname(path))
+    try:
+        places.append(str(cache_dir()))
+    except Exception:  # (an unusable cache setting was reported already, or will be)
+        pass
+    return [*places, tempfile.gettempdir()]
 
 
 def entry(prog: str = "kiln") -> NoReturn:

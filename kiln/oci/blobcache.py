@@ -21,7 +21,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from kiln.cache import cache_root
-from kiln.errors import KilnError
+from kiln.errors import KilnError, is_no_space, writing
 from kiln.oci.digest import BlobVerificationError, VerifyingReader, check_digest
 from kiln.oci.limits import LimitExceeded
 from kiln.oci.retry import TransferError
@@ -54,11 +54,13 @@ class BlobCache:
                     raise KilnError(f"cached {what} was corrupted and has been removed; run again") from None
             return
         with streamed_file(final.parent, f".tmp-{final.name[:16]}-") as out:
+            sink = _NamedSink(out.handle, final, size, what)
             with fetch() as raw:
-                reader = VerifyingReader(raw, digest, what, size, sink=out.handle)
+                reader = VerifyingReader(raw, digest, what, size, sink=sink)
                 with _blame_corruption(reader):
                     yield reader
-            out.land(final)
+            with writing(final, size, what):
+                out.land(final)
 
     def read_bytes(self, digest: str, what: str, fetch: Callable[[], AbstractContextManager],
                    size: int | None = None) -> bytes:
@@ -67,6 +69,17 @@ class BlobCache:
             while chunk := reader.read(1 << 20):
                 chunks.append(chunk)
         return b"".join(chunks)
+
+
+class _NamedSink:
+    """The cache file a download is copied into: a full disk names it and the blob's size."""
+
+    def __init__(self, handle, path: Path, size: int | None, what: str):
+        self.handle, self.path, self.size, self.what = handle, path, size, what
+
+    def write(self, data: bytes) -> int:
+        with writing(self.path, self.size, self.what):
+            return self.handle.write(data)
 
 
 @contextmanager
@@ -82,8 +95,13 @@ def _blame_corruption(reader: VerifyingReader) -> Iterator[None]:
         yield
     except (TransferError, LimitExceeded):
         raise
-    except Exception:
-        if not reader.verified:
-            reader.finish()  # raises the mismatch when the bytes were bad
+    except Exception as err:
+        if not reader.verified and not is_no_space(err):  # (a full disk: draining would only fill it again)
+            try:
+                reader.finish()  # raises the mismatch when the bytes were bad
+            except OSError as drained:  # the disk filled while draining: that is the error to report
+                if is_no_space(drained):
+                    raise drained from None
+                raise err from None
         raise
     reader.finish()

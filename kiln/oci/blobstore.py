@@ -13,8 +13,10 @@ nothing unverified reaches an output.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
+from kiln.errors import writing
 from kiln.oci.digest import check_digest
 from kiln.oci.image import Image
 from kiln.oci.manifest import Descriptor
@@ -49,7 +51,8 @@ class BlobStore:
             if isinstance(value, bytes):
                 path = self.workdir / "blobs" / digest.replace(":", "-")
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(value)
+                with writing(path, len(value)):
+                    path.write_bytes(value)
             else:
                 path = value
         else:
@@ -66,7 +69,8 @@ class BlobStore:
         target = None if cache is not None else self.workdir / "blobs" / descriptor.digest.replace(":", "-")
         if target is not None:
             target.parent.mkdir(parents=True, exist_ok=True)
-        with self.reporter.task(f"pull {descriptor.digest[7:19]}", total=descriptor.size) as task, \
+        with writing(target, descriptor.size) if target else nullcontext(), \
+                self.reporter.task(f"pull {descriptor.digest[7:19]}", total=descriptor.size) as task, \
                 (target.open("wb") if target else _NullSink()) as out, self.base.open_layer(descriptor) as reader:
             while chunk := reader.read(1 << 20):
                 task.advance(len(chunk))

@@ -35,7 +35,7 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, is_no_space, writing
 from kiln.staging import streamed_file
 
 LAYER_MTIME = 1_000_000_000  # 2001-09-09T01:46:40Z
@@ -110,7 +110,8 @@ class LayerBuilder:
 
     def write(self, directory: Path) -> Layer:
         """Write the layer into ``directory`` (a temp name, renamed to ``<hex>.tar.gz``)."""
-        with streamed_file(directory, ".tmp-layer-", ".tar.gz") as out:
+        with streamed_file(directory, ".tmp-layer-", ".tar.gz") as out, \
+                writing(out.path, None, "kiln's layer"):  # (its size is known only once written)
             blob = _HashingWriter(out.handle)
             with gzip.GzipFile(filename="", mode="wb", compresslevel=GZIP_LEVEL, fileobj=blob, mtime=0) as gz:
                 tar_stream = _HashingWriter(gz)
@@ -139,6 +140,8 @@ def _add(tar: tarfile.TarFile, name: str, entry: _Entry) -> None:
             with entry.data.open("rb") as handle:
                 tar.addfile(info, handle)
         except OSError as err:
+            if is_no_space(err):  # the layer's own write filled the disk: not a read error
+                raise
             raise KilnError(f"layer entry {name!r}: cannot read {entry.data}: {err.strerror}") from None
         return
     data = entry.data or b""

@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kiln.attest.referrers import SUBJECT_ANNOTATION
-from kiln.errors import KilnError
+from kiln.errors import KilnError, writing
 from kiln.labels import REF_NAME
 from kiln.oci.limits import Budget
 from kiln.oci.manifest import Descriptor
@@ -185,28 +185,47 @@ class LayoutPublisher(Publisher):
             blob_dir = staged / "blobs" / "sha256"
             blob_dir.mkdir(parents=True)
             model, manifest = image.model, image.manifest
-            for descriptor in model.blobs():
-                target = blob_dir / descriptor.digest.split(":", 1)[1]
-                if not target.exists():
-                    _place(image.blobs.path(descriptor), target)
-            (blob_dir / manifest.digest.split(":", 1)[1]).write_bytes(manifest.data)
-            extra = []  # the attestations: artifacts beside the image, each naming it as subject
-            for artifact in image.attestations:
-                for digest, data in {**artifact.blobs, artifact.manifest.digest: artifact.manifest.data}.items():
-                    (blob_dir / digest.split(":", 1)[1]).write_bytes(data)
-                found = artifact.entry()
-                found["annotations"] = {**found.get("annotations", {}), SUBJECT_ANNOTATION: manifest.digest}
-                extra.append(found)
-            (staged / LAYOUT_MARKER).write_bytes(canonical_json({"imageLayoutVersion": "1.0.0"}))
-            entry = Descriptor(manifest.media_type, manifest.digest, len(manifest.data),
-                               annotations={REF_NAME: self.ref_name}).to_json()
-            entries = [entry, *extra]
-            (staged / "index.json").write_bytes(canonical_json(
-                {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": entries}))
+            needed = sum(d.size for d in model.blobs()) + len(manifest.data) + sum(
+                len(data) for artifact in image.attestations
+                for data in (*artifact.blobs.values(), artifact.manifest.data))
+            entries = self._write(image, staged, blob_dir, lambda: writing(dest, needed, f"--oci {dest}"))
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
             raise
         return Staged(staged, dest, on_commit=lambda: self._commit(staged, dest, entries))
+
+    def _write(self, image, staged: Path, blob_dir: Path, layout_write) -> list[dict]:
+        """The layout's blobs, marker and index written into ``staged``; the index entries.
+
+        Every write into the layout is inside ``layout_write()``: a full disk there names the
+        layout and the bytes it needs (one elsewhere, e.g. kiln's layer materialised in the work
+        directory, names its own path)."""
+        for descriptor in image.model.blobs():
+            target = blob_dir / descriptor.digest.split(":", 1)[1]
+            if not target.exists():
+                source = image.blobs.path(descriptor)
+                with layout_write():
+                    _place(source, target)
+        with layout_write():
+            return self._write_rest(image, staged, blob_dir)
+
+    def _write_rest(self, image, staged: Path, blob_dir: Path) -> list[dict]:
+        manifest = image.manifest
+        (blob_dir / manifest.digest.split(":", 1)[1]).write_bytes(manifest.data)
+        extra = []  # the attestations: artifacts beside the image, each naming it as subject
+        for artifact in image.attestations:
+            for digest, data in {**artifact.blobs, artifact.manifest.digest: artifact.manifest.data}.items():
+                (blob_dir / digest.split(":", 1)[1]).write_bytes(data)
+            found = artifact.entry()
+            found["annotations"] = {**found.get("annotations", {}), SUBJECT_ANNOTATION: manifest.digest}
+            extra.append(found)
+        (staged / LAYOUT_MARKER).write_bytes(canonical_json({"imageLayoutVersion": "1.0.0"}))
+        entry = Descriptor(manifest.media_type, manifest.digest, len(manifest.data),
+                           annotations={REF_NAME: self.ref_name}).to_json()
+        entries = [entry, *extra]
+        (staged / "index.json").write_bytes(canonical_json(
+            {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": entries}))
+        return entries
 
     def _commit(self, staged: Path, dest: Path, entries: list[dict]) -> Callable[[], None]:
         with _locked(dest.parent, self.budget):

@@ -53,7 +53,7 @@ try:
 except ImportError:
     from backports import zstd
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, is_no_space
 from kiln.oci.limits import Budget, seconds_text
 from kiln.report import SILENT, Reporter
 
@@ -79,6 +79,8 @@ def open_tar(reader, mode: str, name: str, budget: Budget, reporter: Reporter = 
             while counted.read(LAYER_BUFFER):
                 pass
         except (tarfile.TarError, EOFError, OSError, isal_zlib.error, zstd.ZstdError) as err:
+            if is_no_space(err):  # the disk filled (the tree, or the blob cache's copy): not the layer's fault
+                raise
             raise KilnError(f"{name} is not a readable tar ({err})") from None
         if diff_id is not None and counted.diff_id != diff_id:
             raise KilnError(f"{name} decompresses to {counted.diff_id}, not to its diff_id {diff_id} in the "

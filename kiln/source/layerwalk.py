@@ -62,7 +62,7 @@ from pathlib import Path, PurePosixPath
 
 from packaging.version import InvalidVersion, Version
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, writing
 
 _SITE = re.compile(r"^(?P<site>(?:[^/]+/)*lib/python3(?:\.\d+)?/(?:dist|site)-packages)/(?P<rest>.+)$")
 _VLLM_META = re.compile(r"^vllm-[^/]+\.dist-info/(METADATA|RECORD)$")
@@ -211,7 +211,7 @@ class VllmLayerWalk:
                                 f"limit of {MAX_SOURCE_FILE} for a source file")
             source = tar.extractfile(member)
             assert source is not None
-            with _create(target) as out:
+            with writing(target, member.size, f"layer {label}: entry {member.name!r}"), _create(target) as out:
                 shutil.copyfileobj(source, out)
         else:  # hard link: its target must be a regular file already extracted into the package
             try:
@@ -222,7 +222,8 @@ class VllmLayerWalk:
             if not linked or not linked.startswith(package + "/") or not _is_real_file(source_path):
                 raise KilnError(f"layer {label}: hard link {member.name!r} -> {member.linkname!r} does not name "
                                 "a file extracted from the vllm package")
-            with source_path.open("rb") as source, _create(target) as out:
+            with writing(target, None, f"layer {label}: hard link {member.name!r}"), \
+                    source_path.open("rb") as source, _create(target) as out:
                 shutil.copyfileobj(source, out)
 
     def _materialise_links(self, site: str) -> None:
@@ -239,7 +240,8 @@ class VllmLayerWalk:
                                 "which is not a file in the layers read")
             out_path = self.dest / path
             out_path.parent.mkdir(parents=True, exist_ok=True)
-            with source.open("rb") as data, _create(out_path) as out:
+            with writing(out_path, source.stat().st_size, f"layer {label}: symlink {path!r}"), \
+                    source.open("rb") as data, _create(out_path) as out:
                 shutil.copyfileobj(data, out)
 
     def _resolve(self, path: str, package: str, label: str, linkname: str) -> str:

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from kiln import lifeline, staging
 from kiln.cache import install_dir
-from kiln.errors import KilnError
+from kiln.errors import KilnError, no_space, writing
 from kiln.pausepoint import pause_point
 from kiln.triton import standin_torch
 from kiln.triton import worker as worker_module
@@ -56,6 +56,7 @@ from kiln.triton.toolchain import SOURCE_MTIME, Toolchain, stage_dir
 KERNEL_AUDIT_PATH = "opt/kiln/triton-kernels.json"
 FORMAT = 1  # bump when what an entry holds changes
 _WORKER = Path(worker_module.__file__)
+_NO_SPACE_MARK, _NO_SPACE_EXIT = worker_module.NO_SPACE_MARK, worker_module.NO_SPACE_EXIT
 _STANDIN_TORCH = Path(standin_torch.__file__)  # the worker's tensors (no torch needed)
 _CONFIG_FILE = "model_executor/layers/quantization/turboquant/config.py"
 # Environment variables that may change Triton's cache key or output (Triton reads them by name).
@@ -134,12 +135,13 @@ def stage_sources(preset: KernelPreset, sources: KernelSources) -> tuple[Path, s
         staging.remove_dead_stages(final.parent)  # what killed builds were staging here
         tmp = staging.stage_dir(final)
         try:
-            for rel, text in texts.items():
-                path = tmp / "vllm" / rel
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(text, encoding="utf-8")
-                os.utime(path, (SOURCE_MTIME, SOURCE_MTIME))  # ptxas records it in the line info
-            (tmp / ".complete").write_text(content)
+            with writing(final, sum(len(t.encode()) for t in texts.values()), "the Triton kernels' sources"):
+                for rel, text in texts.items():
+                    path = tmp / "vllm" / rel
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(text, encoding="utf-8")
+                    os.utime(path, (SOURCE_MTIME, SOURCE_MTIME))  # ptxas records it in the line info
+                (tmp / ".complete").write_text(content)
             try:
                 os.rename(tmp, final)
             except OSError:  # another build staged the same content first
@@ -173,6 +175,11 @@ def _run_worker(toolchain: Toolchain, job: dict, env: dict[str, str], workdir: P
     # (it dies with this process: a killed build leaves no compile running, kiln.lifeline)
     result = lifeline.run([toolchain.python, str(_WORKER), str(job_path)], env=env, cwd=workdir,
                           started=lambda: pause_point("kernels"))
+    last = (result.stderr or "").strip().splitlines()[-1:] or [""]
+    if result.returncode == _NO_SPACE_EXIT and last[0].startswith(_NO_SPACE_MARK):  # a full disk, one line
+        errno_, _, path = last[0][len(_NO_SPACE_MARK):].partition(" ")
+        raise no_space(OSError(int(errno_), os.strerror(int(errno_))), path or workdir, None,
+                       f"sm_{sm}: the Triton kernels")
     if result.returncode != 0:
         tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-6:])
         raise KilnError(f"sm_{sm}: the Triton kernel worker failed ({job['mode']}): {tail}")

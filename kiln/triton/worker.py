@@ -22,7 +22,9 @@ What it does, in order:
 5. calls vLLM's launcher functions with CPU tensors of the runtime shapes (``BUILDERS``), so the
    argument specialisation (dtypes, divisibility by 16, constexprs) is computed by Triton's
    binder exactly as in a real launch;
-6. counts compiles and cache hits with ``triton.knobs.compilation.listener``;
+6. makes every process it starts (``ptxas``) die with it, as it dies with the build
+   (``children_die_with_me``);
+   counts compiles and cache hits with ``triton.knobs.compilation.listener``;
 7. when the job names the image's libtriton.so (``key_libtriton``: the image runs another
    Python's wheel of the same Triton, see ``imagekey.py``), keys every entry as that Triton
    does: ``triton_key()`` holds the sha256 of libtriton.so once, and it is replaced there.
@@ -48,6 +50,9 @@ import os
 import sys
 import traceback
 import types
+
+NO_SPACE = (28, 122)  # ENOSPC, EDQUOT
+NO_SPACE_MARK, NO_SPACE_EXIT = "kiln-worker-no-space: ", 28
 
 
 def _setup_path(job: dict) -> None:
@@ -344,6 +349,8 @@ def run(job: dict) -> dict:
             del events[:]
             BUILDERS[launch["builder"]](fn, job["preset"], launch["params"])
         except Exception as err:  # reported per launch; the caller names kernel and SM
+            if isinstance(err, OSError) and err.errno in NO_SPACE:  # a full disk is no kernel's fault
+                raise
             entry["error"] = _describe(err)
         for name, hit, digest in events:
             entry["hits" if hit else "compiled"].append({"name": name, "hash": digest})
@@ -365,7 +372,42 @@ def _describe(err: BaseException) -> str:
     return "\n".join(lines)
 
 
+def children_die_with_me() -> None:
+    """Every process this worker starts (Triton runs ``ptxas`` for each kernel) dies with it.
+
+    The worker itself dies with the build (kiln's launcher sets its ``PR_SET_PDEATHSIG``), but a
+    death signal is not inherited across fork: a ``ptxas`` running when the build was SIGKILLed
+    lived on, orphaned, until it finished (seconds under load: issue 39). Each child now arms its
+    own SIGKILL-on-parent-death between fork and exec, and exits at once when the worker died
+    before it could (its parent is then another process).
+    """
+    import ctypes
+    import subprocess
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # no prctl here: children are left as they were
+        return
+    worker = os.getpid()
+    start = subprocess.Popen.__init__
+
+    def armed(previous):
+        def preexec() -> None:
+            prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+            if os.getppid() != worker:
+                os._exit(137)
+            if previous is not None:
+                previous()
+        return preexec
+
+    def __init__(self, *args, preexec_fn=None, **kwargs):
+        start(self, *args, preexec_fn=armed(preexec_fn), **kwargs)
+
+    subprocess.Popen.__init__ = __init__
+
+
 def main(argv: list[str]) -> int:
+    children_die_with_me()
     with open(argv[1]) as handle:
         job = json.load(handle)
     report = run(job)
@@ -377,4 +419,10 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    try:
+        sys.exit(main(sys.argv))
+    except OSError as err:  # a full disk: one line kiln turns into its own (kiln.triton.aot)
+        if err.errno not in NO_SPACE:
+            raise
+        sys.stderr.write(f"{NO_SPACE_MARK}{err.errno} {err.filename2 or err.filename or ''}\n")
+        sys.exit(NO_SPACE_EXIT)
