@@ -18,6 +18,9 @@ MODULES = sorted(KILN.rglob("*.py"))
 MAX_LINES = 420
 # A test hook, not output: with KILN_TEST_PAUSE_AT set, it announces the pause the crash tests wait for.
 TEST_HOOKS = {"kiln/pausepoint.py"}
+# A child process's protocol, not output: the kernel worker's one marked stderr line on a full disk,
+# which kiln.triton.aot reads back and turns into its own error.
+PROTOCOL_LINES = {"kiln/triton/worker_process.py"}
 
 
 def _name(path: Path) -> str:
@@ -90,7 +93,7 @@ def test_no_import_cycle_between_packages():
 def test_only_the_commands_package_parses_argv_or_prints():
     offenders = []
     for path in MODULES:
-        if "commands" in path.relative_to(KILN).parts or str(path.relative_to(paths.REPO)) in TEST_HOOKS:
+        if "commands" in path.relative_to(KILN).parts or str(path.relative_to(paths.REPO)) in TEST_HOOKS | PROTOCOL_LINES:
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):

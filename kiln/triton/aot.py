@@ -52,11 +52,11 @@ from kiln.triton import worker as worker_module
 from kiln.triton.kernels import KERNELS, RUNTIME_CACHE_DIR, KernelPreset, launch_plan
 from kiln.triton.runtime_layout import RuntimeLayout, layout_for, vllm_version
 from kiln.triton.toolchain import SOURCE_MTIME, Toolchain, stage_dir
+from kiln.triton.worker_process import no_space_in
 
 KERNEL_AUDIT_PATH = "opt/kiln/triton-kernels.json"
 FORMAT = 1  # bump when what an entry holds changes
 _WORKER = Path(worker_module.__file__)
-_NO_SPACE_MARK, _NO_SPACE_EXIT = worker_module.NO_SPACE_MARK, worker_module.NO_SPACE_EXIT
 _STANDIN_TORCH = Path(standin_torch.__file__)  # the worker's tensors (no torch needed)
 _CONFIG_FILE = "model_executor/layers/quantization/turboquant/config.py"
 # Environment variables that may change Triton's cache key or output (Triton reads them by name).
@@ -102,7 +102,6 @@ class SmCache:
 
 
 # -- sources ------------------------------------------------------------------------------------
-
 
 def _kernel_dirs(preset: KernelPreset) -> list[str]:
     return sorted({KERNELS[name].file.rpartition("/")[0] for name in preset.launchers})
@@ -175,11 +174,8 @@ def _run_worker(toolchain: Toolchain, job: dict, env: dict[str, str], workdir: P
     # (it dies with this process: a killed build leaves no compile running, kiln.lifeline)
     result = lifeline.run([toolchain.python, str(_WORKER), str(job_path)], env=env, cwd=workdir,
                           started=lambda: pause_point("kernels"))
-    last = (result.stderr or "").strip().splitlines()[-1:] or [""]
-    if result.returncode == _NO_SPACE_EXIT and last[0].startswith(_NO_SPACE_MARK):  # a full disk, one line
-        errno_, _, path = last[0][len(_NO_SPACE_MARK):].partition(" ")
-        raise no_space(OSError(int(errno_), os.strerror(int(errno_))), path or workdir, None,
-                       f"sm_{sm}: the Triton kernels")
+    if full := no_space_in(result.returncode, result.stderr):  # a full disk, one line
+        raise no_space(OSError(full[0], os.strerror(full[0])), full[1] or workdir, None, f"sm_{sm}: the Triton kernels")
     if result.returncode != 0:
         tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-6:])
         raise KilnError(f"sm_{sm}: the Triton kernel worker failed ({job['mode']}): {tail}")

@@ -23,7 +23,7 @@ What it does, in order:
    argument specialisation (dtypes, divisibility by 16, constexprs) is computed by Triton's
    binder exactly as in a real launch;
 6. makes every process it starts (``ptxas``) die with it, as it dies with the build
-   (``children_die_with_me``);
+   (``worker_process.children_die_with_me``);
    counts compiles and cache hits with ``triton.knobs.compilation.listener``;
 7. when the job names the image's libtriton.so (``key_libtriton``: the image runs another
    Python's wheel of the same Triton, see ``imagekey.py``), keys every entry as that Triton
@@ -51,8 +51,22 @@ import sys
 import traceback
 import types
 
-NO_SPACE = (28, 122)  # ENOSPC, EDQUOT
-NO_SPACE_MARK, NO_SPACE_EXIT = "kiln-worker-no-space: ", 28
+
+def _beside(name: str) -> types.ModuleType:
+    """A module of this folder, by its path: the worker runs under the toolchain's Python (or a
+    GPU machine's), where kiln is no package it could import."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"kiln_worker_{name}", os.path.join(os.path.dirname(
+        os.path.abspath(__file__)), f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_process = _beside("worker_process")
+NO_SPACE, children_die_with_me, exit_on_no_space = (_process.NO_SPACE, _process.children_die_with_me,
+                                                    _process.exit_on_no_space)
 
 
 def _setup_path(job: dict) -> None:
@@ -372,40 +386,6 @@ def _describe(err: BaseException) -> str:
     return "\n".join(lines)
 
 
-def children_die_with_me() -> None:
-    """Every process this worker starts (Triton runs ``ptxas`` for each kernel) dies with it.
-
-    The worker itself dies with the build (kiln's launcher sets its ``PR_SET_PDEATHSIG``), but a
-    death signal is not inherited across fork: a ``ptxas`` running when the build was SIGKILLed
-    lived on, orphaned, until it finished (seconds under load: issue 39). Each child now arms its
-    own SIGKILL-on-parent-death between fork and exec, and exits at once when the worker died
-    before it could (its parent is then another process).
-    """
-    import ctypes
-    import subprocess
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # no prctl here: children are left as they were
-        return
-    worker = os.getpid()
-    start = subprocess.Popen.__init__
-
-    def armed(previous):
-        def preexec() -> None:
-            prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
-            if os.getppid() != worker:
-                os._exit(137)
-            if previous is not None:
-                previous()
-        return preexec
-
-    def __init__(self, *args, preexec_fn=None, **kwargs):
-        start(self, *args, preexec_fn=armed(preexec_fn), **kwargs)
-
-    subprocess.Popen.__init__ = __init__
-
-
 def main(argv: list[str]) -> int:
     children_die_with_me()
     with open(argv[1]) as handle:
@@ -419,10 +399,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv))
-    except OSError as err:  # a full disk: one line kiln turns into its own (kiln.triton.aot)
-        if err.errno not in NO_SPACE:
-            raise
-        sys.stderr.write(f"{NO_SPACE_MARK}{err.errno} {err.filename2 or err.filename or ''}\n")
-        sys.exit(NO_SPACE_EXIT)
+    exit_on_no_space(main, sys.argv)
