@@ -75,7 +75,7 @@ from torch import nn
 
 from kiln.source.wheel import WheelSource
 from tests.patchsets.support.patchlib import extract, run_defs
-from tests.support.vllm_modules import VllmModules, stub
+from tests.support.vllm_modules import VllmModules, in_child, stub
 
 pytestmark = pytest.mark.network  # the pins' wheels, from PyPI
 
@@ -613,6 +613,7 @@ def load(pin: Pin, ckpt):
 
 @pytest.mark.parametrize(("label", "keys"), [(label, "names") for label in PINS + list(RELEASES)]
                          + [(label, "regex") for label in PINS])
+@in_child
 def test_the_27b_layout_loads_into_every_parameter(trees, label, keys):
     ckpt = checkpoint()
     with pin_code(trees, label, keys=keys) as pin:
@@ -635,6 +636,7 @@ def test_the_27b_layout_loads_into_every_parameter(trees, label, keys):
         assert "language_model.model.layers.0.linear_attn.in_proj_ba.weight" in loaded
 
 
+@in_child
 def test_a_wrong_mapping_fails_the_comparison(trees):
     """The comparison sees a mis-load: 0.33.0 with in_proj_b and in_proj_a swapped in the mapper."""
     ckpt = checkpoint()
@@ -644,6 +646,7 @@ def test_a_wrong_mapping_fails_the_comparison(trees):
     assert wrong and all("in_proj_ba" in w for w in wrong), wrong
 
 
+@in_child
 def test_a_shard_that_never_arrives_is_seen(trees):
     """Genesis's symptom, in_proj_ba left uninitialised: a load without in_proj_a leaves its rows
     of the fused weight unset (NaN here), and the comparison with the checkpoint names them."""

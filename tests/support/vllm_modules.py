@@ -27,11 +27,14 @@ in one process.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import re
 import sys
+import traceback
 import types
 from pathlib import Path
 
@@ -205,3 +208,36 @@ class VllmModules(importlib.abc.MetaPathFinder):
     def load(self, name: str) -> types.ModuleType:
         """The module ``name`` (real if listed in ``real``), imported through this finder."""
         return importlib.import_module(name)
+
+
+def in_child(test):
+    """Run ``test`` in a forked child process: the real vLLM modules it imports, and whatever they
+    do to the globals of torch, Triton or the import system, stay there (run in the suite's own
+    process, they once broke a later test's Triton-interpreted kernel). A failure comes back as
+    the child's traceback."""
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        import pytest
+
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code, text = 0, b""
+            try:
+                os.close(read)
+                test(*args, **kwargs)
+            except BaseException:
+                code, text = 1, traceback.format_exc().encode()
+            finally:
+                with os.fdopen(write, "wb") as out:
+                    out.write(text)
+                os._exit(code)
+        os.close(write)
+        with os.fdopen(read, "rb") as out:
+            text = out.read().decode(errors="replace")
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if code != 0:
+            pytest.fail(f"in a child process (exit {code}):\n{text}", pytrace=False)
+
+    return run
