@@ -45,6 +45,9 @@ SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "SIGINT": signa
 # every point with SIGKILL and SIGTERM; Ctrl-C (SIGINT to the whole process group) once
 CASES = [(point, signame) for point in POINTS for signame in ("SIGKILL", "SIGTERM")] + [("patching", "SIGINT")]
 GRACE = 2.0  # seconds after the signal by which every process of the build is gone
+# A clean stop (SIGTERM, Ctrl-C) first kills its children, then removes its staging: seen taking
+# over 2 s on CI's machine while the CPU base built beside the suite (load ~5 on 2 cores)
+STOP_GRACE = 5.0
 # Under load (issue 39, item 6): two busy loops at nice 0 on this 2-core machine, besides whatever
 # else runs, from the pause until the processes are counted; every SIGKILL point again
 LOADED_CASES = [(point, "SIGKILL") for point in POINTS]
@@ -179,7 +182,7 @@ def test_killed_build_leaves_no_process_and_the_next_run_no_staging(workspace, t
             os.killpg(build.pid, signum)  # as a terminal's Ctrl-C: the build and its workers get it
         else:
             build.send_signal(signum)
-        grace = LOADED_GRACE if loaded else GRACE
+        grace = LOADED_GRACE if loaded else GRACE if signum == signal.SIGKILL else STOP_GRACE
         alive, elapsed = wait_until_gone(build, grace)
         assert alive == [], f"{len(alive)} process(es) of the build alive {elapsed:.1f} s after {signame}" \
                             f"{' under load' if loaded else ''}: {[line[:200] for line in alive]}"
