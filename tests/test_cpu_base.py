@@ -130,21 +130,16 @@ def _stanzas(base, line: str) -> dict[str, dict]:
     for component in components:
         index = f"{url}/dists/{suite}/{component}/binary-amd64/Packages.xz"
         text = base.unpacked(index, base.httpread.get(index, max_bytes=base.INDEX_MAX_BYTES, deadline=base.INDEX_SECONDS).body).decode()
-        for raw in text.split("\n\n"):
-            fields, key = {}, None
-            for field in raw.splitlines():
-                if field[:1].isspace() and key:
-                    fields[key] += "\n" + field
-                elif ": " in field or field.endswith(":"):
-                    key, _, value = field.partition(":")
-                    fields[key] = value.strip()
-            if "Package" not in fields:
-                continue
-            held = newest.get(fields["Package"])
-            if held is None or subprocess.run(["dpkg", "--compare-versions", fields["Version"], "gt", held["Version"]],
-                                              check=False).returncode == 0:
+        for fields in base.control_stanzas(text):
+            if "Package" in fields and _outranks(fields, newest.get(fields["Package"])):
                 newest[fields["Package"]] = dict(fields, _url=url)
     return newest
+
+
+def _outranks(stanza: dict, held: dict | None) -> bool:
+    """Whether ``stanza`` is a newer version than ``held`` (none held: yes), by dpkg's ordering."""
+    return held is None or subprocess.run(["dpkg", "--compare-versions", stanza["Version"], "gt", held["Version"]],
+                                          check=False).returncode == 0
 
 
 def _write_index(root: Path, stanzas: list[dict]) -> None:
@@ -177,9 +172,7 @@ def debian_today(base, tmp_path_factory):
     newest: dict[str, dict] = {}
     for line in base.MIRRORS:
         for name, stanza in _stanzas(base, line).items():
-            held = newest.get(name)
-            if held is None or subprocess.run(["dpkg", "--compare-versions", stanza["Version"], "gt",
-                                               held["Version"]], check=False).returncode == 0:
+            if _outranks(stanza, newest.get(name)):
                 newest[name] = stanza
     pins = base.debian_pins()
     chosen = {name: newest[name] for name in pins if name in newest}

@@ -186,14 +186,31 @@ def served_versions(mirrors: list[str] | None = None, arch: str = "amd64") -> di
                 if answer.status != 200:
                     raise RecipeError(f"{index + suffix}: HTTP {answer.status}")
                 text = unpacked(index + suffix, answer.body).decode("utf-8", "replace")
-                for stanza in text.split("\n\n"):
-                    fields = dict(f.split(": ", 1) for f in stanza.splitlines() if ": " in f and not f[0].isspace())
+                for fields in control_stanzas(text):
                     if "Package" in fields and "Version" in fields:
                         served.setdefault(fields["Package"], set()).add(fields["Version"])
                 break
             else:
                 raise RecipeError(f"{url}/dists/{suite}/{component}/binary-{arch}/: no Packages index")
     return served
+
+
+def control_stanzas(text: str) -> list[dict[str, str]]:
+    """The paragraphs of a Debian control file (a ``Packages`` index, ``var/lib/dpkg/status``) as
+    field -> value; a continuation line (it starts with a space) is joined to its field."""
+    stanzas = []
+    for raw in text.split("\n\n"):
+        fields: dict[str, str] = {}
+        key = None
+        for line in raw.splitlines():
+            if line[:1].isspace() and key:
+                fields[key] += "\n" + line
+            elif ":" in line:
+                key, _, value = line.partition(":")
+                fields[key] = value.strip()
+        if fields:
+            stanzas.append(fields)
+    return stanzas
 
 
 def unpacked(url: str, body: bytes) -> bytes:
@@ -421,8 +438,7 @@ def root_packages(layout: Path) -> dict[str, str]:
         else:
             raise RecipeError(f"{layer}: no var/lib/dpkg/status in the Debian layer")
     found = {}
-    for stanza in text.split("\n\n"):
-        fields = dict(f.split(": ", 1) for f in stanza.splitlines() if ": " in f and not f[0].isspace())
+    for fields in control_stanzas(text):
         if fields.get("Status", "").endswith(" installed") and "Package" in fields:
             found[fields["Package"]] = fields["Version"]
     return found
