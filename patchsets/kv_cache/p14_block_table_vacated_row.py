@@ -41,6 +41,13 @@ disaggregated deployment.
 
 Verdicts: 0.20.1 APPLIES. 0.33.0 UPSTREAM: ``move_row`` zeroes the vacated row itself
 (``v1/worker/block_table.py:145-146``, vllm#49757).
+
+Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
+0.20.1-0.33.0):
+- 0.20.1-0.26.0: APPLIES: ``move_row`` copies the row and leaves the source as it was.
+- 0.27.0 on: UPSTREAM: ``move_row`` zeroes the vacated row after the copy (vllm#49757;
+  ``v1/worker/block_table.py:174`` on 0.27.0-0.28.0, ``:193`` on 0.29.0-0.31.0, ``:145`` on
+  0.32.0 and 0.33.0).
 """
 
 import libcst as cst
