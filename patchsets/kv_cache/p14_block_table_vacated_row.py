@@ -24,7 +24,7 @@ as vLLM does from vllm#49757. Every path that shrinks a row then zeroes what it 
 no row holds an id past its count and no row past the batch holds any. That invariant is also
 what Genesis's P14 wants (it zero-fills the target row's tail after ``append_row`` and
 ``move_row``), without leaving the vacated row to a dummy run. ``condense`` never moves a row
-onto itself (``empty_index < last_req_index``, ``gpu_input_batch.py:717-720``), as upstream's
+onto itself (``empty_index < last_req_index``, ``gpu_input_batch.py:696-697``), as upstream's
 version also assumes.
 
 Who can observe it on 0.20.1: dummy runs during serving come only from data parallelism
@@ -34,7 +34,7 @@ before any request, on an all-zero table. The attention kernels and the GDN gath
 live row only up to what its sequence length needs (FlashInfer's page copy is masked at the
 row's page count, ``v1/attention/backends/flashinfer.py:1851-1857``; align mode gathers
 ``(seq_len - 1) // block_size`` plus the speculative blocks, ``v1/attention/backends/utils.py:886-898``,
-which the runner allocates, ``v1/worker/mamba_utils.py:190-193``). Padded CUDA-graph rows are
+which the runner allocates, ``v1/worker/mamba_utils.py:189-192``). Padded CUDA-graph rows are
 filled with the null block (``gpu_model_runner.py:2140-2142``). So with one engine and no KV
 connector the stale copy is written and never read; the patch matters for a data-parallel or
 disaggregated deployment.
