@@ -140,7 +140,10 @@ def write_digests(path: Path, digests: dict[str, str], platforms: dict[str, dict
         if platforms.get(name):
             table = tomlkit.inline_table()
             table.update(dict(sorted(platforms[name].items())))
-            entry["platforms"] = table
+            if "platforms" in entry:
+                entry["platforms"] = table
+            else:  # on the line after digest, not after the comments that end the table
+                entry.value._insert_after("digest", "platforms", table)
         elif "platforms" in entry:
             del entry["platforms"]
 
