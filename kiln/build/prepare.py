@@ -41,6 +41,7 @@ from kiln.build.cachekeys import (
 from kiln.build.cachelookup import PROBE_DEPTH, CacheReader
 from kiln.build.inputs import BuildInputs
 from kiln.build.layers import audit_record, source_contents, with_audit
+from kiln.build.platform import check_base_platform, check_base_triton
 from kiln.build.provenance import kiln_revision, kiln_source_url
 from kiln.build.regcache import CacheUse, base_platform, plain_record
 from kiln.build.wheelcache import RegistryWheels
@@ -62,6 +63,7 @@ from kiln.pausepoint import pause_point
 from kiln.pins import Pin
 from kiln.report import SILENT, Reporter
 from kiln.source.image import ImageSource, ImageVllm, check_platform
+from kiln.targets import split_platform
 from kiln.triton.aot import reads_source
 from kiln.triton.cachelayer import image_env, kernel_created_by, triton_cache_layer
 
@@ -109,7 +111,7 @@ class PreparedBuild:
     triton: dict = field(default_factory=dict)  # the kernel cache layer's summary, if any
     vllm_version: str = ""  # the base's vLLM, as its source says
     site_dir: str = ""  # where vllm/ lives in the image, e.g. usr/local/lib/python3.12/dist-packages
-    base_manifest_digest: str = ""  # the linux/amd64 manifest built on
+    base_manifest_digest: str = ""  # the platform's manifest built on (inputs.platform)
     cache: list = field(default_factory=list)  # the registry build cache entries looked up (regcache.CacheUse)
     cache_mounts: dict = field(default_factory=dict)  # layer digest -> the cache repository it came from (a push mounts it)
     wheels: RegistryWheels = field(default_factory=lambda: RegistryWheels([]))  # the toolchain wheel read from or kept for the registry cache
@@ -163,11 +165,12 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     stats = TransferStats()
     clock = Clock(reporter, lambda: stats.bytes_down)
     source = ImageSource(base_ref, expected_version=pin.vllm, registry_config=config, cache=cache, stats=stats,
-                         reporter=reporter, budget=budget, need_triton=bool(kernels))
+                         reporter=reporter, budget=budget, need_triton=bool(kernels), platform=inputs.platform)
     resolved = base_ref.digest or source.client.resolve(base_ref.repository, base_ref.ref)
     check_lock(pin, resolved, allow_unlocked, reporter)
     base = RemoteImage(base_ref.pinned(resolved), source.client, BlobCache(cache / "blobs"),
-                       manifest_cache=cache / "manifests")
+                       platform=split_platform(inputs.platform), manifest_cache=cache / "manifests")
+    check_base_platform(pin, resolved, base, inputs.platform)  # before any layer is read
     clock.lap("resolve")
     need_triton = bool(kernels)
     reader = CacheReader(cache_from, config, stats, source.client.budget, cache, reporter, open_record)
@@ -178,7 +181,7 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
 
     patched_use = kernels_use = patched_hit = kernels_hit = None
     if cache_from:  # the patched entry by the layers it was keyed by, before any is read
-        check_platform(base.config(), base.name)
+        check_platform(base.config(), base.name, inputs.platform)
         source.client.budget.check_layers(base.name, len(base.layers()))
         if (found_hit := reader.patched(inputs, base.layers(), need_triton, base_platform(base.config()))) is not None:
             patched_use, patched_hit = found_hit
@@ -199,6 +202,7 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
                 patched_use = patched_hit = kernels_use = kernels_hit = None
         source.reference = base_ref.pinned(resolved)
         found = source.pull()
+        check_base_triton(sm, found, pin)
         clock.lap("pull")
         walk = walk_read(base.layers(), found.layers_read)
         if patched_hit is not None and patched_use.inputs["vllm_layers"]["layers"] != walk["layers"]:
