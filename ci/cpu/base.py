@@ -68,7 +68,9 @@ APT_OPTIONS = ['--aptopt=Acquire::Retries "5"', '--aptopt=Acquire::Check-Valid-U
                '--customize-hook=rm -f "$1/etc/apt/apt.conf.d/99mmdebstrap"']
 DEBIAN_ATTEMPTS = 5  # pauses of 1, 2, 4 and 8 minutes: CI builds this beside its 27-minute pytest run
 # The packages asked for; the lock holds them and everything they pull in, each at one version.
-INCLUDE = ["python3", "python3-venv", "ca-certificates", "libgomp1", "libnuma1", "procps"]
+# g++ and python3-dev: vLLM's CPU platform compiles the model with Inductor (torch.compile), which builds
+# its C++ kernels with g++ as Python extensions (Python.h).
+INCLUDE = ["python3", "python3-venv", "python3-dev", "g++", "ca-certificates", "libgomp1", "libnuma1", "procps"]
 # A mirror's Packages index (bookworm main: ~9 MB as .xz, ~45 MB as text), bounded in size and time.
 INDEX_MAX_BYTES = 64 << 20
 INDEX_MAX_TEXT = 512 << 20
