@@ -4,7 +4,7 @@ Public API:
     BuildResult      digests, tags, where each output went, bytes pulled/pushed, timings (``.to_json()``)
     run_build(inputs, publishers, registry_config=None, allow_unlocked=False, cache=None,
               reporter=SILENT, leave_out_unusable_kernels=False, sign_key=None,
-              cache_from=(), cache_to=(), cache_key=None) -> BuildResult
+              cache_from=(), cache_to=(), cache_key=None, warm=None) -> BuildResult
 
 Every destination is checked before any work (``check_outputs``: never an input the build
 reads, ``kiln.publish.destinations``; a push destination must answer and take a push); the deadline runs from the start; a pin with
@@ -53,6 +53,7 @@ from kiln.publish.destinations import command_inputs
 from kiln.publish.registry import RegistryPublisher
 from kiln.publish.values import ValuesPublisher
 from kiln.report import SILENT, Reporter
+from kiln.warm.bake import with_warm
 
 
 @dataclass
@@ -85,6 +86,7 @@ class BuildResult:
     helm_values: dict = field(default_factory=dict)  # what --values writes (kiln.publish.values)
     triton: dict = field(default_factory=dict)  # the Triton kernel cache layer's summary, if any
     cache: dict = field(default_factory=dict)  # the registry build cache: key, hit (entry read), written
+    warm: dict = field(default_factory=dict)  # the warm layer's summary (kiln.warm), if --warm
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -96,7 +98,8 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
               cache: Path | None = None, reporter: Reporter = SILENT,
               leave_out_unusable_kernels: bool = False, sign_key: SigningKey | None = None,
               cache_from: tuple[ImageReference, ...] | list = (),
-              cache_to: tuple[ImageReference, ...] | list = (), cache_key=None) -> BuildResult:
+              cache_to: tuple[ImageReference, ...] | list = (), cache_key=None,
+              warm: Path | None = None) -> BuildResult:
     """Build ``inputs`` and hand the image to every publisher; ``repository`` names it in the result.
 
     Every image gets its SBOM and provenance (signed with ``sign_key`` when given), which the
@@ -119,6 +122,8 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
                                  leave_out_unusable_kernels=leave_out_unusable_kernels, cache_from=cache_from,
                                  open_record=record_opener(cache_key),
                                  keep_wheels=workdir / "wheels" if cache_to else None)
+        if warm is not None:  # the warm bundle's key against this build's inputs, then its layer
+            prepared = with_warm(prepared, warm)
         clock = prepared.clock
         budget.check_deadline("patch")  # and between the steps after it
         image = bake(prepared, workdir, reporter)
@@ -148,7 +153,7 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
         bytes_decompressed=budget.bytes_inflated,
         bytes_pushed=report.bytes_uploaded if report else 0,
         blobs_uploaded=len(report.uploaded) if report else 0, blobs_mounted=len(report.mounted) if report else 0,
-        timings=clock.total(),
+        timings=clock.total(), warm=prepared.warm,
         cache={"hit": [use.hit for use in prepared.cache if use.hit]
                + [use["hit"] for use in prepared.wheels.uses if use["hit"]] or None,
                "entries": [use.to_json() for use in prepared.cache] + prepared.wheels.uses, "written": written_to},

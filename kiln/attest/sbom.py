@@ -11,7 +11,9 @@ version, each applied patch as a ``pedigree`` patch resolving its upstream refer
 selected patch's module (sha256, verdict, upstream refs, the files it changed with their sha256
 before and after); every file kiln's layers bake in (sha256); the Triton kernels (name, SM,
 toolchain version, its wheel's file name and sha256 and the sha256 of the wheel's RECORD) and the
-Triton toolchain wheel itself (a library component hashed with the wheel's sha256); kiln
+Triton toolchain wheel itself (a library component hashed with the wheel's sha256); the warm
+layer's compile cache when there is one (its key, the versions and hardware it was made on, what
+booted; its files are among the baked ones); kiln
 (version, commit). It is derived only from the ``BuiltImage``: the serial number is a UUID5 of the manifest digest, the
 timestamp is ``build_time``, so the same inputs give the same bytes.
 """
@@ -121,6 +123,22 @@ def _kernels(image) -> list[Component]:
     return [toolchain, *kernels]
 
 
+def _warm(image) -> list[Component]:
+    """The warm layer's compile cache (its files are listed with the layers'): what booted, on what, keyed by what."""
+    warm = image.prepared.warm or {}
+    if not warm:
+        return []
+    versions, hardware, booted = warm.get("versions") or {}, warm.get("hardware") or {}, warm.get("booted") or {}
+    return [Component(type=ComponentType.DATA, name="vllm compile cache", bom_ref="warm", version=warm.get("key"),
+                      hashes=_sha256(warm.get("record_sha256")),
+                      properties=_props(warm_key=warm.get("key"), files=warm.get("files"), bytes=warm.get("bytes"),
+                                        torch=versions.get("torch"), triton=versions.get("triton"),
+                                        machine=hardware.get("machine"), processor=hardware.get("processor"),
+                                        platform=hardware.get("platform"), sm=hardware.get("sm"),
+                                        booted=" ".join(booted.get("serve") or []),
+                                        vllm_cache_dirs=",".join(warm.get("vllm_cache_dirs") or [])))]
+
+
 def triton_purl(triton: dict) -> PackageURL:
     """``pkg:pypi/triton@3.6.0?file_name=<wheel>``: the wheel on PyPI, whatever index served it."""
     return PackageURL(type="pypi", name="triton", version=triton.get("triton"),
@@ -145,7 +163,7 @@ def image_sbom(image) -> bytes:
                         version=prepared.tag, hashes=_sha256(digest.split(":", 1)[1]),
                         properties=_props(manifest_digest=digest, pin=prepared.inputs.pin.name,
                                           sm=prepared.inputs.sm))
-    others = [base, vllm, kiln, *patches, *_baked_files(image), *_kernels(image)]
+    others = [base, vllm, kiln, *patches, *_baked_files(image), *_kernels(image), *_warm(image)]
     bom = Bom(serial_number=uuid.uuid5(_KILN_NS, digest), version=1, components=others,
               metadata=BomMetaData(timestamp=build_time(image), component=subject))
     bom.register_dependency(subject, others)

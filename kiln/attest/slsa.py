@@ -67,6 +67,12 @@ def provenance_statement(image, sbom: bytes) -> bytes:
         if triton.get("triton_wheel_sha256"):
             wheel["digest"] = {"sha256": triton["triton_wheel_sha256"]}
         dependencies.append(wheel)
+    if prepared.warm:  # the bundle baked as the warm layer: its record's sha256 and key (kiln.warm)
+        warm = prepared.warm
+        dependencies.append({"name": "warm cache", "uri": f"kiln-warm:{warm['key']}",
+                             "digest": {"sha256": warm["record_sha256"]},
+                             "annotations": {"booted": " ".join(warm["booted"]["serve"]), "hardware": warm["hardware"],
+                                             "versions": warm["versions"], "factors": warm["factors"]}})
     definition = inputs.definition
     statement = {
         "_type": STATEMENT_TYPE,

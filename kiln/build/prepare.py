@@ -115,6 +115,7 @@ class PreparedBuild:
     cache: list = field(default_factory=list)  # the registry build cache entries looked up (regcache.CacheUse)
     cache_mounts: dict = field(default_factory=dict)  # layer digest -> the cache repository it came from (a push mounts it)
     wheels: RegistryWheels = field(default_factory=lambda: RegistryWheels([]))  # the toolchain wheel read from or kept for the registry cache
+    warm: dict = field(default_factory=dict)  # the warm layer's summary (kiln.warm.bake), if any
 
     @property
     def tag(self) -> str:

@@ -35,7 +35,8 @@ from kiln.schema import skip_format_grammars
 # ``plan``'s matrix are no part of a build, whose cache hit is timed to the tenth of a second:
 # docs/BENCHMARKS.md); ``--help``, no command or an unknown one registers them all.
 COMMANDS = {"patches": ("patches",), "genesis": ("genesis",), "verify": ("verify", "diff", "apply"),
-            "build": ("build", "context", "values"), "check": ("check",), "pin": ("pin",), "plan": ("plan",), "bench": ("bench",)}
+            "build": ("build", "context", "values"), "check": ("check",), "pin": ("pin",), "plan": ("plan",), "bench": ("bench",),
+            "warm": ("warm", "warm-answers")}
 
 
 class _Version(argparse.Action):

@@ -30,6 +30,9 @@ def register(sub) -> None:
     p.add_argument("--values", type=Path, metavar="FILE", help="write the image's Helm values (JSON) to FILE")
     add_chart_option(p)
     p.add_argument("--repository", help="destination repository instead of the image definition's")
+    p.add_argument("--warm", type=Path, metavar="DIR",
+                   help="bake the warm bundle `build.py warm` wrote in DIR as the top layer (refused when it "
+                        "was made for other inputs; docs/WARM.md)")
     p.add_argument("--force", action="store_true", help="replace an existing --docker-archive file")
     p.add_argument("--sign-key", type=Path, metavar="PEM",
                    help="sign the provenance (DSSE) with this ECDSA P-256 or Ed25519 private key")
@@ -104,7 +107,7 @@ def run_build_command(args, out) -> int:
         publishers.append(RegistryPublisher(name, [inputs.tag], config, reporter))
     result = run_build(inputs, publishers, name.name, config, args.allow_unlocked, reporter=reporter,
                        leave_out_unusable_kernels=args.without_unusable_kernels, sign_key=sign_key,
-                       cache_from=cache_from, cache_to=cache_to, cache_key=cache_key)
+                       cache_from=cache_from, cache_to=cache_to, cache_key=cache_key, warm=args.warm)
     result.warnings = list(reporter.warnings)
     if args.json:
         out.json(result.to_json())
