@@ -201,3 +201,36 @@ def test_a_patch_that_breaks_import_fails_the_check_in_one_line(tmp_path):
     assert "kiln K901: a patch that breaks import" in errors[0] or "ImportError" in errors[0], errors[0]
     # the image was built with the broken patch: the pipeline, not the check, let it through
     assert "built " in done.stderr
+
+
+def _warm_evidence(cold_texts=("a", "b"), warm_texts=("a", "b"), compiled=(), new_files=(), cold_files=("x.so",)):
+    warm = {"cold": {"seconds_to_healthy": 100.0, "answers": [{"text": t} for t in cold_texts],
+                     "log": {"compiled_lines": []}, "compiled_files": list(cold_files)}}
+    served = {"seconds_to_healthy": 50.0, "warm": {"answers": [{"text": t} for t in warm_texts],
+                                                   "log": {"compiled": list(compiled), "loaded": []},
+                                                   "new_cache_files": list(new_files)}}
+    return warm, served
+
+
+def test_the_warm_verdict_fails_on_any_compile_a_changed_answer_or_nothing_warmed():
+    """ci/serve_check's judgement of the warm boot (the run itself: docs/SERVE_CHECK.md)."""
+    serve_check = load_serve_check()
+    # a lock Inductor takes to load a cached kernel is no compile; vLLM's own files elsewhere neither
+    verdict = serve_check.warm_verdict(*_warm_evidence(new_files=["opt/kiln/warm/inductor/locks/c4.lock",
+                                                                  "tmp/vllm_dist_1"]))
+    assert verdict["ratio"] == 0.5 and verdict["ratio_goal_met"] and verdict["answers_equal"]
+    assert verdict["new_compiler_cache_files"] == []
+    assert verdict["other_new_files"] == ["opt/kiln/warm/inductor/locks/c4.lock", "tmp/vllm_dist_1"]
+    failing = {
+        "the warm boot compiled: saved AOT compiled function to /opt/kiln/warm/vllm/x":
+            _warm_evidence(compiled=["saved AOT compiled function to /opt/kiln/warm/vllm/x"]),
+        "the warm boot compiled: opt/kiln/warm/inductor/fxgraph/ab/new":
+            _warm_evidence(new_files=["opt/kiln/warm/inductor/fxgraph/ab/new"]),
+        "greedy answers differ between the cold and the warm boot (request 1: ['b'] cold, ['c'] warm)":
+            _warm_evidence(warm_texts=("a", "c")),
+        "the cold boot (build.py warm) wrote no compiled kernel: nothing was warmed": _warm_evidence(cold_files=()),
+    }
+    for why, evidence in failing.items():
+        with pytest.raises(serve_check.CheckFailed) as failed:
+            serve_check.warm_verdict(*evidence)
+        assert str(failed.value) == f"warm: {why}"

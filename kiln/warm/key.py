@@ -19,11 +19,17 @@ WARM_SCHEMA = 1
 CACHE_DIRS = {"VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
 
 
+# Inductor makes a precompiled header with g++ (in /tmp, outside any cache dir) for every C++ kernel it
+# loads, before it looks for the kernel's cached .so (torch/_inductor/codecache.py, _precompile_header):
+# a warm image would run g++ at every boot. The header only speeds up compiling, which a warm boot skips.
+NO_PRECOMPILED_HEADERS = {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0"}
+
+
 def warm_env(image_env: dict[str, str]) -> dict[str, str]:
     """The env entries pointing vLLM and its compilers at the warm layer. An image whose kernel
     layer already sets ``TRITON_CACHE_DIR`` (the AOT kernels) keeps it: Triton reads both there."""
-    return {name: f"/{WARM_ROOT}/{sub}" for name, sub in CACHE_DIRS.items()
-            if not (name == "TRITON_CACHE_DIR" and image_env.get(name))}
+    return {**{name: f"/{WARM_ROOT}/{sub}" for name, sub in CACHE_DIRS.items()
+               if not (name == "TRITON_CACHE_DIR" and image_env.get(name))}, **NO_PRECOMPILED_HEADERS}
 
 
 def key_factors(audit: dict, definition) -> dict:

@@ -22,8 +22,10 @@ from kiln.warm.boot import boot_chroot, send_requests, stop, wait_healthy
 from kiln.warm.capture import capture, write_bundle
 from kiln.warm.key import WARM_ROOT, key_factors, warm_env, warm_key
 
-COMPILED = re.compile(r"Compiling a graph|torch\.compile take|Dynamo bytecode transform time|compiling the model")
-LOADED = re.compile(r"Directly load AOT compilation|load the compiled graph|from the cache")
+# vLLM's lines when it compiles and when it loads what it compiled (on CPU, DYNAMO_TRACE_ONCE: only the AOT ones)
+COMPILED = re.compile(r"torch\.compile took|Starting torch\.compile|Compiling a graph|Dynamo bytecode transform time|"
+                      r"saved AOT compiled function|Compiling model again")
+LOADED = re.compile(r"Directly load AOT compilation|Directly load the compiled graph")
 OUTSIDE = ("tmp", "root/.cache", "root/.triton")  # where torch, Inductor and Triton write by default
 
 

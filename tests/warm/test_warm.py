@@ -154,7 +154,8 @@ def test_with_warm_bakes_the_layer_sets_the_env_and_records_it_in_the_audit(tmp_
     assert [sorted(layer.files) for layer in warmed.layers[1:]] == [sorted(read_bundle(tmp_path / "bundle")[1])]
     assert warmed.env == warm_env({}) == {"VLLM_CACHE_ROOT": "/opt/kiln/warm/vllm",
                                           "TORCHINDUCTOR_CACHE_DIR": "/opt/kiln/warm/inductor",
-                                          "TRITON_CACHE_DIR": "/opt/kiln/warm/triton"}
+                                          "TRITON_CACHE_DIR": "/opt/kiln/warm/triton",
+                                          "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0"}
     audit = json.loads(warmed.layers[0].files[AUDIT_PATH])
     assert audit["warm"]["key"] == record_for()["key"] and audit["warm"]["files"] == read_bundle(tmp_path / "bundle")[0]["files"]
     assert warmed.warm["record_sha256"] and warmed.warm["files"] == 2
