@@ -36,7 +36,15 @@ Verdicts: 0.20.1 APPLIES. 0.33.0 UPSTREAM: ``schedule`` aligns before the encode
 mid-block start at the next boundary (``:621``, ``:644-649``).
 
 Verdicts across releases (``patchsets/release-train.toml``, reviewed on every release
-0.20.1-0.33.0): see the release train; recorded with ``verify --vllm 0.20.1..0.33.0 --accept``.
+0.20.1-0.33.0):
+- 0.20.1-0.22.1: APPLIES: both loops call the split after the encoder cap.
+- 0.23.0-0.27.1: DRIFTED (fail closed): the waiting loop's split reads
+  ``if self.need_mamba_block_aligned_split and not load_kv_async:`` (``scheduler.py:721`` on
+  0.23.0), still after the encoder cap, so these releases have the hang; the anchor does not take
+  that test and the port has not been judged there.
+- 0.28.0 on: UPSTREAM: ``schedule`` aligns before the encoder cap in both loops
+  (``scheduler.py:579``/``:970`` on 0.28.0) and the split stops a mid-block start at the next
+  boundary (``:415`` on 0.28.0; ``:621`` on 0.33.0).
 """
 
 import libcst as cst
@@ -207,7 +215,7 @@ class P34(Patch):
         "to the block after the encoder cap has cut it at an image the encoder cache cannot take: "
         "with less than a block before the second of two large images the chunk is 0 on every "
         "step, a permanent hang holding KV blocks. Align first and keep the cut; a chunk that then "
-        "starts mid-block ends at the boundary, so the cached Mamba state stays exact (vllm#40757)."
+        "starts mid-block ends at the boundary, so the cached Mamba state stays exact."
     )
     upstream_refs = ("vllm#40707", "vllm#40757")
     written_for = ">=0.20.1"
@@ -232,5 +240,5 @@ class P34(Patch):
         return (
             f"{TARGET}:{where.split(', ')[0]}: Scheduler.schedule aligns a prefill chunk before the encoder "
             f"cap (lines {where}); _mamba_block_aligned_split stops a mid-block chunk at the next block "
-            f"boundary ({place(TARGET, module, stops[0])}) (vllm#40757)"
+            f"boundary ({place(TARGET, module, stops[0])})"
         )
