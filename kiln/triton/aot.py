@@ -4,14 +4,13 @@ Public API:
     KernelSources(changed, pristine_root)     the patched tree as the image will hold it
     SmCache(sm, root, key, launches, failures, compiled, cached, seconds, libtriton)
     compile_kernel_caches(preset, sms, sources, toolchain, cache, runtime_env=None, jobs=None,
-                          runtime_dir=RUNTIME_CACHE_DIR, progress=None, image_libtriton=None)
-        -> dict[int, SmCache]     ``image_libtriton``: key entries for that libtriton.so (``imagekey.py``)
+        runtime_dir=RUNTIME_CACHE_DIR, progress=None, image_libtriton=None) -> dict[int, SmCache]
     kernel_cache_files(sm_cache, toolchain, preset, runtime_dir=RUNTIME_CACHE_DIR) -> dict[str, bytes]
     stage_sources(preset, sources) -> (Path, str)   the files the worker imports, staged; their hash
     reads_source(preset, rel) -> bool     whether the compile reads vLLM's ``rel`` (kernel dirs + config)
     KERNEL_AUDIT_PATH     "opt/kiln/triton-kernels.json" (inside the image)
 
-Per SM, in its own process (several SMs in parallel, up to the core count): the worker
+Per SM, in its own process (SMs in parallel, up to ``KILN_JOBS`` or the core count): the worker
 (``worker.py``) launches vLLM's launchers through Triton's JIT path with a stand-in driver,
 which writes a normal Triton cache (``TRITON_STORE_BINARY_ONLY=1``: cubin, metadata, source,
 group file). The group files name their members by absolute path, so they are rewritten to
