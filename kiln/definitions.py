@@ -7,6 +7,7 @@ Public API:
     ImageDefinition.tag(cuda, sm, pin) -> str   the one tag rule (checked against the OCI grammar)
     ImageDefinition.target(pin, sm=None) -> BuildTarget
     ImageDefinition.pins_of(pins) -> list[Pin]   the pins it is built for
+    ImageDefinition.platforms_of(sm) -> tuple[str, ...]   the platforms it ships an SM on
     load_definition(images_dir, name, catalogue, pins) -> ImageDefinition
     load_definitions(images_dir, catalogue, pins) -> list[ImageDefinition]   every one
     check_sm(value, where) -> int    the one SM validation (options and definitions)
@@ -39,11 +40,12 @@ from kiln.patch.catalog import Catalogue, current_id
 from kiln.patch.outcome import BuildTarget
 from kiln.pins import Pin
 from kiln.schema import check
+from kiln.targets import SMS, image_platforms, sm_platforms
 from kiln.triton.kernels import KernelPreset, parse_kernel_preset
 
 TAG_FIELDS = {"cuda", "sm", "pin"}
-# SMs the Triton/CUDA toolchain in vLLM images targets (consumer and datacenter NVIDIA GPUs).
-KNOWN_SMS = {75, 80, 86, 87, 89, 90, 100, 103, 110, 120, 121}
+# SMs kiln builds for, each with the platforms it ships on: data (kiln/data/targets.toml).
+KNOWN_SMS = set(SMS)
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 # Baked files go under kiln's own directory of the image, where nothing of the base lives, so a
 # file can never shadow (or be shadowed by) one of the base's; kiln's own records there are taken.
@@ -93,6 +95,11 @@ class ImageDefinition:
     serve_args: tuple[str, ...]
     serve_env: dict[str, str]
     files: tuple[BakedFile, ...] = ()  # [[files]]: baked into the patched-source layer
+    platforms: dict[int, tuple[str, ...]] = field(default_factory=dict)  # per SM, narrowing kiln's table
+
+    def platforms_of(self, sm: int) -> tuple[str, ...]:
+        """The platforms the image ships ``sm`` on: its ``platforms``, else kiln's table's."""
+        return self.platforms.get(sm) or sm_platforms(sm)
 
     def tag(self, cuda: str, sm: int, pin: Pin) -> str:
         """The image's tag for a pin and SM, ``cuda`` being the pin's resolved CUDA flavour."""
@@ -197,6 +204,7 @@ def load_definition(images_dir: Path, name: str, catalogue: Catalogue, pins: dic
         serve_args=tuple(args),
         serve_env=dict(env),
         files=files,
+        platforms=image_platforms(raw.get("platforms", {}), sms, fail),
     )
     # Build-time gates that depend only on the SM and the model preset: decided now, per SM.
     for pin in image.pins_of(pins):

@@ -1,13 +1,21 @@
 """`pins.toml`: the vLLM releases/images kiln builds against, each locked to a digest.
 
 Public API:
-    Pin                      name, role, image, vllm, cuda, digest (``.locked``), wheel, ``.cpu``
+    Pin                      name, role, image, vllm, cuda, digest (``.locked``), wheel, ``.cpu``,
+                             platforms (``.platform_digest(name)``): each platform's manifest digest
     load_pins(path) -> dict[str, Pin]     validated against kiln/schemas/pins.schema.json, then
                                           the rest; every error names the file and field
     get_pin(pins, name, path) -> Pin
     current_pin(pins), rollback_pin(pins) -> Pin | None
     check_pin_name(name, where) -> str    a pin name is part of image tags: the OCI tag grammar
     check_cuda(value, where) -> str       ``cu130``
+
+A locked pin has ``digest``: what ``image`` resolved to (an index's digest for a multi-platform
+base) and, since pins record platforms, ``platforms``: ``{"linux/amd64" = "sha256:…", …}``, the
+image manifest of each platform the base has (docs/BUILDING.md "Pins and platforms"). A pin
+locked before that (``digest`` alone) still loads and builds: the index digest names every
+entry's digest already, so the build takes its platform's manifest from the index as it always
+did; what it lacks is the check with no request, and ``pin lock`` adds ``platforms`` to it.
 
 Lifecycle: ``kiln.pinning.lock`` (resolve and record digests), ``kiln.pinning.bump`` (preflight a new
 vLLM), ``kiln.pinning.rotate`` (write the bump).
@@ -41,6 +49,13 @@ class Pin:
     cuda: str  # CUDA flavour used in tags, e.g. "cu130"
     digest: str  # "sha256:..." once locked, "" before
     wheel: str = "vllm"  # the PyPI project whose release wheel is the source's fast path
+    # ("linux/amd64", "sha256:…") per platform of the base, as `pin lock` recorded them; () for a
+    # pin locked before platforms were recorded (or not locked)
+    platforms: tuple[tuple[str, str], ...] = ()
+
+    def platform_digest(self, platform: str) -> str | None:
+        """The recorded manifest digest of ``platform``; None when not recorded."""
+        return dict(self.platforms).get(platform)
 
     @property
     def locked(self) -> bool:
@@ -100,8 +115,11 @@ def load_pins(path: Path) -> dict[str, Pin]:
         except KilnError as err:
             raise KilnError(f"{where}.image: {err}") from None
         digest = entry.get("digest", "")
+        platforms = tuple(sorted(entry.get("platforms", {}).items()))
+        if platforms and not digest:
+            raise KilnError(f"{where}.platforms: recorded without a digest; `build.py pin lock {name}` writes both")
         pins[name] = Pin(name, entry["role"], entry["image"], version, entry["cuda"], digest,
-                         entry.get("wheel", "vllm"))
+                         entry.get("wheel", "vllm"), platforms)
     # One pins file is one GPU image line: the pin builds run on, and the one to roll back to
     # (plus, apart from that line, at most one CPU pin).
     gpu = [name for name, pin in pins.items() if not pin.cpu]

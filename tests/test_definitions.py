@@ -252,3 +252,45 @@ def test_an_image_naming_a_renamed_patch_by_its_old_id_selects_it(capsys, worksp
     code, out, err = verify_image(capsys, workspace, "test", "--json")
     assert code == 0, err
     assert ("v0.20.1", "PN353A", "APPLIES") in {(r["pin"], r["patch"], r["verdict"]) for r in json.loads(out)["patches"]}
+
+
+# -- platforms: per SM, narrowing kiln's table (kiln/data/targets.toml) -------------------------
+
+
+def _with_platforms(workspace, sms: str, table: str):
+    path = image(workspace, sms=sms)
+    text = path.read_text().replace("\n[model]", f"\n{table}\n\n[model]", 1)
+    path.write_text(text)
+    return path
+
+
+def test_sm_platforms_default_from_the_table_and_an_image_narrows_them(workspace):
+    from kiln.targets import SMS, sm_platforms
+
+    assert sorted(SMS) == [75, 80, 86, 87, 89, 90, 100, 103, 110, 120, 121]
+    assert {sm: sm_platforms(sm) for sm in (80, 86, 89, 90, 100, 103, 120, 121)} == {
+        80: ("linux/amd64",), 86: ("linux/amd64",), 89: ("linux/amd64",),
+        90: ("linux/amd64", "linux/arm64"), 100: ("linux/amd64", "linux/arm64"),
+        103: ("linux/amd64", "linux/arm64"), 120: ("linux/amd64",), 121: ("linux/arm64",)}
+    _with_platforms(workspace, "[86, 90, 121]", 'platforms = { 90 = ["linux/arm64"] }')
+    definition = _load(workspace)
+    assert [definition.platforms_of(sm) for sm in (86, 90, 121)] == [
+        ("linux/amd64",), ("linux/arm64",), ("linux/arm64",)]
+
+
+@pytest.mark.parametrize("sms,table,why", [
+    ("[90, 121]", 'platforms = { 121 = ["linux/amd64"] }',
+     "platforms.121: sm_121 does not ship on linux/amd64: DGX Spark (GB10) ships on linux/arm64 only"),
+    ("[90]", 'platforms = { 90 = ["linux/riscv64"] }', "platforms.90: 'linux/riscv64' is not a platform kiln knows"),
+    ("[90]", 'platforms = { 120 = ["linux/amd64"] }', "platforms.120: sm_120 is not one of the image's sms [90]"),
+    ("[90]", 'platforms = { 90 = ["arm64"] }', "platforms.90[0]: 'arm64' is not a platform like 'linux/arm64'"),
+    ("[90]", 'platforms = { sm90 = ["linux/amd64"] }', "platforms"),
+    ("[90]", 'platforms = { 90 = [] }', "platforms.90: must not be empty"),
+    ("[90]", 'platforms = { 90 = ["linux/amd64", "linux/amd64"] }', "platforms.90: lists a platform twice"),
+])
+def test_a_platform_pair_that_does_not_exist_is_refused_in_one_line(capsys, workspace, sms, table, why):
+    _with_platforms(workspace, sms, table)
+    code, _, err = verify_image(capsys, workspace)
+    assert code == 2
+    line = one_line_error(err)
+    assert "test.toml: " in line and why in line, line

@@ -202,7 +202,7 @@ def look_up_entries(reader: CacheReader, inputs: BuildInputs, base: RemoteImage,
 
     patched_use = kernels_use = patched_hit = kernels_hit = None
     if reader.locations:  # the patched entry by the layers it was keyed by, before any is read
-        check_platform(base.config(), base.name)
+        check_platform(base.config(), base.name, inputs.platform)
         reader.budget.check_layers(base.name, len(base.layers()))
         if (found_hit := reader.patched(inputs, base.layers(), need_triton, base_platform(base.config()))) is not None:
             patched_use, patched_hit = found_hit

@@ -1,8 +1,11 @@
 """What a build is asked for, loaded and checked once: definition, pin, SM, catalogue, destination.
 
 Public API:
-    BuildInputs(files, definition, pin, sm, catalogue, catalogue_hit=None)   .tag, .target(), .with_loaded_catalogue()
-    load_build_inputs(files, image, pin, sm, cached=None) -> BuildInputs
+    BuildInputs(files, definition, pin, sm, catalogue, catalogue_hit=None, platform="linux/amd64")
+                                  .tag, .target(), .with_loaded_catalogue()
+    load_build_inputs(files, image, pin, sm, cached=None, platform=None) -> BuildInputs
+                                  ``platform``: ``--platform``, one the image ships the SM on (None:
+                                  the first of them, ``kiln/data/targets.toml``'s order)
     destination(definition, repository=None, purpose="push") -> ImageReference
     LOCAL_REGISTRY                "localhost": the name of local outputs with no repository set
 
@@ -22,6 +25,7 @@ from kiln.patch.catalog import Catalogue, load_catalogue
 from kiln.patch.outcome import BuildTarget
 from kiln.paths import RepoFiles
 from kiln.pins import Pin, get_pin, load_pins
+from kiln.targets import DEFAULT_PLATFORM, check_platform_for_sm
 
 LOCAL_REGISTRY = "localhost"
 
@@ -36,6 +40,7 @@ class BuildInputs:
     # where the catalogue's facts came from (``kiln.patch.facts``: a registry build cache entry),
     # or None: the catalogue was loaded from ``files.patchsets``
     catalogue_hit: str | None = None
+    platform: str = DEFAULT_PLATFORM  # the base's index entry built on, e.g. "linux/arm64"
 
     def with_loaded_catalogue(self) -> BuildInputs:
         """These inputs with the catalogue loaded from ``files.patchsets`` (to patch with)."""
@@ -52,7 +57,7 @@ class BuildInputs:
 
 
 def load_build_inputs(files: RepoFiles, image: str, pin: str, sm: int | str,
-                      cached: tuple[Catalogue, str | None] | None = None) -> BuildInputs:
+                      cached: tuple[Catalogue, str | None] | None = None, platform: str | None = None) -> BuildInputs:
     """The definition, pin and catalogue named by ``--image``/``--pin``/``--sm``, checked to match.
 
     ``cached``: the catalogue's facts read from a registry build cache, and where from (instead
@@ -67,7 +72,9 @@ def load_build_inputs(files: RepoFiles, image: str, pin: str, sm: int | str,
     sm = check_sm(sm, "--sm")
     if sm not in definition.sms:
         raise KilnError(f"{definition.path}: sm {sm} is not one of the image's sms {list(definition.sms)}")
-    inputs = BuildInputs(files, definition, chosen, sm, catalogue, catalogue_hit)
+    shipped = definition.platforms_of(sm)
+    platform = check_platform_for_sm(sm, platform, shipped, "--platform") if platform else shipped[0]
+    inputs = BuildInputs(files, definition, chosen, sm, catalogue, catalogue_hit, platform)
     inputs.tag  # noqa: B018 - a tag that is not a valid OCI tag fails now, before any work
     return inputs
 

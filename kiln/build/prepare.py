@@ -35,6 +35,7 @@ from kiln import labels as L
 from kiln.build.cachelookup import CacheLookup, CacheReader, look_up_entries, unsigned_use
 from kiln.build.inputs import BuildInputs
 from kiln.build.layers import audit_record, source_contents, with_audit
+from kiln.build.platform import check_base_platform, check_base_triton
 from kiln.build.provenance import kiln_revision, kiln_source_url
 from kiln.build.regcache import base_platform, plain_record
 from kiln.build.wheelcache import RegistryWheels
@@ -55,6 +56,7 @@ from kiln.pausepoint import pause_point
 from kiln.pins import Pin
 from kiln.report import SILENT, Reporter
 from kiln.source.image import ImageSource, ImageVllm
+from kiln.targets import split_platform
 from kiln.triton.aot import reads_source
 from kiln.triton.cachelayer import image_env, kernel_created_by, triton_cache_layer
 
@@ -102,7 +104,7 @@ class PreparedBuild:
     triton: dict = field(default_factory=dict)  # the kernel cache layer's summary, if any
     vllm_version: str = ""  # the base's vLLM, as its source says
     site_dir: str = ""  # where vllm/ lives in the image, e.g. usr/local/lib/python3.12/dist-packages
-    base_manifest_digest: str = ""  # the linux/amd64 manifest built on
+    base_manifest_digest: str = ""  # the platform's manifest built on (inputs.platform)
     cache: list = field(default_factory=list)  # the registry build cache entries looked up (regcache.CacheUse)
     cache_mounts: dict = field(default_factory=dict)  # layer digest -> the cache repository it came from (a push mounts it)
     wheels: RegistryWheels = field(default_factory=lambda: RegistryWheels([]))  # the toolchain wheel read from or kept for the registry cache
@@ -138,16 +140,19 @@ def check_lock(pin: Pin, resolved: str, allow_unlocked: bool, reporter: Reporter
 def resolve_base(inputs: BuildInputs, config: RegistryConfig, cache: Path, stats: TransferStats, reporter: Reporter,
                  budget: Budget | None, allow_unlocked: bool) -> tuple[ImageReference, str, ImageSource, RemoteImage]:
     """The pin's base: its reference, the digest it resolves to (one manifest HEAD, checked against
-    the pin's lock), the source that reads its vLLM at that digest, and the image."""
+    the pin's lock), the source that reads its vLLM at that digest, and the image (the build's
+    platform's manifest, checked against the pin's record)."""
     pin = inputs.pin
     base_ref = parse_reference(pin.image)
     source = ImageSource(base_ref, expected_version=pin.vllm, registry_config=config, cache=cache, stats=stats,
-                         reporter=reporter, budget=budget, need_triton=bool(inputs.definition.model.kernels))
+                         reporter=reporter, budget=budget, need_triton=bool(inputs.definition.model.kernels),
+                         platform=inputs.platform)
     resolved = base_ref.digest or source.client.resolve(base_ref.repository, base_ref.ref)
     check_lock(pin, resolved, allow_unlocked, reporter)
     source.reference = base_ref.pinned(resolved)  # what it reads, if the registry cache leaves it anything to
     base = RemoteImage(base_ref.pinned(resolved), source.client, BlobCache(cache / "blobs"),
-                       manifest_cache=cache / "manifests")
+                       platform=split_platform(inputs.platform), manifest_cache=cache / "manifests")
+    check_base_platform(pin, resolved, base, inputs.platform)  # before any layer is read
     return base_ref, resolved, source, base
 
 
@@ -162,10 +167,9 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     ``cache_from``: registry build caches (``ImageReference`` without tag) tried in order;
     ``open_record``: how an entry's record is opened (and its signature checked: the pipeline's);
     ``keep_wheels``: where a Triton wheel fetched from the index is kept (for ``--cache-to``)."""
-    definition, sm = inputs.definition, inputs.sm
+    definition, sm, kernels = inputs.definition, inputs.sm, inputs.definition.model.kernels
     config = registry_config or RegistryConfig.load()
     cache = cache or cache_root()
-    kernels = definition.model.kernels
 
     # 1. resolve the base and check the lock
     stats = TransferStats()
@@ -177,6 +181,7 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     # only, read when an entry missed
     def pull() -> ImageVllm:
         found = source.pull()
+        check_base_triton(sm, found, inputs.pin)
         clock.lap("pull")
         return found
 

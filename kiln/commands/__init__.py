@@ -22,6 +22,7 @@ import signal
 import sys
 from typing import NoReturn
 
+from kiln import jobs
 from kiln.commands.options import KilnParser, add_repo_options, command_inputs, progress_mode
 from kiln.commands.output import Output
 from kiln.errors import Interrupted, KilnError, is_no_space, no_space_line
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None, prog: str = "build.py") -> int:
     args = build_parser(prog, command_name(argv)).parse_args(argv)
     try:
         progress = progress_mode(args)
+        jobs.configured()  # a bad KILN_JOBS is refused before any work, not at the patch step
     except KilnError as err:
         Output().error(str(err))
         return 2

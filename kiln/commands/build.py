@@ -90,7 +90,7 @@ def run_build_command(args, out) -> int:
     # the catalogue's facts from the cache, when it has them: no patch module is imported unless
     # the build has to patch after all (kiln.patch.facts)
     cached = cached_catalogue(files.patchsets, cache_from, config, reporter, record_opener(cache_key))
-    inputs = load_build_inputs(files, args.image, args.pin, args.sm, cached)
+    inputs = load_build_inputs(files, args.image, args.pin, args.sm, cached, args.platform)
     name = destination(inputs.definition, args.repository,
                        purpose="--push" if args.push else "--values" if args.values else "local")
     publishers: list[Publisher] = []
@@ -133,7 +133,7 @@ def _cache_locations(args, config) -> tuple[list, list]:
 
 
 def run_context(args, out) -> int:
-    inputs = load_build_inputs(options.repo_files(args), args.image, args.pin, args.sm)
+    inputs = load_build_inputs(options.repo_files(args), args.image, args.pin, args.sm, platform=args.platform)
     publisher = ContextPublisher(args.out, args.force)
     result = run_build(inputs, [publisher], destination(inputs.definition, purpose="local").name,
                        options.registry_config(args), args.allow_unlocked, reporter=out.reporter(),
@@ -152,7 +152,7 @@ def run_context(args, out) -> int:
 
 
 def run_values(args, out) -> int:
-    inputs = load_build_inputs(options.repo_files(args), args.image, args.pin, args.sm)
+    inputs = load_build_inputs(options.repo_files(args), args.image, args.pin, args.sm, platform=args.platform)
     values = built_values(inputs, options.registry_config(args), args.repository, args.chart)
     sys.stdout.write(values_bytes(values).decode())
     return 0

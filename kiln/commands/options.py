@@ -6,7 +6,7 @@ Public API:
     repo_files(args) -> RepoFiles
     command_inputs(args) -> list[Input]   what the command reads, which no output may touch
     add_source_options(parser)       --pin NAME | --vllm VERSION
-    add_target_options(parser)       --image --pin --sm   (build, context, values)
+    add_target_options(parser)       --image --pin --sm --platform   (build, context, values)
     add_registry_options(parser)     --mirror --insecure-registry --registries --connect-timeout --read-timeout,
                                      and --progress (every command that talks to registries is a long one)
     add_progress_option(parser)      --progress auto|plain|tty|quiet
@@ -81,6 +81,9 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image", required=True, help="an image definition in images/, e.g. qwen3.6-27b-tq")
     parser.add_argument("--pin", required=True, help="a pin from pins.toml, e.g. v0.20.1")
     parser.add_argument("--sm", type=sm_option, required=True, help="target SM, one of the image's sms (e.g. 120)")
+    parser.add_argument("--platform", metavar="OS/ARCH",
+                        help="the base's platform to build on, one the image ships the SM on (default: the "
+                             "first of them: linux/amd64, or linux/arm64 for an arm64-only SM such as 121)")
 
 
 def add_registry_options(parser: argparse.ArgumentParser) -> None:

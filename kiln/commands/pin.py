@@ -64,18 +64,20 @@ def run_pin_lock(args, out) -> int:
     files = repo_files(args)
     results = lock_pins(files.pins, args.names, registry_config(args))
     failed = [r for r in results if r.status == "failed"]
-    changed = [r for r in results if r.status in ("locked", "re-locked")]
+    changed = [r for r in results if r.changed]
     if args.json:
         out.json({"pins_file": str(files.pins), "pins": [r.to_json() for r in results], "changed": bool(changed)})
         return 1 if failed else 0
     for r in results:
-        style = {"unchanged": "dim", "locked": "green", "re-locked": "yellow", "kept": "yellow",
-                 "failed": "red"}[r.status]
+        style = {"unchanged": "dim", "locked": "green", "re-locked": "yellow", "completed": "green",
+                 "kept": "yellow", "failed": "red"}[r.status]
         if r.status == "failed":
             out.stdout.print(f"[{style}]{r.status:>9}[/] {escape(r.name)}  {escape(r.image)}: {escape(r.error)}")
             continue
         was = f" (was {r.previous})" if r.status == "re-locked" else ""
         out.stdout.print(f"[{style}]{r.status:>9}[/] {escape(r.name)}  {escape(r.image)}@{r.previous if r.status == 'kept' else r.digest}{was}")
+        if r.platforms and r.status != "unchanged":
+            out.stdout.print(f"          platforms: {escape(', '.join(r.platforms))}")
         if r.status == "kept":
             out.warn(f"pin {r.name}: locked, not re-checked now: {r.error}")
     pins = escape(str(files.pins))
@@ -96,7 +98,7 @@ def run_pin_list(args, out) -> int:
     pins = load_pins(files.pins)
     record = load_record(files.record)
     rows = [{"name": p.name, "role": p.role, "image": p.image, "vllm": str(p.vllm), "cuda": p.cuda,
-             "digest": p.digest or None, "verdicts": verdict_counts(record.get(p.name))} for p in pins.values()]
+             "digest": p.digest or None, "platforms": dict(p.platforms), "verdicts": verdict_counts(record.get(p.name))} for p in pins.values()]
     if args.json:
         out.json({"pins_file": str(files.pins), "pins": rows})
         return 0

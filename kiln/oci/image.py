@@ -4,7 +4,9 @@ Public API:
     Image (protocol)
         .name -> str               for messages, e.g. "docker.io/vllm/vllm-openai@sha256:..."
         .digest -> str             what the reference resolved to (an index or a manifest)
-        .manifest() -> Manifest    the linux/amd64 image manifest (index entries resolved)
+        .manifest() -> Manifest    the image manifest of ``platform`` (index entries resolved)
+        .platforms() -> dict[str, str]   "os/arch" -> image manifest digest: an index's entries, or a
+                                   single manifest's own platform (from its config)
         .config_bytes() -> bytes   verified config blob;  .config() -> dict
         .layers() -> list[Descriptor]
         .open_layer(descriptor) -> ctx[VerifyingReader]   verified when the block exits
@@ -29,7 +31,7 @@ from kiln.cache import cache_root
 from kiln.errors import KilnError
 from kiln.oci.blobcache import BlobCache
 from kiln.oci.digest import VerifyingReader, check_digest, sha256_digest
-from kiln.oci.manifest import Descriptor, Manifest, select_platform
+from kiln.oci.manifest import Descriptor, Manifest, index_platforms, select_platform
 from kiln.oci.mediatypes import INDEX_TYPES, OCI_INDEX
 from kiln.oci.reference import ImageReference
 from kiln.oci.registry import RegistryClient
@@ -78,6 +80,13 @@ class _ImageBase:
 
     def manifest(self) -> Manifest:
         return self._platform_manifest
+
+    def platforms(self) -> dict[str, str]:
+        top = self._top()
+        if top.is_index:
+            return index_platforms(top)
+        config = self.config()
+        return {f"{config.get('os') or 'linux'}/{config.get('architecture') or 'amd64'}": top.digest}
 
     def config(self) -> dict:
         try:

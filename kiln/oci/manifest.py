@@ -7,6 +7,7 @@ Public API:
         .json -> dict   .is_index   .config -> Descriptor   .layers -> list[Descriptor]
         .manifests -> list[Descriptor]
     select_platform(index, os="linux", architecture="amd64", what="") -> Descriptor
+    index_platforms(index) -> dict[str, str]     "os/arch" -> manifest digest, attestations left out
     is_attestation(descriptor) -> bool
 
 Bytes are kept, never re-serialised: a manifest re-encoded by ``json.dumps`` gets a new digest.
@@ -113,6 +114,16 @@ def is_attestation(descriptor: Descriptor) -> bool:
         "vnd.docker.reference.type" in descriptor.annotations
         or (platform.get("os") == "unknown" and platform.get("architecture") == "unknown")
     )
+
+
+def index_platforms(index: Manifest) -> dict[str, str]:
+    """``{"linux/amd64": digest, ...}``: an index's image entries by ``os/architecture`` (the
+    first of each, as ``select_platform`` picks; attestation entries left out)."""
+    found: dict[str, str] = {}
+    for d in index.manifests:
+        if not is_attestation(d) and d.platform:
+            found.setdefault(f"{d.platform.get('os')}/{d.platform.get('architecture')}", d.digest)
+    return found
 
 
 def select_platform(index: Manifest, os: str = "linux", architecture: str = "amd64", what: str = "") -> Descriptor:

@@ -30,6 +30,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from kiln.cache import cache_root
+from kiln.jobs import worker_count
 from kiln.lifeline import child_of, uninterrupted
 from kiln.patch.catalog import Catalogue
 from kiln.patch.engine import Session, run_selection
@@ -178,8 +179,8 @@ def patched_selection(catalogue: Catalogue, tree: SourceTree, target: BuildTarge
                       forked: Callable[[], None] | None = None) -> PatchedSelection:
     """``run_selection`` on ``tree``, reusing what ``memo`` remembers for exactly these inputs.
 
-    Groups the memo lacks run in up to ``jobs`` processes (default: the core count), the
-    largest first: they share nothing, and parsing and rewriting are CPU-bound. ``forked`` is
+    Groups the memo lacks run in up to ``jobs`` processes (default: ``KILN_JOBS``, else the core
+    count: ``kiln.jobs``), the largest first: they share nothing, and parsing and rewriting are CPU-bound. ``forked`` is
     called once no more processes will be forked (work the caller runs in a thread beside the
     patching starts then: forking a process that runs other threads can deadlock the child).
     """
@@ -219,7 +220,7 @@ def _run_groups(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, gro
                 jobs: int | None, forked: Callable[[], None]) -> list[_Group]:
     global _FORKED
     _FORKED = (catalogue, tree, target)
-    workers = min(len(groups), jobs or os.cpu_count() or 1)
+    workers = worker_count(len(groups), jobs)
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         forked()
         return [_run_group(group) for group in groups]

@@ -3,14 +3,18 @@
 Public API:
     ImageVllm     what was found: tree (SourceTree), image, digest, manifest_digest, site_dir,
                   layers_read, triton_version, triton_record, vllm_files
-    check_platform(config, name)   a base config of another platform than linux/amd64 is refused
+    check_platform(config, name, platform="linux/amd64")   a base config of another platform than
+                  the one built is refused (a config that names none is taken as it)
     read_vllm(image, cache=None, reporter=SILENT, budget=None, need_triton=False) -> ImageVllm
+                  ``image.platform``'s manifest (``kiln.oci.image``) and config
                   walk ``image`` top-down (``layerwalk``), its layers (gzip, zstd or plain tar)
                   decompressed, bounded and checked against the config's diff_ids by
                   ``layerstream``; ``need_triton``: read on until Triton's dist-info is found
     ImageSource(reference, expected_version=None, registry_config=None, cache=None, stats=None,
-                reporter=SILENT, budget=None, need_triton=False)   ``budget``: the build's limits
-                                                 (``kiln.oci.limits``), by default from ``registry_config.limits``
+                reporter=SILENT, budget=None, need_triton=False, platform="linux/amd64")
+                                                 ``budget``: the build's limits (``kiln.oci.limits``), by
+                                                 default from ``registry_config.limits``; ``platform``: the
+                                                 index entry read (its record apart from linux/amd64's)
         the ``SourceProvider`` for images: .describe() -> str, .fetch() -> SourceTree,
         .pull() -> ImageVllm (the same plus what the bake step needs)
     cached_image_vllm(digest, cache=None) -> ImageVllm | None   what a pull of ``digest`` left in the
@@ -53,6 +57,7 @@ from kiln.source.layerstream import open_tar
 from kiln.source.layerwalk import VllmLayerWalk
 from kiln.source.tree import CachedProvider, SourceTree
 from kiln.staging import write_atomic
+from kiln.targets import DEFAULT_PLATFORM, split_platform
 
 _SHA256 = re.compile(r"sha256:[0-9a-f]{64}")
 
@@ -62,7 +67,7 @@ class ImageVllm:
     tree: SourceTree
     image: str  # the reference, e.g. "docker.io/vllm/vllm-openai:v0.20.1"
     digest: str  # what it resolved to (index or manifest): the digest a pin locks
-    manifest_digest: str  # the linux/amd64 image manifest
+    manifest_digest: str  # the platform's image manifest
     site_dir: str  # "usr/local/lib/python3.12/dist-packages"
     layers_read: tuple[str, ...]  # digests, top-most first
     triton_version: str | None
@@ -80,7 +85,7 @@ def read_vllm(image: Image, cache: Path | None = None, reporter: Reporter = SILE
     cache = cache or cache_root()
     budget = budget or Budget()
     config = image.config()
-    check_platform(config, image.name)
+    check_platform(config, image.name, "/".join(getattr(image, "platform", split_platform(DEFAULT_PLATFORM))))
     layers = image.layers()
     budget.check_layers(image.name, len(layers))
     diff_ids = _diff_ids(config, len(layers))
@@ -130,11 +135,12 @@ def _diff_ids(config: dict, count: int) -> list[str | None]:
     return [d if isinstance(d, str) and _SHA256.fullmatch(d) else None for d in listed]
 
 
-def check_platform(config: dict, name: str) -> None:
-    """A base's config says linux/amd64 (or nothing), the only platform kiln builds."""
+def check_platform(config: dict, name: str, platform: str = DEFAULT_PLATFORM) -> None:
+    """A base's config says ``platform`` (or nothing): the platform this build is for."""
     arch, os_name = config.get("architecture"), config.get("os")
-    if (arch and arch != "amd64") or (os_name and os_name != "linux"):
-        raise KilnError(f"{name}: image is {os_name}/{arch}, kiln builds linux/amd64")
+    want_os, want_arch = split_platform(platform)
+    if (arch and arch != want_arch) or (os_name and os_name != want_os):
+        raise KilnError(f"{name}: image is {os_name}/{arch}, this build is for {platform}")
 
 
 class ImageSource(CachedProvider):
@@ -143,7 +149,8 @@ class ImageSource(CachedProvider):
     def __init__(self, reference: str | ImageReference, expected_version: Version | str | None = None,
                  registry_config: RegistryConfig | None = None, cache: Path | None = None,
                  stats: TransferStats | None = None, reporter: Reporter = SILENT, budget: Budget | None = None,
-                 need_triton: bool = False):
+                 need_triton: bool = False, platform: str = DEFAULT_PLATFORM):
+        self.platform = platform
         self.reference = parse_reference(reference) if isinstance(reference, str) else reference
         self.expected_version = Version(str(expected_version)) if expected_version else None
         self.registry_config = registry_config or RegistryConfig.load()
@@ -172,11 +179,13 @@ class ImageSource(CachedProvider):
         digest = ref.digest or self.client.resolve(ref.repository, ref.ref)
         # a walk that read on for Triton may have read more layers: its own record
         suffix = "+triton" if self.need_triton else ""
-        record_path = self.cache / "images" / f"{digest.replace(':', '-')}{suffix}.json"
+        # another platform's entry of the same index: its own record (linux/amd64's keeps its name)
+        where = "" if self.platform == DEFAULT_PLATFORM else "@" + self.platform.replace("/", "-")
+        record_path = self.cache / "images" / f"{digest.replace(':', '-')}{where}{suffix}.json"
         found = _load_record(record_path)
         if found is None:
             image = RemoteImage(ref.pinned(digest), self.client, BlobCache(self.cache / "blobs"),
-                                manifest_cache=self.cache / "manifests")
+                                platform=split_platform(self.platform), manifest_cache=self.cache / "manifests")
             found = read_vllm(image, self.cache, self.reporter, self.budget, self.need_triton)
             found = ImageVllm(found.tree, str(ref), digest, found.manifest_digest, found.site_dir,
                               found.layers_read, found.triton_version, found.triton_record, found.vllm_files)

@@ -4,6 +4,11 @@ The simple index (PEP 503/691) lists every file with its sha256; we stream the w
 a hash, refuse it on mismatch, extract only ``vllm/**/*.py`` and keep the result under
 ``<cache>/sources/sha256-<wheel digest>/`` (content-addressed). A small per-version pointer
 file lets a warm cache answer without touching the network.
+
+Each platform kiln builds for has its own wheel (``kiln/data/targets.toml``: linux/amd64 reads
+the ``x86_64`` wheel, linux/arm64 the ``aarch64`` one); ``platform`` picks it, by the same rule
+and the same sha256 check. linux/amd64's pointer keeps its name (``<project>-<version>.json``);
+another platform's is ``<project>-<version>-<wheel arch>.json``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from kiln.errors import KilnError
 from kiln.report import SILENT, Reporter
 from kiln.source.tree import CachedProvider, SourceTree
 from kiln.staging import write_atomic
+from kiln.targets import DEFAULT_PLATFORM, PLATFORMS
 
 DEFAULT_INDEX = "https://pypi.org/simple"
 _CHUNK = 1 << 20
@@ -144,14 +150,17 @@ def has_release_wheel(version: Version) -> bool:
     return not (version.is_prerelease or version.is_devrelease or version.local)
 
 
-def choose_wheel(version: Version, wheels: list[WheelFile], project: str = "vllm") -> WheelFile:
-    """The x86_64 Linux wheel (the platform the images run); its ``.py`` files are the source."""
+def choose_wheel(version: Version, wheels: list[WheelFile], project: str = "vllm",
+                 platform: str = DEFAULT_PLATFORM) -> WheelFile:
+    """The Linux wheel of ``platform`` (x86_64 for linux/amd64, aarch64 for linux/arm64); its
+    ``.py`` files are the source."""
+    arch = PLATFORMS[platform]
     linux = sorted(
-        (w for w in wheels if re.search(r"linux.*x86_64\.whl$", w.filename)),
+        (w for w in wheels if re.search(rf"linux.*{re.escape(arch)}\.whl$", w.filename)),
         key=lambda w: w.filename,
     )
     if not linux:
-        raise KilnError(f"{project}=={version}: no x86_64 Linux wheel on {index_url()} (is it a release?)")
+        raise KilnError(f"{project}=={version}: no {arch} Linux wheel on {index_url()} (is it a release?)")
     chosen = linux[0]
     if not re.fullmatch(r"[0-9a-f]{64}", chosen.sha256):
         raise KilnError(f"{project}=={version}: index gives no sha256 for {chosen.filename}; refusing an unverifiable download")
@@ -166,18 +175,21 @@ class WheelSource(CachedProvider):
     """
 
     def __init__(self, version: Version | str, cache: Path | None = None, reporter: Reporter = SILENT,
-                 project: str = "vllm"):
+                 project: str = "vllm", platform: str = DEFAULT_PLATFORM):
         self.version = Version(str(version))
         self._cache = cache
         self.reporter = reporter
         self.project = project
+        self.platform = platform
 
     def describe(self) -> str:
-        return f"{self.project}=={self.version} wheel from {index_url()}"
+        arch = "" if self.platform == DEFAULT_PLATFORM else f" ({PLATFORMS[self.platform]})"
+        return f"{self.project}=={self.version} wheel{arch} from {index_url()}"
 
     @property
     def _pointer(self) -> Path:
-        return self.cache / "sources" / "index" / f"{self.project}-{self.version}.json"
+        arch = "" if self.platform == DEFAULT_PLATFORM else f"-{PLATFORMS[self.platform]}"
+        return self.cache / "sources" / "index" / f"{self.project}-{self.version}{arch}.json"
 
     def fetch(self) -> SourceTree:
         pointer = self._pointer
@@ -186,7 +198,8 @@ class WheelSource(CachedProvider):
             root = self.cache / "sources" / f"sha256-{meta['sha256']}"
             if root.is_dir():
                 return self._tree(root, meta)
-        wheel = choose_wheel(self.version, list_release_files(self.version, project=self.project), self.project)
+        wheel = choose_wheel(self.version, list_release_files(self.version, project=self.project), self.project,
+                             self.platform)
         root = self.cache / "sources" / f"sha256-{wheel.sha256}"
         install_dir(root, lambda tmp: self._download_and_extract(wheel, tmp))
         meta = {"sha256": wheel.sha256, "filename": wheel.filename}

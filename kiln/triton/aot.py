@@ -46,6 +46,7 @@ from pathlib import Path
 from kiln import lifeline, staging
 from kiln.cache import install_dir
 from kiln.errors import KilnError, no_space, writing
+from kiln.jobs import worker_count
 from kiln.pausepoint import pause_point
 from kiln.triton import standin_torch
 from kiln.triton import worker as worker_module
@@ -378,7 +379,7 @@ def compile_kernel_caches(preset: KernelPreset, sms: list[int], sources: KernelS
     staged, source_hash = stage_sources(preset, sources)
     entries = cache / "triton" / "kernels"
     entries.mkdir(parents=True, exist_ok=True)
-    workers = max(1, min(len(sms), jobs or os.cpu_count() or 1))
+    workers = worker_count(len(sms), jobs)
     results: dict[int, SmCache] = {}
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = {

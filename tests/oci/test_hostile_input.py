@@ -262,7 +262,7 @@ def _index_lies_about_platform(images: Images) -> tuple[str, str, tuple[str, ...
     arm["architecture"] = "arm64"
     arm_digest = images.image("arm64-child", arm, images.base.manifest["layers"])
     digest = images.index("lying-index", [(arm_digest, {"os": "linux", "architecture": "amd64"}, OCI_MANIFEST)])
-    return "lying-index", digest, ("image is linux/arm64, kiln builds linux/amd64",)
+    return "lying-index", digest, ("image is linux/arm64, this build is for linux/amd64",)
 
 
 def _nested_index(images: Images) -> tuple[str, str, tuple[str, ...]]:

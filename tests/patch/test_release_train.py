@@ -29,7 +29,7 @@ RECORD = paths.PATCHSETS / TRAIN_RECORD
 #   0.24.0  P22, PN353A upstream (reserved workspace); P64 upstream (parser engine); P61c gated, K1 ungated
 #   0.25.0  P62 drift (half upstream)
 #   0.26.0  PN346 upstream (no extra search block for Mamba groups)
-#   0.27.0  P62 upstream (the accepted-token window)
+#   0.27.0  P62 upstream (the accepted-token window); P14 upstream (move_row zeroes the vacated row)
 #   0.29.0  P66, P109, PN73 upstream (uniform decode sizes; stop-token validation; guarded tool-call arguments)
 #   0.30.0  PN390 out of range (its kernels launch through warm-up dispatchers)
 #   0.32.0  P60 upstream (draftless rows on the spec path)

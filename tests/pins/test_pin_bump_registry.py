@@ -109,10 +109,16 @@ def test_bump_to_image_locks_digest_and_reads_version_from_image(capsys, files, 
     assert recorded["v0.20.2"] == {row["patch"]: row["new"] for row in report["patches"]}
     assert recorded["v0.20.1"] == {"P65": "APPLIES"}
 
-    # the lock is the one `pin lock` would write: locking again changes nothing
-    capsys.readouterr()
-    assert commands.main(["--pins", str(pins), "pin", "lock", "v0.20.2", "--mirror", registry_plain.mirror, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["pins"][0]["status"] == "unchanged"
+    # the digest is the one `pin lock` would write: locking again keeps it and only adds the
+    # platforms (bump writes a digest alone, a lock from before pins recorded platforms); then
+    # a lock changes nothing
+    for status in ("completed", "unchanged"):
+        capsys.readouterr()
+        assert commands.main(["--pins", str(pins), "pin", "lock", "v0.20.2", "--mirror", registry_plain.mirror,
+                              "--json"]) == 0
+        locked = json.loads(capsys.readouterr().out)["pins"][0]
+        assert (locked["status"], locked["digest"], locked["previous"]) == (status, candidate, candidate)
+    assert tomllib.loads(pins.read_text())["pins"]["v0.20.2"]["platforms"] == {"linux/amd64": candidate}
 
 
 @pytest.mark.parametrize(("target", "mirror", "expected"), [

@@ -69,9 +69,12 @@ def test_lock_writes_skopeo_digest_keeps_comments_and_builds(capsys, tmp_path, p
     code, result, err = lock(capsys, pins_file, "v0.20.1", mirror=registry_plain.mirror)
     assert code == 0, err
     assert result["pins"] == [{"name": "v0.20.1", "image": f"docker.io/{BASE}", "digest": expected,
-                               "previous": "", "error": None, "status": "locked"}]
-    # only the digest value changed: comments, order, spacing and the other pin are as they were
-    assert pins_file.read_text() == PINS_TEXT.replace('digest = ""', f'digest = "{expected}"', 1)
+                               "previous": "", "error": None, "status": "locked",
+                               "platforms": {"linux/amd64": expected}, "previous_platforms": {}}]
+    # only the digest value changed, and its platforms (a single manifest: its own) follow it:
+    # comments, order, spacing and the other pin are as they were
+    assert pins_file.read_text() == PINS_TEXT.replace('digest = ""   # written by pin lock\n', (
+        f'digest = "{expected}"   # written by pin lock\nplatforms = {{"linux/amd64" = "{expected}"}}\n'), 1)
     assert tomllib.loads(pins_file.read_text())["pins"]["v0.20.1"]["digest"] == expected
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".pins")] == []  # no temp file left
 
@@ -189,7 +192,8 @@ def test_a_missing_base_leaves_the_other_pin_locked(capsys, tmp_path, registry_p
     assert (missing["name"], missing["status"], missing["digest"]) == ("v0.20.1-docker", "failed", "")
     assert "pin v0.20.1-docker:" in missing["error"] and "not found" in missing["error"], missing
     # only the present pin's digest changed; the file was replaced whole (no temp file left)
-    assert pins.read_text() == text.replace('digest = ""', f'digest = "{expected}"', 1)
+    assert pins.read_text() == text.replace('digest = ""   # written by pin lock\n', (
+        f'digest = "{expected}"   # written by pin lock\nplatforms = {{"linux/amd64" = "{expected}"}}\n'), 1)
     assert "digest" not in tomllib.loads(pins.read_text())["pins"]["v0.20.1-docker"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".pins")] == []
 

@@ -22,6 +22,8 @@ Images, under the real Docker Hub name so a mirror ``docker.io=<host>`` stands i
     vllm/vllm-openai:v0.20.1-docker   ``base`` converted to Docker v2 schema 2 by skopeo
     vllm/vllm-openai:v0.20.1-index    OCI index: attestation (unknown/unknown), linux/arm64
                                       (no vLLM), linux/amd64 (= ``base``)
+    vllm/vllm-openai:v0.20.1-multi    OCI index: linux/amd64 (= ``base``), linux/arm64 (``base``'s layers
+                                      under an arm64 config, by umoci): a two-platform base
     vllm/vllm-openai:v0.20.1-triton36 ``base`` + a layer replacing triton 3.5.0's dist-info with
                                       3.6.0's (the Triton the test toolchain runs), whose RECORD
                                       is the real cp312 wheel's (``TRITON_CP312_RECORD``)
@@ -375,6 +377,14 @@ def build_base_layout(work: Path, wheel: Path) -> BaseLayout:
     run("umoci", "config", "--image", f"{layout}:arm64", "--architecture", "arm64", "--os", "linux")
     run("umoci", "raw", "add-layer", "--image", f"{layout}:arm64", work / "rootfs.tar")
 
+    # ``base``'s layers under an arm64 config: the arm64 half of a two-platform base (``multi``)
+    run("umoci", "new", "--image", f"{layout}:arm64vllm")
+    run("umoci", "config", "--image", f"{layout}:arm64vllm", "--architecture", "arm64", "--os", "linux",
+        "--config.cmd", "/bin/sh")
+    for role in ("rootfs", "filler-cuda", "filler-torch", "vllm", "app"):
+        run("umoci", "raw", "add-layer", "--image", f"{layout}:arm64vllm", "--history.created_by",
+            f"fixture {role} (arm64)", work / f"{role}.tar")
+
     index = json.loads((layout / "index.json").read_text())
     by_tag = {m["annotations"]["org.opencontainers.image.ref.name"]: m for m in index["manifests"]}
     layers: dict[str, str] = {}
@@ -408,6 +418,14 @@ def build_base_layout(work: Path, wheel: Path) -> BaseLayout:
     }).encode())
     index["manifests"].append({"mediaType": "application/vnd.oci.image.index.v1+json", "digest": image_index[0],
                                "size": image_index[1], "annotations": {"org.opencontainers.image.ref.name": "index"}})
+    # a two-platform base as vLLM's release tags are: linux/amd64 (= ``base``) and linux/arm64, both with vLLM
+    multi = _blob(layout, json.dumps({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [entry("base", {"architecture": "amd64", "os": "linux"}),
+                      entry("arm64vllm", {"architecture": "arm64", "os": "linux"})],
+    }).encode())
+    index["manifests"].append({"mediaType": "application/vnd.oci.image.index.v1+json", "digest": multi[0],
+                               "size": multi[1], "annotations": {"org.opencontainers.image.ref.name": "multi"}})
     (layout / "index.json").write_text(json.dumps(index))
     return BaseLayout(layout, layers, sizes, wheel_files, overridden, override, whited_out, opaque_dir, opaque_files)
 
@@ -447,6 +465,7 @@ def _push_all(server: RegistryServer, layout: BaseLayout, full: bool) -> None:
         server.push(layout.oci("overlay"), f"{REPO}:v{VLLM_VERSION}-overlay")
         server.push(layout.oci("base"), f"{REPO}:v{VLLM_VERSION}-docker", "--format", "v2s2")
         server.push(layout.oci("index"), f"{REPO}:v{VLLM_VERSION}-index", "--all")
+        server.push(layout.oci("multi"), f"{REPO}:v{VLLM_VERSION}-multi", "--all")
         server.push(layout.oci("novllm"), "test/no-vllm:1")
         for variant in ("triton36", "triton38", "tritonvendor"):
             server.push(layout.oci(variant), f"{REPO}:v{VLLM_VERSION}-{variant}")
