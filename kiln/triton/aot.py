@@ -5,7 +5,9 @@ Public API:
     SmCache(sm, root, key, launches, failures, compiled, cached, seconds, libtriton)
     compile_kernel_caches(preset, sms, sources, toolchain, cache, runtime_env=None, jobs=None,
                           runtime_dir=RUNTIME_CACHE_DIR, progress=None, image_libtriton=None)
-        -> dict[int, SmCache]     ``image_libtriton``: key entries for that libtriton.so (``imagekey.py``)
+        -> dict[int, SmCache]     ``image_libtriton``: key entries for that libtriton.so (``imagekey.py``);
+                                  ``image_ptxas``: our ptxas's --version text -> the image's (another
+                                  machine's Triton, ``platformwheel.py``)
     kernel_cache_files(sm_cache, toolchain, preset, runtime_dir=RUNTIME_CACHE_DIR) -> dict[str, bytes]
     stage_sources(preset, sources) -> (Path, str)   the files the worker imports, staged; their hash
     reads_source(preset, rel) -> bool     whether the compile reads vLLM's ``rel`` (kernel dirs + config)
@@ -100,6 +102,7 @@ class SmCache:
     cached: bool = False
     seconds: float = 0.0
     libtriton: str = ""  # the libtriton.so sha256 its entries are keyed with (the image's Triton's)
+    ptxas: list[str] = field(default_factory=list)  # the image's ptxas --version texts keyed for (another machine's)
 
 
 # -- sources ------------------------------------------------------------------------------------
@@ -238,7 +241,8 @@ def _miss_reason(miss: dict, check_root: Path, built: dict[str, dict]) -> str:
 
 
 def _entry_key(toolchain: Toolchain, sm: int, preset: KernelPreset, plan: list[dict], source_hash: str,
-               runtime_dir: str, runtime_env: dict[str, str], key_libtriton: dict | None) -> str:
+               runtime_dir: str, runtime_env: dict[str, str], key_libtriton: dict | None,
+               key_ptxas: dict | None = None) -> str:
     ingredients = {
         "format": FORMAT, "triton": toolchain.version, "toolchain": toolchain.fingerprint, "sm": sm,
         "key_libtriton": key_libtriton,
@@ -246,19 +250,21 @@ def _entry_key(toolchain: Toolchain, sm: int, preset: KernelPreset, plan: list[d
         "env": sorted(runtime_env.items()), "worker": hashlib.sha256(_WORKER.read_bytes()).hexdigest(),
         "tensors": hashlib.sha256(_STANDIN_TORCH.read_bytes()).hexdigest(),
     }
+    if key_ptxas:  # an image of another machine (absent otherwise: the host's entries keep their keys)
+        ingredients["key_ptxas"] = sorted(key_ptxas.items())
     return hashlib.sha256(json.dumps(ingredients, sort_keys=True).encode()).hexdigest()
 
 
 def _build_one(sm: int, preset: KernelPreset, plan: list[dict], staged: Path, toolchain: Toolchain,
                entries: Path, key: str, runtime_dir: str, runtime_env: dict[str, str],
-               key_libtriton: dict | None) -> SmCache:
+               key_libtriton: dict | None, key_ptxas: dict | None = None) -> SmCache:
     final = entries / key
     started = time.monotonic()
     built: dict = {}
 
     def fill(work: Path) -> None:
         launches, failures, compiled = _compile_and_check(sm, preset, plan, staged, toolchain, work, runtime_dir,
-                                                          runtime_env, key_libtriton)
+                                                          runtime_env, key_libtriton, key_ptxas)
         (work / "entry.json").write_text(json.dumps({"sm": sm, "key": key, "launches": launches,
                                                      "failures": failures}, indent=1, sort_keys=True))
         shutil.rmtree(work / "home", ignore_errors=True)
@@ -271,17 +277,19 @@ def _build_one(sm: int, preset: KernelPreset, plan: list[dict], staged: Path, to
     record = json.loads((final / "entry.json").read_text())
     return SmCache(sm, final / "cache", key, record["launches"], record["failures"], built.get("compiled", 0),
                    "compiled" not in built, round(time.monotonic() - started, 3),
-                   (key_libtriton or {}).get("image") or toolchain.libtriton_sha256)
+                   (key_libtriton or {}).get("image") or toolchain.libtriton_sha256,
+                   sorted((key_ptxas or {}).values()))
 
 
 def _compile_and_check(sm: int, preset: KernelPreset, plan: list[dict], staged: Path, toolchain: Toolchain,
-                       work: Path, runtime_dir: str, runtime_env: dict[str, str], key_libtriton: dict | None):
+                       work: Path, runtime_dir: str, runtime_env: dict[str, str], key_libtriton: dict | None,
+                       key_ptxas: dict | None = None):
     home = work / "home"
     home.mkdir()
     build_dir = work / "cache"
     job = {"sm": sm, "toolchain_site": str(toolchain.staged_site()), "roots": [str(staged)],
            "standin_torch": str(_STANDIN_TORCH), "preset": preset.to_json(), "launches": plan,
-           "key_libtriton": key_libtriton}
+           "key_libtriton": key_libtriton, **({"key_ptxas": key_ptxas} if key_ptxas else {})}
     report = _run_worker(toolchain, {**job, "mode": "compile"}, _worker_env(build_dir, home, runtime_env, True),
                          work, sm)
     if report.get("triton") != toolchain.version:
@@ -368,7 +376,8 @@ def compile_kernel_caches(preset: KernelPreset, sms: list[int], sources: KernelS
                           cache: Path, runtime_env: dict[str, str] | None = None, jobs: int | None = None,
                           runtime_dir: str = RUNTIME_CACHE_DIR,
                           progress: Callable[[SmCache], None] | None = None,
-                          image_libtriton: str | None = None) -> dict[int, SmCache]:
+                          image_libtriton: str | None = None,
+                          image_ptxas: dict[str, str] | None = None) -> dict[int, SmCache]:
     """Compile, check and keep the kernel cache of every SM (one worker process per SM)."""
     if not runtime_dir.startswith("/"):
         raise KilnError(f"Triton cache path {runtime_dir!r}: must be absolute")
@@ -376,6 +385,7 @@ def compile_kernel_caches(preset: KernelPreset, sms: list[int], sources: KernelS
     plan = launch_plan(preset, sources.runtime_layout())
     own = toolchain.libtriton_sha256
     key_libtriton = {"own": own, "image": image_libtriton} if image_libtriton and image_libtriton != own else None
+    key_ptxas = dict(image_ptxas) if image_ptxas and any(own != text for own, text in image_ptxas.items()) else None
     staged, source_hash = stage_sources(preset, sources)
     entries = cache / "triton" / "kernels"
     entries.mkdir(parents=True, exist_ok=True)
@@ -384,8 +394,9 @@ def compile_kernel_caches(preset: KernelPreset, sms: list[int], sources: KernelS
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = {
             sm: pool.submit(_build_one, sm, preset, plan, staged, toolchain, entries,
-                            _entry_key(toolchain, sm, preset, plan, source_hash, runtime_dir, env, key_libtriton),
-                            runtime_dir, env, key_libtriton)
+                            _entry_key(toolchain, sm, preset, plan, source_hash, runtime_dir, env, key_libtriton,
+                                       key_ptxas),
+                            runtime_dir, env, key_libtriton, key_ptxas)
             for sm in sms
         }
         for sm, future in futures.items():
@@ -410,7 +421,8 @@ def kernel_cache_files(sm_cache: SmCache, toolchain: Toolchain, preset: KernelPr
         "schema": 1,
         "sm": sm_cache.sm,
         "triton": {"version": toolchain.version, "record_sha256": toolchain.fingerprint, "wheel": toolchain.wheel,
-                   "wheel_sha256": toolchain.wheel_sha256, "keyed_for_libtriton_sha256": sm_cache.libtriton},
+                   "wheel_sha256": toolchain.wheel_sha256, "keyed_for_libtriton_sha256": sm_cache.libtriton,
+                   **({"keyed_for_ptxas_version": sm_cache.ptxas} if sm_cache.ptxas else {})},
         "cache_dir": runtime_dir,
         "key": sm_cache.key,
         "preset": preset.to_json(),

@@ -27,14 +27,17 @@ What it does, in order:
    counts compiles and cache hits with ``triton.knobs.compilation.listener``;
 7. when the job names the image's libtriton.so (``key_libtriton``: the image runs another
    Python's wheel of the same Triton, see ``imagekey.py``), keys every entry as that Triton
-   does: ``triton_key()`` holds the sha256 of libtriton.so once, and it is replaced there.
+   does: ``triton_key()`` holds the sha256 of libtriton.so once, and it is replaced there; and
+   when it names the image's ptxas text (``key_ptxas``: an image of another machine), the
+   backend's ``hash()`` gets that text for the one our ptxas prints.
 
 A failing launch (e.g. fp8e4b15 from bf16 on sm_86) is reported, not raised: the caller
 decides what a failure means.
 
 Job (JSON): {"mode": "compile"|"check", "sm": int, "toolchain_site": str|null, "standin_torch": str|null,
              "roots": [overlay, pristine], "preset": {...}, "launches": [{"kernel", "module",
-             "function", "builder", "params"}], "key_libtriton": {"own": hex, "image": hex}|null}
+             "function", "builder", "params"}], "key_libtriton": {"own": hex, "image": hex}|null,
+             "key_ptxas": {"<our ptxas --version>": "<the image's>"}|null}
 The cache directory and Triton's environment come from the process environment.
 What ``ci/gpu_check.py`` and ``ci/gpu_pn119.py`` use on a real GPU (imported by path): ``install_vllm``,
 ``force_fp8_flavour``, ``use_device``, ``BUILDERS``, ``TQ_CONFIG``.
@@ -330,11 +333,31 @@ def _key_for_image(key_libtriton: dict | None) -> None:
     autotuner.triton_key = triton_key  # imported by name there
 
 
+def _ptxas_for_image(key_ptxas: dict | None) -> None:
+    """Make the backend's ``hash()`` what the image's Triton computes on another machine: the text
+    its ptxas prints for ``--version`` (``kiln/triton/platformwheel.py``) for what ours prints. The
+    compile itself still runs our ptxas (the same release and build, for this machine)."""
+    if not key_ptxas:
+        return
+    from triton.backends.nvidia import compiler
+
+    real = compiler.get_ptxas_version
+
+    def get_ptxas_version(*args, **kwargs):
+        own = real(*args, **kwargs)
+        if own not in key_ptxas:
+            raise RuntimeError(f"ptxas --version printed {own!r}, which the job does not key for the image")
+        return key_ptxas[own]
+
+    compiler.get_ptxas_version = get_ptxas_version  # CUDABackend.hash reads the module global
+
+
 def run(job: dict) -> dict:
     _setup_path(job)
     sm = job["sm"]
     triton = _install_driver(sm)
     _key_for_image(job.get("key_libtriton"))
+    _ptxas_for_image(job.get("key_ptxas"))
     launches = job["launches"]
     install_vllm(job["roots"], [launch["module"] for launch in launches] + [TQ_CONFIG])
     import importlib
