@@ -200,7 +200,7 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     def kernel_layer(changed: dict[str, str]):
         return triton_cache_layer(kernels, sm, cached.found, changed, runtime_env, cache,
                                   f"{definition.path}: model.kernels", definition.name, reporter,
-                                  leave_out_unusable_kernels, wheels)
+                                  leave_out_unusable_kernels, wheels, inputs.platform)
 
     selected = inputs.catalogue.closure(list(definition.patches))
     beside = bool(kernels) and not any(reads_source(kernels, rel) for pid in selected

@@ -39,6 +39,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kiln.attest.referrers import SUBJECT_ANNOTATION
+from kiln.build.image import parts
 from kiln.errors import KilnError, writing
 from kiln.labels import REF_NAME
 from kiln.oci.limits import Budget
@@ -184,10 +185,10 @@ class LayoutPublisher(Publisher):
         try:
             blob_dir = staged / "blobs" / "sha256"
             blob_dir.mkdir(parents=True)
-            model, manifest = image.model, image.manifest
-            needed = sum(d.size for d in model.blobs()) + len(manifest.data) + sum(
-                len(data) for artifact in image.attestations
-                for data in (*artifact.blobs.values(), artifact.manifest.data))
+            needed = len(image.manifest.data) + sum(
+                sum(d.size for d in part.model.blobs()) + len(part.manifest.data) + sum(
+                    len(data) for artifact in part.attestations
+                    for data in (*artifact.blobs.values(), artifact.manifest.data)) for part in parts(image))
             entries = self._write(image, staged, blob_dir, lambda: writing(dest, needed, f"--oci {dest}"))
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
@@ -200,25 +201,28 @@ class LayoutPublisher(Publisher):
         Every write into the layout is inside ``layout_write()``: a full disk there names the
         layout and the bytes it needs (one elsewhere, e.g. kiln's layer materialised in the work
         directory, names its own path)."""
-        for descriptor in image.model.blobs():
-            target = blob_dir / descriptor.digest.split(":", 1)[1]
-            if not target.exists():
-                source = image.blobs.path(descriptor)
-                with layout_write():
-                    _place(source, target)
+        for part in parts(image):  # an index's platform images, or the one
+            for descriptor in part.model.blobs():
+                target = blob_dir / descriptor.digest.split(":", 1)[1]
+                if not target.exists():
+                    source = part.blobs.path(descriptor)
+                    with layout_write():
+                        _place(source, target)
         with layout_write():
             return self._write_rest(image, staged, blob_dir)
 
     def _write_rest(self, image, staged: Path, blob_dir: Path) -> list[dict]:
-        manifest = image.manifest
+        manifest = image.manifest  # the index of an index build
         (blob_dir / manifest.digest.split(":", 1)[1]).write_bytes(manifest.data)
-        extra = []  # the attestations: artifacts beside the image, each naming it as subject
-        for artifact in image.attestations:
-            for digest, data in {**artifact.blobs, artifact.manifest.digest: artifact.manifest.data}.items():
-                (blob_dir / digest.split(":", 1)[1]).write_bytes(data)
-            found = artifact.entry()
-            found["annotations"] = {**found.get("annotations", {}), SUBJECT_ANNOTATION: manifest.digest}
-            extra.append(found)
+        extra = []  # the attestations: artifacts beside the image, each naming its platform's image
+        for part in parts(image):
+            (blob_dir / part.manifest.digest.split(":", 1)[1]).write_bytes(part.manifest.data)
+            for artifact in part.attestations:
+                for digest, data in {**artifact.blobs, artifact.manifest.digest: artifact.manifest.data}.items():
+                    (blob_dir / digest.split(":", 1)[1]).write_bytes(data)
+                found = artifact.entry()
+                found["annotations"] = {**found.get("annotations", {}), SUBJECT_ANNOTATION: part.manifest.digest}
+                extra.append(found)
         (staged / LAYOUT_MARKER).write_bytes(canonical_json({"imageLayoutVersion": "1.0.0"}))
         entry = Descriptor(manifest.media_type, manifest.digest, len(manifest.data),
                            annotations={REF_NAME: self.ref_name}).to_json()

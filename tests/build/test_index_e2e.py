@@ -1,0 +1,154 @@
+"""One OCI image index per tag, one manifest per platform the SM ships on (issue #35 item 5).
+
+Against a real docker-registry holding a real two-platform base with Triton 3.6.0 on both halves
+(``v0.20.1-multi36``: linux/amd64 with the x86_64 cp312 dist-info, linux/arm64 with the real
+aarch64 cp312 dist-info, made by umoci, pushed by ``skopeo copy --all``). What was pushed is read
+back by independent tools: ``skopeo inspect --raw``, ``skopeo --override-arch arm64 copy`` and
+``umoci unpack``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from kiln import commands
+from kiln.triton.imagekey import LIBTRITON, record_hashes
+from tests.support import TEST_IMAGES
+from tests.support.registry import TRITON_CP312_AARCH64_RECORD, TRITON_CP312_RECORD, VLLM_VERSION
+
+pytestmark = pytest.mark.registry
+
+BASE = f"vllm/vllm-openai:v{VLLM_VERSION}-multi36"
+PIN = """\
+[pins."v0.20.1"]
+role = "current"
+image = "docker.io/{image}"
+vllm = "{vllm}"
+cuda = "cu130"
+"""
+IMAGE = (TEST_IMAGES / "e2e-triton.toml").read_text().replace("sms = [86, 120]", "sms = [86, 90, 120, 121]")
+LIBTRITONS = {"linux/amd64": record_hashes(TRITON_CP312_RECORD.read_text())[LIBTRITON],
+              "linux/arm64": record_hashes(TRITON_CP312_AARCH64_RECORD.read_bytes().decode())[LIBTRITON]}
+
+
+def build_cli(capsys, *argv) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = commands.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def one_line(code: int, err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def skopeo(registry, *argv) -> bytes:
+    return subprocess.run(["skopeo", *argv], capture_output=True, check=True).stdout
+
+
+def raw(registry, name: str, *extra) -> dict:
+    return json.loads(skopeo(registry, *extra, "inspect", "--raw", "--tls-verify=false",
+                             f"docker://{registry.host}/{name}"))
+
+
+@pytest.fixture
+def work(tmp_path, capsys, registry_plain):
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "e2e-triton.toml").write_text(IMAGE)
+    pins = tmp_path / "pins.toml"
+    pins.write_text(PIN.format(image=BASE, vllm=VLLM_VERSION))
+    code, _, err = build_cli(capsys, "--pins", pins, "pin", "lock", "--mirror", registry_plain.mirror)
+    assert code == 0, err
+    return tmp_path
+
+
+def build(capsys, work, registry, sm: int, repo: str, *extra):
+    return build_cli(capsys, "--pins", work / "pins.toml", "--images", work / "images", "build", "--image",
+                     "e2e-triton", "--pin", "v0.20.1", "--sm", sm, "--mirror", registry.mirror, "--push",
+                     "--repository", f"{registry.host}/{repo}", "--json",
+                     *extra)
+
+
+def kernels_audit(registry, tmp_path, ref: str, arch: str) -> tuple[dict, dict]:
+    """The image's kernel audit file and its config, through skopeo --override-arch and umoci unpack."""
+    layout = tmp_path / f"oci-{arch}"
+    skopeo(registry, "--override-arch", arch, "copy", "--src-tls-verify=false", f"docker://{registry.host}/{ref}",
+           f"oci:{layout}:img")
+    bundle = tmp_path / f"bundle-{arch}"
+    subprocess.run(["umoci", "unpack", "--rootless", "--image", f"{layout}:img", str(bundle)], check=True,
+                   capture_output=True)
+    config = json.loads((bundle / "config.json").read_text())
+    return json.loads((bundle / "rootfs/opt/kiln/triton-kernels.json").read_text()), config
+
+
+def test_a_tag_is_an_index_of_its_platforms_each_on_its_own_base(capsys, work, registry_plain, tmp_path,
+                                                                 monkeypatch):
+    code, out, err = build(capsys, work, registry_plain, 90, "kiln/index")
+    assert code == 0, err
+    summary = json.loads(out)
+    tag = f"kiln/index:{summary['tag']}"
+    index = raw(registry_plain, tag)
+    assert index["mediaType"] == "application/vnd.oci.image.index.v1+json"
+    entries = {f"{m['platform']['os']}/{m['platform']['architecture']}": m["digest"] for m in index["manifests"]}
+    assert list(entries) == ["linux/amd64", "linux/arm64"]
+    assert registry_plain.digest_of(tag) == summary["manifest_digest"]
+    base = {f"{m['platform']['os']}/{m['platform']['architecture']}": m["digest"]
+            for m in raw(registry_plain, BASE)["manifests"]}
+    patched = set()
+    for platform, digest in entries.items():
+        manifest = raw(registry_plain, f"kiln/index@{digest}")
+        base_layers = raw(registry_plain, f"{BASE.split(':')[0]}@{base[platform]}")["layers"]
+        assert [layer["digest"] for layer in manifest["layers"][:len(base_layers)]] == [
+            layer["digest"] for layer in base_layers], platform  # on its own platform's base layers
+        assert len(manifest["layers"]) == len(base_layers) + 2  # the patched source and the kernels
+        patched.add(manifest["layers"][len(base_layers)]["digest"])
+        assert summary["platforms"][platform]["manifest_digest"] == digest
+        # its SBOM and provenance are attached to it
+        assert len(raw(registry_plain, f"kiln/index:{digest.replace(':', '-')}")["manifests"]) == 2
+    assert len(patched) == 1  # the patched-source layer: the same blob on both platforms
+    amd, amd_config = kernels_audit(registry_plain, tmp_path, tag, "amd64")
+    arm, arm_config = kernels_audit(registry_plain, tmp_path, tag, "arm64")
+    assert arm_config["process"]["env"] == amd_config["process"]["env"] and arm["triton"]["keyed_for_libtriton_sha256"] == LIBTRITONS[
+        "linux/arm64"]
+    assert amd["triton"]["keyed_for_libtriton_sha256"] == LIBTRITONS["linux/amd64"]
+    assert arm["triton"]["keyed_for_ptxas_version"] and "keyed_for_ptxas_version" not in amd["triton"]
+    assert {k["hash"] for launch in arm["launches"] for k in launch["kernels"]}.isdisjoint(
+        {k["hash"] for launch in amd["launches"] for k in launch["kernels"]})  # keyed apart
+
+    # the same index digest from empty caches, pushed under another name
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "second-cache"))
+    code, out, err = build(capsys, work, registry_plain, 90, "kiln/index-again")
+    assert code == 0, err
+    assert json.loads(out)["manifest_digest"] == summary["manifest_digest"]
+
+
+def test_an_arm64_only_sm_pushes_only_arm64(capsys, work, registry_plain):
+    code, out, err = build(capsys, work, registry_plain, 121, "kiln/spark")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert list(summary["platforms"]) == ["linux/arm64"]
+    manifest = raw(registry_plain, f"kiln/spark:{summary['tag']}")
+    assert manifest["mediaType"] == "application/vnd.oci.image.manifest.v1+json"
+    config = json.loads(skopeo(registry_plain, "inspect", "--config", "--raw", "--tls-verify=false",
+                               f"docker://{registry_plain.host}/kiln/spark:{summary['tag']}"))
+    assert config["architecture"] == "arm64"
+
+
+def test_an_index_missing_a_platforms_manifest_fails_in_one_line_with_nothing_pushed(
+        capsys, work, start_registry, registry_plain):
+    broken = start_registry("plain", copy_from=registry_plain)
+    arm = {m["platform"]["architecture"]: m["digest"] for m in raw(broken, BASE)["manifests"]}["arm64"]
+    subprocess.run(["skopeo", "delete", "--tls-verify=false", f"docker://{broken.host}/{BASE.split(':')[0]}@{arm}"],
+                   check=True, capture_output=True)
+    code, _, err = build(capsys, work, broken, 90, "kiln/broken")
+    line = one_line(code, err)
+    assert arm in line or "linux/arm64" in line, line
+    tags = subprocess.run(["skopeo", "list-tags", "--tls-verify=false", f"docker://{broken.host}/kiln/broken"],
+                          capture_output=True, text=True)
+    assert tags.returncode != 0 or json.loads(tags.stdout)["Tags"] == []
