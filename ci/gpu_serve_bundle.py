@@ -99,7 +99,6 @@ OMIT_DEPS = {
         "ChunkGatedDeltaRule); the run sets gdn_prefill_backend=triton (Triton/FLA, as on sm_86/89/120) "
         "so the first request compiles no CUDA; the sampler uses it only with VLLM_USE_FLASHINFER_SAMPLER"),
     "flashinfer-cubin": "FlashInfer's prebuilt kernels: FlashInfer is not carried (above)",
-    "apache-tvm-ffi": "FlashInfer's and TileLang's runtime: neither is carried",
     "tilelang": "TileLang kernels (DeepSeek sparse attention): no such model here",
     "nvidia-cutlass-dsl": "CuTe DSL kernels (FA4 on sm_100, quack): not on sm_90 with FA3",
     "quack-kernels": "CuTe DSL kernels for Blackwell: not on sm_90",

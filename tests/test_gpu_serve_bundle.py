@@ -37,6 +37,7 @@ pytestmark = pytest.mark.network
 REPO = Path(__file__).resolve().parent.parent
 BUNDLER = REPO / "ci" / "gpu_serve_bundle.py"
 ASSEMBLER = REPO / "ci" / "gpu_serve_assemble.py"
+PLAN = REPO / "ci" / "gpu_serve_plan.py"
 MIB = 1 << 20
 VLLM_SHA256 = "11907857c94c226caf82ada92ab09b1e0dbf538b5b80a93aed74be29e861020c"  # PyPI's, for 0.20.1's wheel
 
@@ -62,7 +63,7 @@ def machine_venv() -> Path:
     """A venv of the machine's packages (STANDIN), made once and kept in kiln's cache."""
     key = hashlib.sha256(json.dumps([sys.version, STANDIN]).encode()).hexdigest()[:16]
     venv = _ASSETS / f"gpu-serve-machine-{key}"
-    if (venv / "done").is_file():
+    if (venv / "done").is_file() and (venv / "bin" / "python").exists():
         return venv
     shutil.rmtree(venv, ignore_errors=True)  # a venv names its own path: made where it is kept, "done" last
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=300)
@@ -164,30 +165,43 @@ def test_the_bundle_holds_what_the_machine_lacks_in_parts_under_the_limit(built,
     assert {"<tool_call>", "</tool_call>", "<think>"} <= {t["content"] for t in tokenizer["added_tokens_decoder"].values()}
 
 
-def test_parts_received_one_by_one_assemble_into_a_venv_that_imports_vllm_pristine_and_patched(
+def test_the_plan_dry_run_carries_each_part_alone_assembles_and_both_sides_import_vllm(
         built, machine_venv, tmp_path):
+    """ci/gpu_serve_plan.py's runs against a stand-in machine folder: one part (and the manifest) per
+    run, received; then the last run's assembly and the serve preflight (both sides import the server)."""
     out, _, build_seconds = built
     python = machine_venv / "bin" / "python"
-    parts = tmp_path / "received"
+    standin = tmp_path / "machine"
     names = [p["name"] for p in json.loads((out / "parts" / "manifest.json").read_text())["parts"]]
-    for index, name in enumerate(names):  # one per run on the GPU machine
-        carry = tmp_path / f"carry-{index}"
-        carry.mkdir()
-        shutil.copyfile(out / "parts" / name, carry / name)
-        shutil.copyfile(out / "parts" / "manifest.json", carry / "manifest.json")
-        proc = _assemble("--receive", carry / name, "--manifest", carry / "manifest.json", "--into", parts,
-                         python=python)
-        assert proc.returncode == 0, proc.stderr
-        assert proc.stdout.strip().endswith("all parts here" if index == len(names) - 1 else names[-1])
-    prefix = tmp_path / "prefix"
+    plan = json.loads(subprocess.run([sys.executable, str(PLAN), "plan", "--parts", str(out / "parts")],
+                                     capture_output=True, text=True, check=True).stdout)
+    assert [run["carry"] for run in plan] == [[".bundle"]] * len(names) + [[]]
+    assert all(run["timeout_s"] <= 600 for run in plan) and "--opt-kiln /opt/kiln" in plan[-1]["command"]
     started = time.monotonic()
-    proc = _assemble("--assemble", parts, "--prefix", prefix, python=python)
-    assert proc.returncode == 0, proc.stderr
-    assembled = json.loads(proc.stdout)
-    assemble_seconds = time.monotonic() - started
+    proc = subprocess.run([sys.executable, str(PLAN), "dry-run", "--parts", str(out / "parts"), "--standin",
+                           str(standin), "--python", str(python)], capture_output=True, text=True, timeout=2400,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    dry_seconds = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    steps = json.loads(proc.stdout)["steps"]
+    received = steps[:len(names)]
+    assert all(step["carried_mib"] < 60 for step in received)
+    assert [step["said"].rsplit("; ", 1)[1] for step in received] == \
+        [f"missing: {' '.join(names[i + 1:])}" for i in range(len(names) - 1)] + ["all parts here"]
+    assert [step["run"] for step in steps[len(names):]] == ["assemble", "serve --preflight"]
+    prefix = standin / "tmp" / "kiln-serve"
+    assembled = json.loads((prefix / "assembled.json").read_text())
     changed = assembled["overlay"]["changed"]
     assert changed == json.loads((out / "stage" / "bundle.json").read_text())["kiln"]["changed"]
-    assert (prefix / "opt-kiln" / "triton-cache").is_dir() and (prefix / "opt-kiln" / "manifest.json").is_file()
+    assert any((standin / "opt" / "kiln" / "triton-cache").rglob("*.cubin"))
+    preflight = json.loads((standin / "out" / "serve.json").read_text())["sides"]
+    for side in ("pristine", "patched"):
+        command = preflight[side]["command"]
+        assert preflight[side]["imports"], preflight[side]["error"]
+        assert command[command.index("--kv-cache-dtype") + 1] == "turboquant_k8v4"
+        assert json.loads(command[command.index("--speculative-config") + 1])["method"] == "mtp"
+        assert "--async-scheduling" in command and "--quantization" not in command
+    # every module kiln patches imports on both sides: the installed file on one, kiln's on the other
     modules = ["vllm.entrypoints.openai.api_server"] + [
         "vllm." + rel[:-3].replace("/", ".").removesuffix(".__init__") for rel in changed]
     probe = ("import hashlib, importlib, json, sys\nout = {}\nfor name in sys.argv[1:]:\n"
@@ -197,18 +211,18 @@ def test_parts_received_one_by_one_assemble_into_a_venv_that_imports_vllm_pristi
     seen = {}
     for side in ("pristine", "patched"):
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        env.update(assembled["env"][side], VLLM_NO_USAGE_STATS="1", VLLM_TARGET_DEVICE="cuda")
+        env.update(assembled["env"][side], VLLM_NO_USAGE_STATS="1")
         proc = subprocess.run([str(python), "-c", probe, *modules], capture_output=True, text=True, env=env,
                               timeout=900, cwd=tmp_path)
         assert proc.returncode == 0, f"{side}: {proc.stderr[-3000:]}"
         seen[side] = json.loads(proc.stdout.strip().splitlines()[-1])
-    audit = json.loads((prefix / "opt-kiln" / "manifest.json").read_text())
+    audit = json.loads((standin / "opt" / "kiln" / "manifest.json").read_text())
     for rel in changed:
         name = "vllm." + rel[:-3].replace("/", ".").removesuffix(".__init__")
         sums = audit["files"][f"/site/vllm/{rel}"]
         assert seen["pristine"][name][0].startswith(str(prefix / "site")) and seen["pristine"][name][1] == sums["before"]
         assert seen["patched"][name][0].startswith(str(prefix / "patched")) and seen["patched"][name][1] == sums["after"]
-    print(f"build {build_seconds:.0f} s, assemble {assemble_seconds:.0f} s")
+    print(f"build {build_seconds:.0f} s, plan dry-run {dry_seconds:.0f} s")
 
 
 def test_a_corrupt_part_is_refused_naming_it(built, tmp_path):
