@@ -107,6 +107,15 @@ OMIT_DEPS = {
 }
 
 
+# vLLM 0.20.1's own pins the bundle does not hold it to, and why: its other requirements then decide.
+RELAXED = {
+    "apache-tvm-ffi": (
+        "vLLM pins ==0.1.9 for FlashInfer's and TileLang's ABI, neither carried; xgrammar (structured "
+        "output, hence forced tool calls) imports it too, and every xgrammar that takes 0.1.9 (<=0.2.5) "
+        "needs transformers<5, which would shadow the machine's 5.17.0"),
+}
+
+
 def _fail(message: str) -> int:
     print(f"gpu_serve_bundle: {message}", file=sys.stderr)
     return 2
@@ -237,14 +246,39 @@ def pip_resolve(lines: list[str], python_version: str, work: Path) -> list[dict]
     return json.loads(report.read_text())["install"]
 
 
-def resolve_deps(vllm_metadata: str, python_version: str, machine: dict[str, str | None], work: Path) -> dict:
-    """Which requirements the machine meets, which are carried (with the wheel pip chose), which omitted."""
+def resolve_deps(vllm_metadata: str, python_version: str, machine: dict[str, str | None], work: Path,
+                 restarts: int = 12) -> dict:
+    """Which requirements the machine meets, which are carried (with the wheel pip chose), which omitted.
+
+    pip picks each level's versions without seeing the next level's requirements, so a choice can
+    conflict with a later requirement (xgrammar 0.2.9 needs apache-tvm-ffi>=0.1.11; vLLM pins 0.1.9).
+    Then the resolution starts again holding back the package that asked (below the version chosen)
+    when vLLM itself pins the other one, else with the later requirement added: a small backtrack,
+    at most ``restarts`` times. What was held back is in the result."""
+    held: dict[str, list[str]] = {}
+    for _ in range(restarts + 1):
+        result, conflict = _resolve_once(vllm_metadata, python_version, machine, work, held)
+        if conflict is None:
+            return {**result, "held_back": {name: ",".join(specs) for name, specs in held.items()}}
+        name, req, parent, by_vllm = conflict
+        if by_vllm and parent != "vllm":
+            held.setdefault(parent, []).append(f"<{result['carried'][parent]['version']}")
+        elif not by_vllm and str(req.specifier) not in held.get(name, []):
+            held.setdefault(name, []).append(str(req.specifier))
+        else:
+            raise KilnError(f"{name}: {result['carried'][name]['version']} was chosen, but {parent} needs {req}")
+    raise KilnError(f"vLLM's requirements did not resolve after {restarts} restarts (held back: {held})")
+
+
+def _resolve_once(vllm_metadata: str, python_version: str, machine: dict[str, str | None], work: Path,
+                  held: dict[str, list[str]]) -> tuple[dict, tuple | None]:
     env = target_environment(python_version)
     wanted: dict[str, list[Requirement]] = {}  # name -> every requirement on it met so far
+    asked_by: dict[int, str] = {}
     extras: dict[str, set[str]] = {}
     queue = [Requirement(line.split(":", 1)[1].strip()) for line in vllm_metadata.splitlines()
              if line.startswith("Requires-Dist:")]
-    queue = [(req, "vllm") for req in queue if applies(req, env, set())]
+    queue = [(req, "vllm") for req in queue if applies(req, env, set()) and canonicalize_name(req.name) not in RELAXED]
     carried: dict[str, dict] = {}
     on_machine: dict[str, dict] = {}
     omitted: dict[str, dict] = {}
@@ -255,13 +289,14 @@ def resolve_deps(vllm_metadata: str, python_version: str, machine: dict[str, str
         for req, by in queue:
             name = canonicalize_name(req.name)
             wanted.setdefault(name, []).append(req)
+            asked_by[id(req)] = by
             new_extras = set(req.extras) - extras.setdefault(name, set())
             extras[name] |= set(req.extras)
             if name in OMIT_DEPS:
                 omitted.setdefault(name, {"reason": OMIT_DEPS[name], "required_by": []})["required_by"].append(by)
                 continue
             have = machine.get(name, "absent")
-            if have != "absent" and (have is None or req.specifier.contains(have, prereleases=True)):
+            if name not in carried and have != "absent" and (have is None or req.specifier.contains(have, prereleases=True)):
                 entry = on_machine.setdefault(name, {"version": have, "requires": []})
                 entry["requires"].append(f"{req.name}{req.specifier} (by {by})")
                 continue
@@ -279,8 +314,8 @@ def resolve_deps(vllm_metadata: str, python_version: str, machine: dict[str, str
             break
         lines = []
         for name in sorted(fresh):
-            specs = ",".join(str(r.specifier) for r in wanted[name] if str(r.specifier))
-            lines.append(f"{name}{specs}")
+            specs = [str(r.specifier) for r in wanted[name] if str(r.specifier)] + held.get(name, [])
+            lines.append(f"{name}{','.join(specs)}")
         for item in pip_resolve(lines, python_version, work):
             meta = item["metadata"]
             name = canonicalize_name(meta["name"])
@@ -294,11 +329,14 @@ def resolve_deps(vllm_metadata: str, python_version: str, machine: dict[str, str
                     queue.append((req, name))
         if rounds > 20:
             raise KilnError("vLLM's requirements did not settle in 20 rounds")
+    result = {"carried": carried, "on_machine": on_machine, "omitted": omitted, "rounds": rounds,
+              "relaxed": RELAXED}
     for name, info in carried.items():  # every requirement met so far holds for the version chosen
         for req in wanted[name]:
             if not req.specifier.contains(info["version"], prereleases=True):
-                raise KilnError(f"{name}: {info['version']} was chosen, but something needs {req}")
-    return {"carried": carried, "on_machine": on_machine, "omitted": omitted, "rounds": rounds}
+                by_vllm = any(asked_by[id(r)] == "vllm" for r in wanted[name])
+                return result, (name, req, asked_by[id(req)], by_vllm)
+    return result, None
 
 
 # -- 3 and 4. kiln's layers ------------------------------------------------------------------------
@@ -392,6 +430,18 @@ def split(tar_path: Path, parts: Path, part_bytes: int) -> list[dict]:
     return listed
 
 
+def vllm_metadata(wheel: Path) -> str:
+    with zipfile.ZipFile(wheel) as archive:
+        return archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+
+
+def resolve_only(args) -> dict:
+    downloads = args.downloads or cache_root() / "gpu-serve-bundle" / "downloads"
+    pristine, _ = vllm_wheel(args.vllm, downloads)
+    with tempfile.TemporaryDirectory(prefix="kiln-serve-bundle-") as work:
+        return resolve_deps(vllm_metadata(pristine), args.python_version, machine_packages(), Path(work))
+
+
 def build(args) -> dict:
     out: Path = args.out
     if out.exists() and any(out.iterdir()):
@@ -403,10 +453,8 @@ def build(args) -> dict:
         folder.mkdir(parents=True, exist_ok=True)
     pristine, wheel_info = vllm_wheel(args.vllm, downloads)
     vllm = trim_wheel(pristine, stage / "wheels", OMIT_FROM_VLLM)
-    with zipfile.ZipFile(pristine) as archive:
-        metadata = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode()
     with tempfile.TemporaryDirectory(prefix="kiln-serve-bundle-") as work:
-        deps = resolve_deps(metadata, args.python_version, machine_packages(), Path(work))
+        deps = resolve_deps(vllm_metadata(pristine), args.python_version, machine_packages(), Path(work))
     for _, info in sorted(deps["carried"].items()):
         wheel = fetch(info["url"], info["sha256"], info["filename"], downloads)
         shutil.copyfile(wheel, stage / "wheels" / wheel.name)
@@ -443,8 +491,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python-version", default="3.12", help="the GPU machine's Python (default: %(default)s)")
     parser.add_argument("--part-mib", type=int, default=50, help="largest part, MiB (default: %(default)s)")
     parser.add_argument("--downloads", type=Path, help="download cache (default: <kiln cache>/gpu-serve-bundle/downloads)")
+    parser.add_argument("--resolve-only", action="store_true",
+                        help="print which requirements are carried, met by the machine or omitted; build nothing")
     args = parser.parse_args(argv)
     try:
+        if args.resolve_only:
+            print(json.dumps(resolve_only(args), indent=1, sort_keys=True))
+            return 0
         done = build(args)
     except (KilnError, OSError) as err:
         return _fail(str(err))

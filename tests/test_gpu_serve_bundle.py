@@ -225,6 +225,27 @@ def test_the_plan_dry_run_carries_each_part_alone_assembles_and_both_sides_impor
     print(f"build {build_seconds:.0f} s, plan dry-run {dry_seconds:.0f} s")
 
 
+def test_the_machine_bundle_resolves_for_python_3_12(built):
+    """The GPU machine's own set (Python 3.12), resolved without installing: every carried wheel is one
+    its CPython 3.12 loads, and only the version conflicts of the machine's packages are carried again."""
+    out, _, _ = built
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(BUNDLER), "--out", str(out / "unused"), "--gpu-triton-record",
+                           str(TRITON_CP312_RECORD), "--model-python", "unused", "--resolve-only",
+                           "--downloads", str(_ASSETS / "gpu-serve-bundle" / "downloads")],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    deps = json.loads(proc.stdout)
+    tags = {name: info["filename"].rsplit("-", 3)[-3:-1] for name, info in deps["carried"].items()}
+    assert all(python in ("cp312", "py3", "py2.py3", "py37", "cp38", "cp39", "cp310", "cp311") and
+               abi in ("cp312", "abi3", "none") for python, abi in tags.values()), tags
+    assert all(len(info["sha256"]) == 64 for info in deps["carried"].values())
+    conflicts = {name for name, info in deps["carried"].items() if info["why"].startswith("the machine has")}
+    assert conflicts == {"numpy"}  # mistral-common needs numpy<2.4; the machine has 2.5.2
+    assert {"torch", "torchvision", "torchaudio", "triton", "transformers"} <= set(deps["on_machine"])
+    assert {"flashinfer-python", "tilelang", "fastsafetensors"} <= set(deps["omitted"])
+
+
 def test_a_corrupt_part_is_refused_naming_it(built, tmp_path):
     out, _, _ = built
     manifest = json.loads((out / "parts" / "manifest.json").read_text())
