@@ -202,8 +202,13 @@ def test_the_plan_dry_run_carries_each_part_alone_assembles_and_both_sides_impor
         assert json.loads(command[command.index("--speculative-config") + 1])["method"] == "mtp"
         assert "--async-scheduling" in command and "--quantization" not in command
     # every module kiln patches imports on both sides: the installed file on one, kiln's on the other
-    modules = ["vllm.entrypoints.openai.api_server"] + [
-        "vllm." + rel[:-3].replace("/", ".").removesuffix(".__init__") for rel in changed]
+    audit = json.loads((standin / "opt" / "kiln" / "manifest.json").read_text())
+    added = {rel for rel in changed if audit["files"][f"/site/vllm/{rel}"]["before"] is None}  # new files
+    assert "v1/attention/ops/triton_turboquant_grouped_decode.py" in added  # PN119's kernel
+
+    def module(rel: str) -> str:
+        return "vllm." + rel[:-3].replace("/", ".").removesuffix(".__init__")
+
     probe = ("import hashlib, importlib, json, sys\nout = {}\nfor name in sys.argv[1:]:\n"
              "    module = importlib.import_module(name)\n"
              "    out[name] = [module.__file__, hashlib.sha256(open(module.__file__, 'rb').read()).hexdigest()]\n"
@@ -212,16 +217,20 @@ def test_the_plan_dry_run_carries_each_part_alone_assembles_and_both_sides_impor
     for side in ("pristine", "patched"):
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env.update(assembled["env"][side], VLLM_NO_USAGE_STATS="1")
+        modules = ["vllm.entrypoints.openai.api_server"] + [
+            module(rel) for rel in changed if side == "patched" or rel not in added]
         proc = subprocess.run([str(python), "-c", probe, *modules], capture_output=True, text=True, env=env,
                               timeout=900, cwd=tmp_path)
         assert proc.returncode == 0, f"{side}: {proc.stderr[-3000:]}"
         seen[side] = json.loads(proc.stdout.strip().splitlines()[-1])
-    audit = json.loads((standin / "opt" / "kiln" / "manifest.json").read_text())
     for rel in changed:
-        name = "vllm." + rel[:-3].replace("/", ".").removesuffix(".__init__")
         sums = audit["files"][f"/site/vllm/{rel}"]
-        assert seen["pristine"][name][0].startswith(str(prefix / "site")) and seen["pristine"][name][1] == sums["before"]
-        assert seen["patched"][name][0].startswith(str(prefix / "patched")) and seen["patched"][name][1] == sums["after"]
+        if rel not in added:
+            pristine = seen["pristine"][module(rel)]
+            assert pristine[0].startswith(str(prefix / "site")) and pristine[1] == sums["before"]
+        patched = seen["patched"][module(rel)]
+        assert patched[0].startswith(str(prefix / "patched")) and patched[1] == sums["after"]
+    assert not (prefix / "site" / "vllm" / next(iter(added))).exists()
     print(f"build {build_seconds:.0f} s, plan dry-run {dry_seconds:.0f} s")
 
 
