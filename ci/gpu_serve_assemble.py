@@ -198,6 +198,11 @@ def assemble(parts: Path, prefix: Path, opt_kiln: Path | None, python: str) -> d
     tar_path.unlink()
     listing = json.loads((bundle / "bundle.json").read_text())
     check_files(bundle, listing["files"])
+    probe = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                           capture_output=True, text=True)
+    if probe.stdout.strip() != listing["python"]:
+        raise Refused(f"{bundle / 'bundle.json'}: built for Python {listing['python']}, "
+                      f"but {python} is {probe.stdout.strip() or 'not runnable'}")
     site = prefix / "site"
     if site.exists():
         shutil.rmtree(site)
