@@ -242,3 +242,32 @@ def test_check_re_derives_every_platform_and_names_the_one_that_differs(capsys, 
     assert lines[-1].startswith("refused: ") and f"linux/arm64 ({_sha(tampered)})" in lines[-1], err
     assert "linux/amd64" not in lines[-1] and "org.opencontainers.image.version" in lines[-1], err
 
+
+def test_values_pin_the_index_digest_of_a_multi_platform_tag(capsys, work, registry_plain):
+    tags = {}
+    for sm, repo in ((90, "kiln/values"), (121, "kiln/values")):
+        code, out, err = build(capsys, work, registry_plain, sm, repo)
+        assert code == 0, err
+        tags[sm] = json.loads(out)["tag"]
+    for sm, tag in tags.items():
+        code, out, err = build_cli(capsys, "--pins", work / "pins.toml", "--images", work / "images", "values",
+                                   "--image", "e2e-triton", "--pin", "v0.20.1", "--sm", sm, "--mirror",
+                                   registry_plain.mirror, "--repository", f"{registry_plain.host}/kiln/values")
+        assert code == 0, err
+        values = json.loads(out)
+        # the digest skopeo reads for the tag: the index's for sm_90, the arm64 image's for sm_121
+        expected = subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false",
+                                   f"docker://{registry_plain.host}/kiln/values:{tag}"],
+                                  capture_output=True, check=True).stdout
+        assert values["image"]["digest"] == _sha(expected) and values["image"]["tag"] == tag
+        assert json.loads(expected)["mediaType"] == (OCI_INDEX if sm == 90 else OCI_MANIFEST)
+
+    # an index under the sm_90 tag that lacks arm64: refused in one line naming it
+    index = json.loads(_get(registry_plain, "kiln/values", tags[90]))
+    index["manifests"] = [m for m in index["manifests"] if m["platform"]["architecture"] == "amd64"]
+    _put(registry_plain, "kiln/values", tags[90], json.dumps(index).encode(), OCI_INDEX)
+    code, out, err = build_cli(capsys, "--pins", work / "pins.toml", "--images", work / "images", "values",
+                               "--image", "e2e-triton", "--pin", "v0.20.1", "--sm", 90, "--mirror",
+                               registry_plain.mirror, "--repository", f"{registry_plain.host}/kiln/values")
+    line = one_line(code, err)
+    assert "the index lacks linux/arm64" in line and out == "", line
