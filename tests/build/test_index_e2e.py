@@ -271,3 +271,35 @@ def test_values_pin_the_index_digest_of_a_multi_platform_tag(capsys, work, regis
                                registry_plain.mirror, "--repository", f"{registry_plain.host}/kiln/values")
     line = one_line(code, err)
     assert "the index lacks linux/arm64" in line and out == "", line
+
+
+def test_rewriting_an_index_tag_in_a_layout_removes_its_platform_manifests_referrers(
+        capsys, work, registry_plain, tmp_path, monkeypatch):
+    """Two builds of one multi-platform tag into one OCI layout, the second as by another kiln
+    commit: the first index's platform manifests' SBOMs and provenances leave index.json."""
+    import kiln.build.prepare
+
+    layout = tmp_path / "layout"
+
+    def platform_digests(tag: str) -> set[str]:
+        index = json.loads(skopeo(registry_plain, "inspect", "--raw", f"oci:{layout}:{tag}"))
+        assert index["mediaType"] == OCI_INDEX
+        return {m["digest"] for m in index["manifests"]}
+
+    def subjects() -> list[str]:
+        entries = json.loads((layout / "index.json").read_text())["manifests"]
+        return [m["annotations"]["io.kiln.subject"] for m in entries if "artifactType" in m]
+
+    code, out, err = build(capsys, work, registry_plain, 90, "kiln/layout", "--oci", layout)
+    assert code == 0, err
+    tag = json.loads(out)["tag"]
+    first = platform_digests(tag)
+    assert len(first) == 2 and sorted(subjects()) == sorted([*first, *first])  # an SBOM and a provenance each
+    monkeypatch.setattr(kiln.build.prepare, "kiln_revision", lambda: ("0" * 40, False))
+    code, out, err = build(capsys, work, registry_plain, 90, "kiln/layout", "--oci", layout)
+    assert code == 0, err
+    second = platform_digests(tag)
+    assert second.isdisjoint(first)
+    assert sorted(subjects()) == sorted([*second, *second])
+    [warning] = [w for w in json.loads(out)["warnings"] if "replaced" in w]
+    assert "removed its 4 referrer(s) from index.json" in warning, warning
