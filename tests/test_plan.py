@@ -19,7 +19,7 @@ from kiln import commands, paths
 from kiln.patch.catalog import load_catalogue
 
 QWEN = "qwen3.6-27b-tq"
-QWEN_SMS = (86, 89, 90, 120)
+QWEN_SMS = (86, 89, 90, 120, 121)
 MODEL = """
 [model]
 id = "Lorbus/Qwen3.6-27B-int4-AutoRound"

@@ -1,7 +1,7 @@
 """The shipped workflow, run: ``ci/run_workflow.py`` on a clean clone against local registries.
 
 The clone gets one commit on top (a small image definition, so the plan holds one build instead
-of sixteen); the workflow file, pins.toml (unlocked, as shipped) and every script are the
+of twenty); the workflow file, pins.toml (unlocked, as shipped) and every script are the
 repository's own. The base comes from a local registry standing in for Docker Hub (a mirror,
 through ``KILN_REGISTRIES`` in the runner's environment, as on a self-hosted runner) and the
 image goes to a registry that needs a login, named by the one variable ``KILN_REPOSITORY``.
