@@ -22,8 +22,10 @@ The image's attestations (SBOM, provenance) join the layout as artifact manifest
 image's manifest digest (each artifact's own ``subject`` says the same). When this image
 replaces another under its name, the replaced image's artifacts leave ``index.json`` with it
 (under the same lock, said in one warning): a layout never lists an SBOM or provenance of an image
-it no longer lists. Those still naming an image another entry lists stay; the blobs stay too
-(another entry may use them), and a rollback puts the index entries back.
+it no longer lists (of a replaced index, its platform manifests' artifacts: an index's SBOMs
+and provenances name its platform images). Those still naming an image another entry lists stay
+(a platform manifest the new index keeps, too); the blobs stay too (another entry may use
+them), and a rollback puts the index entries back.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from kiln.errors import KilnError, writing
 from kiln.labels import REF_NAME
 from kiln.oci.limits import Budget
 from kiln.oci.manifest import Descriptor
-from kiln.oci.mediatypes import OCI_INDEX
+from kiln.oci.mediatypes import INDEX_TYPES, OCI_INDEX
 from kiln.oci.mutate import canonical_json
 from kiln.publish import Input, Publisher
 from kiln.publish.destinations import LAYOUT_MARKER
@@ -160,6 +162,25 @@ def _place(source: Path, target: Path) -> None:
     shutil.copyfile(source, target)
 
 
+def _reached(layout: Path, entries: list[dict]) -> set[str]:
+    """The image manifests ``entries`` name (not their artifacts): each, and each platform
+    manifest of an index among them (read from the layout's blob; none when it is unreadable)."""
+    reached = set()
+    for entry in entries:
+        if SUBJECT_ANNOTATION in (entry.get("annotations") or {}):
+            continue
+        reached.add(entry.get("digest"))
+        if entry.get("mediaType") not in INDEX_TYPES:
+            continue
+        algorithm, _, encoded = str(entry.get("digest")).partition(":")
+        try:
+            children = json.loads((layout / "blobs" / algorithm / encoded).read_bytes()).get("manifests") or []
+        except (OSError, ValueError, AttributeError):
+            continue
+        reached |= {child.get("digest") for child in children if isinstance(child, dict)}
+    return reached
+
+
 class LayoutPublisher(Publisher):
     kind = "oci"
     option = "--oci"
@@ -251,21 +272,24 @@ class LayoutPublisher(Publisher):
             previous = [m for m in manifests if (m.get("annotations") or {}).get(REF_NAME) == self.ref_name]
             added = [e for e in entries if e not in manifests or e in previous]
             kept = [m for m in manifests if m not in previous and m not in added]
-            orphans, said = self._orphans(previous, kept, entries)
+            orphans, said = self._orphans(dest, previous, kept, entries)
             index["manifests"] = [m for m in kept if m not in orphans] + added
             write_atomic(dest / "index.json", canonical_json(index))
             if said:
                 self.reporter.warn(said)
             return lambda: self._undo_merge(dest, added, previous + orphans)
 
-    def _orphans(self, previous: list[dict], kept: list[dict], entries: list[dict]) -> tuple[list[dict], str]:
-        """The artifacts of the images this name no longer lists (and no other entry does), and
-        the one line that says so ("" when no image was replaced)."""
-        listed = {m.get("digest") for m in [*kept, *entries] if SUBJECT_ANNOTATION not in (m.get("annotations") or {})}
+    def _orphans(self, dest: Path, previous: list[dict], kept: list[dict],
+                 entries: list[dict]) -> tuple[list[dict], str]:
+        """The artifacts of the images this name no longer lists (and no other entry does): of a
+        replaced index, those of its platform manifests; and the one line that says so ("" when
+        no image was replaced)."""
+        listed = _reached(dest, [*kept, *entries])
         replaced = [m.get("digest") for m in previous if m.get("digest") not in listed]
         if not replaced:
             return [], ""
-        orphans = [m for m in kept if (m.get("annotations") or {}).get(SUBJECT_ANNOTATION) in replaced]
+        gone = _reached(dest, previous) - listed
+        orphans = [m for m in kept if (m.get("annotations") or {}).get(SUBJECT_ANNOTATION) in gone]
         types = ", ".join(sorted({str(m.get("artifactType", "?")) for m in orphans})) or "none"
         return orphans, (f"--oci {self.path}: {self.ref_name} replaced {', '.join(replaced)} with "
                          f"{entries[0]['digest']}; removed its {len(orphans)} referrer(s) from index.json ({types})")

@@ -53,7 +53,10 @@ from kiln.triton.imagekey import record_hashes
 
 PTXAS = {"ptxas": "triton/backends/nvidia/bin/ptxas", "ptxas-blackwell": "triton/backends/nvidia/bin/ptxas-blackwell"}
 _MARKER = "kiln-platform-wheel.json"
-_DATE = re.compile(rb"(?<![\w:])(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)_[A-Z][a-z]{2}_\d{1,2}_\d{2}:\d{2}:\d{2}_[A-Z]{3}_\d{4}(?![\w:])")
+# "Fri_Feb_21_20:22:20_PST_2025" (CUDA 12.x); CUDA 13.3's (Triton 3.8.0's ptxas-blackwell) prints a
+# 12-hour clock: "Fri_Apr_24_07:22:02_PM_PDT_2026"; a one-digit day may be padded ("Apr__8")
+_DATE = re.compile(rb"(?<![\w:])(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)_[A-Z][a-z]{2}_{1,2}\d{1,2}_\d{2}:\d{2}:\d{2}"
+                   rb"(?:_[AP]M)?_[A-Z]{3}_\d{4}(?![\w:])")
 _FORMATS = (b"%s: NVIDIA (R) %s", b"Ptx optimizing assembler", b"Built on %s", b"Copyright (c) 2005-%s NVIDIA Corporation")
 
 

@@ -25,6 +25,7 @@ from kiln.triton.keyfiles import read_key_sources
 from kiln.triton.platformwheel import (
     built_on,
     check_same_build,
+    host_ptxas,
     platform_wheel,
     ptxas_key_text,
     wheel_arch,
@@ -110,6 +111,10 @@ def test_ptxas_text_rules():
         "Copyright (c) 2005-2026 NVIDIA Corporation", "Built on Sat_Jan_03_01:02:03_PST_2026"]
     assert built_on(b"\0x\0Fri_Feb_21_20:22:20_PST_2025\0") == "Fri_Feb_21_20:22:20_PST_2025"
     assert built_on(b"Fri_Feb_21_20:22:20_PST_2025 Sat_Feb_22_20:22:20_PST_2025") is None  # two: unknown
+    # CUDA 13.3's ptxas (Triton 3.8.0's ptxas-blackwell) prints a 12-hour clock
+    assert built_on(b"\0Fri_Apr_24_07:23:04_PM_PDT_2026\0") == "Fri_Apr_24_07:23:04_PM_PDT_2026"
+    assert built_on(b"\0Wed_Apr__8_07:23:04_AM_PDT_2026\0") == "Wed_Apr__8_07:23:04_AM_PDT_2026"
+    assert built_on(b"\0xFri_Apr_24_07:23:04_PM_PDT_2026\0") is None  # inside another word: not a date
     binary = (b"%s: NVIDIA (R) %s\0Ptx optimizing assembler\0Built on %s\0Copyright (c) 2005-%s NVIDIA Corporation\0"
               b"Cuda compilation tools, release 12.8, V12.8.93\0Build cuda_12.8.r12.8/compiler.35583870_0\0")
     check_same_build("ptxas", text, binary, "w.whl")
@@ -147,3 +152,25 @@ def test_the_build_step_keys_an_arm64_layer_for_its_triton(toolchain, tree_0201,
     assert "--without-unusable-kernels" in str(err.value)
     assert triton_cache_layer(_preset(), 90, _found(tree_0201, X86_64), {}, {}, tmp_path, "images/t.toml: model.kernels",
                               "t", recorder, leave_out_unusable=True, platform="linux/arm64") is None
+
+
+def test_the_aarch64_wheel_of_triton_3_8_0_is_keyed_too():
+    """vLLM 0.33.0's Triton: its aarch64 cp312 wheel from PyPI, whose ptxas-blackwell (CUDA 13.3)
+    prints its build time on a 12-hour clock; each text differs from the host's on that line alone."""
+    toolchain = toolchain_for("3.8.0", "test-image", TOOLCHAIN_CACHE)
+    arm64 = platform_wheel(toolchain, "3.12", "aarch64", "test-image", TOOLCHAIN_CACHE)
+    assert (arm64.wheel, arm64.wheel_sha256) == (
+        "triton-3.8.0-cp312-cp312-manylinux_2_27_aarch64.manylinux_2_28_aarch64.whl",
+        "a9c404c69ed4a39e8ec632eaf6b9fe058a060bf98979c177f6ef666f06bb8d50")
+    assert set(arm64.ptxas) == set(host_ptxas(toolchain).values())
+    images = {}
+    for host, image in arm64.ptxas.items():
+        changed = [(a, b) for a, b in zip(host.splitlines(), image.splitlines(), strict=True) if a != b]
+        assert [a.split()[:2] for a, _ in changed] == [["Built", "on"]], changed
+        images[host.split(":")[0]] = image
+    assert "Built on Fri_Apr_24_07:23:04_PM_PDT_2026\n" in images["ptxas-blackwell"]  # strings(1) of the aarch64 binary
+    assert "Built on Tue_May_27_02:20:53_PDT_2025\n" in images["ptxas"]
+    sources = read_key_sources(toolchain.site, toolchain.version)
+    keyed = platform_key(arm64.record, arm64.record, toolchain.record, sources, arm64.wheel)
+    assert keyed.problem is None and keyed.libtriton_sha256 == record_hashes(arm64.record)[LIBTRITON]
+    assert keyed.libtriton_sha256 != toolchain.libtriton_sha256
