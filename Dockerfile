@@ -9,7 +9,7 @@
 #                the Triton kernel cache of an image that has one
 #   remove.txt   base files to delete: the stale bytecode of each patched module
 #   base.txt     the base image the patches were computed against, by digest
-#   build-args   BASE, KILN_ENV and the values below, one KEY=VALUE per line
+#   build-args   BASE, KILN_PLATFORM, KILN_ENV and the values below, one KEY=VALUE per line
 
 # The base, pinned by digest (registry/repository@sha256:...). No default on purpose: a tag
 # could move, and the context's files were computed against one exact base.
@@ -18,9 +18,13 @@ ARG BASE
 # names it: podman 4.3 does not resolve this default when it picks a stage.
 ARG KILN_ENV=none
 
-# kiln builds linux/amd64 only; naming it picks the same manifest from a multi-arch index
-# as the daemonless build, whatever machine runs this.
-FROM --platform=linux/amd64 ${BASE} AS kiln-env-none
+# The platform of the base the context was computed on (`context --platform`, default the
+# host's); build-args always names it. BASE is the base's index: naming the platform picks the
+# same manifest of it as the daemonless build, whatever machine runs this (an arm64 context
+# built on an amd64 host runs its RUN step under emulation: qemu-user-static).
+ARG KILN_PLATFORM=linux/amd64
+
+FROM --platform=${KILN_PLATFORM} ${BASE} AS kiln-env-none
 
 # An image with a Triton kernel cache layer also sets TRITON_CACHE_DIR, as the daemonless
 # image's config does. ENV cannot be made conditional, so the choice is a stage; an image

@@ -170,21 +170,7 @@ def load_definition(images_dir: Path, name: str, catalogue: Catalogue, pins: dic
     if not fields <= TAG_FIELDS or "sm" not in fields or "pin" not in fields:
         fail("tag", f"{tag_template!r} may use {{cuda}}, {{sm}}, {{pin}} and must use {{sm}} and {{pin}}")
 
-    patches = [current_id(pid) for pid in raw["patches"]]  # an id renamed since still names its patch
-    if len(set(patches)) != len(patches):
-        fail("patches", "lists a patch twice")
-    for pid in patches:
-        if pid not in catalogue.patches:
-            fail("patches", f"unknown patch {pid!r}")
-    selected = set(patches)
-    for pid in patches:
-        patch = catalogue.get(pid)
-        for dep in patch.requires:
-            if dep not in selected:
-                fail("patches", f"{pid} requires {dep}, which the image does not select")
-        for other in patch.conflicts:
-            if other in selected:
-                fail("patches", f"{pid} conflicts with {other}: select one")
+    patches = _selected_patches(raw["patches"], catalogue, fail)
 
     sms = raw["sms"]
     for sm in sms:
@@ -195,21 +181,7 @@ def load_definition(images_dir: Path, name: str, catalogue: Catalogue, pins: dic
         if pin_name not in pins:
             fail("pins", f"unknown pin {pin_name!r} (not in pins.toml)")
 
-    model_raw = raw["model"]
-    num_spec = model_raw.get("num_speculative_tokens", 0)
-    dtype, kv_cache_dtype = model_raw["dtype"], model_raw["kv_cache_dtype"]
-    kernels = None
-    if "kernels" in model_raw:
-        kernels = parse_kernel_preset(model_raw["kernels"], dtype, kv_cache_dtype, num_spec, fail)
-    model = ModelPreset(
-        id=model_raw["id"],
-        architectures=tuple(model_raw["architectures"]),
-        dtype=dtype,
-        kv_cache_dtype=kv_cache_dtype,
-        spec_method=model_raw.get("spec_method"),
-        num_speculative_tokens=num_spec,
-        kernels=kernels,
-    )
+    model = _model_preset(raw["model"], fail)
     serve = raw.get("serve", {})
     args, env = serve.get("args", []), serve.get("env", {})
 
@@ -246,6 +218,45 @@ def load_definition(images_dir: Path, name: str, catalogue: Catalogue, pins: dic
                 if blocked:
                     fail("patches", f"{pid} is gated off for sm_{sm}: {blocked}")
     return image
+
+
+def _selected_patches(listed: list[str], catalogue: Catalogue, fail) -> list[str]:
+    """``patches``: each one known (by its current id), none twice, every ``requires`` selected, no
+    two in conflict."""
+    patches = [current_id(pid) for pid in listed]  # an id renamed since still names its patch
+    if len(set(patches)) != len(patches):
+        fail("patches", "lists a patch twice")
+    for pid in patches:
+        if pid not in catalogue.patches:
+            fail("patches", f"unknown patch {pid!r}")
+    selected = set(patches)
+    for pid in patches:
+        patch = catalogue.get(pid)
+        for dep in patch.requires:
+            if dep not in selected:
+                fail("patches", f"{pid} requires {dep}, which the image does not select")
+        for other in patch.conflicts:
+            if other in selected:
+                fail("patches", f"{pid} conflicts with {other}: select one")
+    return patches
+
+
+def _model_preset(model_raw: dict, fail) -> ModelPreset:
+    """``[model]``, with its ``[model.kernels]`` preset checked against the model's dtypes."""
+    num_spec = model_raw.get("num_speculative_tokens", 0)
+    dtype, kv_cache_dtype = model_raw["dtype"], model_raw["kv_cache_dtype"]
+    kernels = None
+    if "kernels" in model_raw:
+        kernels = parse_kernel_preset(model_raw["kernels"], dtype, kv_cache_dtype, num_spec, fail)
+    return ModelPreset(
+        id=model_raw["id"],
+        architectures=tuple(model_raw["architectures"]),
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        spec_method=model_raw.get("spec_method"),
+        num_speculative_tokens=num_spec,
+        kernels=kernels,
+    )
 
 
 def _baked_file(images_dir: Path, entry: dict, index: int, fail) -> BakedFile:

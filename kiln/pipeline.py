@@ -4,7 +4,7 @@ Public API:
     BuildResult      digests, tags, where each output went, bytes pulled/pushed, timings (``.to_json()``)
     run_build(inputs, publishers, registry_config=None, allow_unlocked=False, cache=None,
               reporter=SILENT, leave_out_unusable_kernels=False, sign_key=None,
-              cache_from=(), cache_to=(), cache_key=None, warm=None) -> BuildResult
+              cache_from=(), cache_to=(), cache_key=None, platforms=None, warm=None) -> BuildResult
 
 Every destination is checked before any work (``check_outputs``: never an input the build
 reads, ``kiln.publish.destinations``; a push destination must answer and take a push); the deadline runs from the start; a pin with
@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kiln.attest.dsse import SigningKey, envelope, open_envelope, verify_envelope
 from kiln.attest.referrers import attestations
-from kiln.build.image import bake
+from kiln.build.image import BuiltIndex, bake
 from kiln.build.inputs import BuildInputs
 from kiln.build.layers import AUDIT_PATH
 from kiln.build.prepare import prepare_build
@@ -66,7 +66,7 @@ class BuildResult:
     base: str  # the pin's reference
     base_digest: str  # what it resolved to (the digest a pin locks)
     base_manifest_digest: str  # the linux/amd64 manifest built on
-    manifest_digest: str
+    manifest_digest: str  # what the tag names: the image, or the index of the tag's platforms
     config_digest: str
     attestations: dict[str, str]  # artifact type -> the artifact manifest's digest (SBOM, provenance)
     signed: bool
@@ -86,6 +86,7 @@ class BuildResult:
     helm_values: dict = field(default_factory=dict)  # what --values writes (kiln.publish.values)
     triton: dict = field(default_factory=dict)  # the Triton kernel cache layer's summary, if any
     cache: dict = field(default_factory=dict)  # the registry build cache: key, hit (entry read), written
+    platforms: dict = field(default_factory=dict)  # platform -> its manifest, base manifest, layer, kernels
     warm: dict = field(default_factory=dict)  # the warm layer's summary (kiln.warm), if --warm
     warnings: list[str] = field(default_factory=list)
 
@@ -99,11 +100,17 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
               leave_out_unusable_kernels: bool = False, sign_key: SigningKey | None = None,
               cache_from: tuple[ImageReference, ...] | list = (),
               cache_to: tuple[ImageReference, ...] | list = (), cache_key=None,
-              warm: Path | None = None) -> BuildResult:
+              platforms: tuple[str, ...] | list | None = None, warm: Path | None = None) -> BuildResult:
     """Build ``inputs`` and hand the image to every publisher; ``repository`` names it in the result.
 
-    Every image gets its SBOM and provenance (signed with ``sign_key`` when given), which the
-    registry and layout publishers attach as referrers of its manifest."""
+    ``platforms`` (default: ``inputs.platform`` alone): the tag's platforms, each prepared and baked
+    on its own manifest of the base; more than one makes the tag an OCI image index of them
+    (``BuiltIndex``), published only once every platform is baked. Every platform's image gets
+    its SBOM and provenance (signed with ``sign_key`` when given), which the registry and layout
+    publishers attach as referrers of its manifest."""
+    if warm is not None and len(platforms or (inputs.platform,)) > 1:
+        raise KilnError(f"--warm {warm}: a warm cache is made on one platform's hardware, and this tag has "
+                        f"{len(platforms)} ({', '.join(platforms)}): build one (--platform OS/ARCH)")
     config = registry_config or RegistryConfig.load()
     budget = Budget(config.limits)  # the deadline runs from here: it bounds the whole command
     check_outputs(publishers, command_inputs(inputs.files, config.path, cache), budget)
@@ -118,46 +125,85 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
     work_root.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(dir=work_root, prefix=".tmp-"))
     try:
-        prepared = prepare_build(inputs, config, allow_unlocked, cache, reporter, budget,
-                                 leave_out_unusable_kernels=leave_out_unusable_kernels, cache_from=cache_from,
-                                 open_record=record_opener(cache_key),
-                                 keep_wheels=workdir / "wheels" if cache_to else None)
-        if warm is not None:  # the warm bundle's key against this build's inputs, then its layer
-            prepared = with_warm(prepared, warm)
-        clock = prepared.clock
-        budget.check_deadline("patch")  # and between the steps after it
-        image = bake(prepared, workdir, reporter)
-        image.attestations = attestations(image, sign_key)
-        clock.lap("bake", sum(layer.size for layer in image.layers))  # kiln's layers, compressed
-        pause_point("bake")
-        budget.check_deadline("bake")
+        images = [_bake_platform(replace(inputs, platform=platform), config, allow_unlocked, cache, reporter, budget,
+                                 leave_out_unusable_kernels, cache_from, cache_key, sign_key, cache_to,
+                                 workdir / platform.replace("/", "-"), warm)
+                  for platform in (platforms or (inputs.platform,))]
+        image = images[0] if len(images) == 1 else BuiltIndex(images)
+        clock = images[0].prepared.clock
         written = publish(image, publishers, budget)
         push = next((p for p in publishers if isinstance(p, RegistryPublisher)), None)
         clock.lap("publish", push.report.bytes_uploaded if push else 0)
-        written_to = _write_cache(prepared, image, cache_to, config, budget, reporter, workdir, sign_key)
+        written_to = [entry for part in images for entry in _write_cache(
+            part.prepared, part, cache_to, config, budget, reporter,
+            workdir / f"cache-{part.prepared.inputs.platform.replace('/', '-')}", sign_key)]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     values = next((p.values(image) for p in publishers if isinstance(p, ValuesPublisher)), {})
-    report = push.report if push else None
-    layer = image.layers[0]
+    return _result(inputs, image, images, repository, written, values, push.report if push else None, budget,
+                   written_to, sign_key is not None)
+
+
+def _bake_platform(inputs: BuildInputs, config: RegistryConfig, allow_unlocked: bool, cache: Path,
+                   reporter: Reporter, budget: Budget, leave_out_unusable_kernels: bool, cache_from, cache_key,
+                   sign_key: SigningKey | None, cache_to, workdir: Path, warm: Path | None = None):
+    """One platform's image: prepared on its own manifest of the base, baked, attested."""
+    workdir.mkdir(parents=True)
+    prepared = prepare_build(inputs, config, allow_unlocked, cache, reporter, budget,
+                             leave_out_unusable_kernels=leave_out_unusable_kernels, cache_from=cache_from,
+                             open_record=record_opener(cache_key),
+                             keep_wheels=workdir / "wheels" if cache_to else None)
+    if warm is not None:  # the warm bundle's key against this build's inputs, then its layer
+        prepared = with_warm(prepared, warm)
+    budget.check_deadline("patch")  # and between the steps after it
+    image = bake(prepared, workdir, reporter)
+    image.attestations = attestations(image, sign_key)
+    prepared.clock.lap("bake", sum(layer.size for layer in image.layers))  # kiln's layers, compressed
+    pause_point("bake")
+    budget.check_deadline("bake")
+    return image
+
+
+def _result(inputs: BuildInputs, image, images: list, repository: str, written: dict, values: dict, report,
+            budget: Budget, written_to: list[str], signed: bool) -> BuildResult:
+    """The build's summary: the first platform's image and base (as a one-platform build's), the
+    tag's digest (the index's when there are several) and each platform's."""
+    first = images[0]
+    prepared, layer = first.prepared, first.layers[0]
+    timings: dict[str, float] = {}
+    for part in images:  # each platform's steps; the first clock runs from the start to the end
+        for step, seconds in part.prepared.clock.timings.items():
+            timings[step] = round(timings.get(step, 0) + seconds, 3)
+    timings["total"] = prepared.clock.total()["total"]
     return BuildResult(
         image=inputs.definition.name, pin=inputs.pin.name, sm=inputs.sm, tag=inputs.tag, repository=repository,
         base=str(prepared.base_ref), base_digest=prepared.base_digest,
         base_manifest_digest=prepared.base_manifest_digest, manifest_digest=image.manifest.digest,
-        config_digest=image.config_digest,
-        attestations={a.artifact_type: a.manifest.digest for a in image.attestations}, signed=sign_key is not None,
+        config_digest=first.config_digest,
+        attestations={a.artifact_type: a.manifest.digest for a in first.attestations},
+        signed=signed,
         layer_digest=layer.digest, layer_diff_id=layer.diff_id,
         layer_size=layer.size, media_type=image.manifest.media_type,
         patches=[o.to_json() for o in prepared.outcomes.values()], files_changed=prepared.files_changed,
-        outputs=written, helm_values=values, triton=prepared.triton, bytes_pulled=prepared.stats.bytes_down,
+        outputs=written, helm_values=values, triton=prepared.triton,
+        bytes_pulled=sum(part.prepared.stats.bytes_down for part in images),
         bytes_decompressed=budget.bytes_inflated,
         bytes_pushed=report.bytes_uploaded if report else 0,
         blobs_uploaded=len(report.uploaded) if report else 0, blobs_mounted=len(report.mounted) if report else 0,
-        timings=clock.total(), warm=prepared.warm,
-        cache={"hit": [use.hit for use in prepared.cache if use.hit]
-               + [use["hit"] for use in prepared.wheels.uses if use["hit"]] or None,
-               "entries": [use.to_json() for use in prepared.cache] + prepared.wheels.uses, "written": written_to},
+        timings=timings, warm=prepared.warm,
+        cache={"hit": [use.hit for part in images for use in part.prepared.cache if use.hit]
+               + [use["hit"] for part in images for use in part.prepared.wheels.uses if use["hit"]] or None,
+               "entries": [use.to_json() for part in images for use in part.prepared.cache]
+               + [use for part in images for use in part.prepared.wheels.uses], "written": written_to},
+        platforms={part.prepared.inputs.platform: _platform_summary(part) for part in images},
     )
+
+
+def _platform_summary(image) -> dict:
+    prepared = image.prepared
+    return {"manifest_digest": image.manifest.digest, "base_manifest_digest": prepared.base_manifest_digest,
+            "layer_digest": image.layers[0].digest, "triton": prepared.triton,
+            "attestations": {a.artifact_type: a.manifest.digest for a in image.attestations}}
 
 
 def record_opener(public_key=None):

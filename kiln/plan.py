@@ -5,7 +5,9 @@ Public API:
     Layout.discover(pins, patchsets, images, record) -> Layout   the git work tree holding them
     classify(path, layout, patch_files, baked_files=None) -> Kind   what a changed path is to the builds
     plan_builds(layout, since=None, include_worktree=False) -> Plan   ``since=None``: every build
-    Plan.matrix() -> {"include": [{"image", "pin", "sm", "tag"}, ...]}
+    Plan.matrix() -> {"include": [{"image", "pin", "sm", "tag", "platforms"}, ...]}   one entry per
+                      (image, pin, SM), not per platform: its job builds every platform the SM
+                      ships on (``platforms``, space-separated) into one index, pushed once
 
 What a changed path (between ``--since REV`` and HEAD, or the work tree) rebuilds:
 
@@ -131,9 +133,11 @@ class Build:
     pin: str
     sm: int
     tag: str
+    platforms: tuple[str, ...] = ()  # every platform the image ships the SM on: one job, one index
 
     def to_json(self) -> dict:
-        return {"image": self.image, "pin": self.pin, "sm": self.sm, "tag": self.tag}
+        return {"image": self.image, "pin": self.pin, "sm": self.sm, "tag": self.tag,
+                "platforms": " ".join(self.platforms)}
 
 
 @dataclass
@@ -217,7 +221,7 @@ def plan_builds(layout: Layout, since: str | None = None, include_worktree: bool
     for image_name, pin_name in sorted(wanted, key=lambda k: (k[0], pin_order[k[1]])):
         image, pin = after.images[image_name], after.pins[pin_name]
         for sm in sorted(image.sms):
-            build = Build(image.name, pin.name, sm, image.tag(pin.cuda, sm, pin))
+            build = Build(image.name, pin.name, sm, image.tag(pin.cuda, sm, pin), image.platforms_of(sm))
             plan.builds.append(build)
             plan.reasons[build] = list(dict.fromkeys(wanted[image_name, pin_name]))
     return plan

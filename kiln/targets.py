@@ -13,6 +13,8 @@ Public API:
                                             the table's; a pair the table lacks is refused)
     check_platform_for_sm(sm, platform, allowed, where) -> str
     check_triton_for_sm(sm, triton_version, where)   an SM the base's Triton cannot compile for
+    host_platform(machine=None) -> str      this machine's platform (``platform.machine()``: x86_64 ->
+                                            linux/amd64, aarch64 -> linux/arm64)
 
 A new SM or platform is a table in the TOML file, not code: ``kiln.definitions.check_sm`` and the
 ``--sm`` option take their SMs from here, the definitions' ``platforms`` and a build's
@@ -22,6 +24,7 @@ The file's comments hold the evidence for each ``min_triton`` (the real Triton w
 
 from __future__ import annotations
 
+import platform as _platform
 import re
 import tomllib
 from dataclasses import dataclass
@@ -130,3 +133,10 @@ def check_triton_for_sm(sm: int, triton_version: str | None, where: str) -> None
     if older:
         raise KilnError(f"{where}: sm_{sm} needs Triton {minimum} or newer (its ptxas's first with "
                         f"sm_{sm}a); the base carries Triton {triton_version}, which cannot compile for it")
+
+
+def host_platform(machine: str | None = None) -> str:
+    """The platform of this machine (what ``--docker-archive`` and ``context`` build by default)."""
+    machine = (machine or _platform.machine()).lower()
+    arch = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(machine, machine)
+    return f"linux/{arch}"

@@ -2,8 +2,10 @@
 
 These hold the layout docs/ARCHITECTURE.md describes: only ``kiln/commands/`` parses argv or
 prints; library code reports through a ``Reporter``; the import graph of ``kiln/`` has no cycle,
-between modules or between packages; kiln builds no path under ``ci/`` (an installed kiln has
-none), and ``ci/`` is a client of kiln's public API (no ``tests`` import, no private kiln name).
+between modules or between packages, and every import goes down the layers the page's table
+places each module in (``LAYERS``); no function is over ``MAX_FUNCTION_LINES``; kiln builds no
+path under ``ci/`` (an installed kiln has none), and ``ci/`` is a client of kiln's public API (no
+``tests`` import, no private kiln name).
 """
 
 from __future__ import annotations
@@ -16,6 +18,13 @@ from kiln import paths
 KILN = paths.REPO / "kiln"
 MODULES = sorted(KILN.rglob("*.py"))
 MAX_LINES = 420
+MAX_FUNCTION_LINES = 80  # a function longer than a screen hides the steps it should name
+# docs/ARCHITECTURE.md's layers, top to bottom: a module imports its own layer or one below. The
+# page's table says which layer each module is in, in this order, and its chain line is this list
+# (test_the_architecture_table_matches_the_tree), so the page and this test cannot drift.
+LAYERS = ("commands", "tools", "pipeline", "publish", "attest", "build", "loaders", "patch", "triton",
+          "source", "oci", "shared")
+ARCHITECTURE = paths.REPO / "docs" / "ARCHITECTURE.md"
 # A test hook, not output: with KILN_TEST_PAUSE_AT set, it announces the pause the crash tests wait for.
 TEST_HOOKS = {"kiln/pausepoint.py"}
 # A child process's protocol, not output: the kernel worker's one marked stderr line on a full disk,
@@ -114,18 +123,27 @@ def test_modules_stay_small():
     assert not big, big
 
 
-def _documented_modules() -> set[str]:
-    """Modules docs/ARCHITECTURE.md's table names: `kiln/a/b.py`, `kiln/a/{b,c}.py`, and bare
-    `c.py` after a path in the same cell (same directory)."""
+def test_functions_stay_short():
+    long = [f"{p.relative_to(paths.REPO)}:{node.lineno} {node.name} ({lines} lines)" for p in MODULES
+            for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and (lines := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES]
+    assert not long, f"over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def _table_rows() -> list[tuple[str, set[str]]]:
+    """docs/ARCHITECTURE.md's module table, row by row: the layer and the modules the row names
+    (`kiln/a/b.py`, `kiln/a/{b,c}.py`, and bare `c.py` after a path in the same cell: same directory)."""
     import re
 
-    named = set()
-    for line in (paths.REPO / "docs" / "ARCHITECTURE.md").read_text().splitlines():
-        if not line.startswith("|") or line.count("|") < 4:
+    rows = []
+    for line in ARCHITECTURE.read_text().split("## Packages and modules", 1)[1].split("\n## ", 1)[0].splitlines():
+        if not line.startswith("|") or line.count("|") < 4 or line.startswith("|---"):
             continue
-        cell = line.split("|")[2]
+        cells = line.split("|")
+        named: set[str] = set()
         directory = None
-        for token in re.findall(r"`([^`]+)`", cell):
+        for token in re.findall(r"`([^`]+)`", cells[2]):
             if token.startswith("kiln/"):
                 directory = token.rsplit("/", 1)[0]
                 name = token.rsplit("/", 1)[1]
@@ -136,7 +154,43 @@ def _documented_modules() -> set[str]:
             group = re.fullmatch(r"\{(.+)\}\.py", name)
             for stem in (group.group(1).split(",") if group else [name.removesuffix(".py")]):
                 named.add(f"{directory}/{stem.strip()}.py")
-    return named
+        if named:
+            rows.append((cells[1].strip(), named))
+    return rows
+
+
+def _documented_modules() -> set[str]:
+    return {module for _, named in _table_rows() for module in named}
+
+
+def _documented_chain() -> list[str]:
+    """The page's one line of layers: `commands → ... → shared`."""
+    import re
+
+    chains = re.findall(r"^`([a-z]+(?: → [a-z]+)+)`$", ARCHITECTURE.read_text(), re.MULTILINE)
+    assert len(chains) == 1, f"docs/ARCHITECTURE.md: expected one line of layers, found {chains}"
+    return chains[0].split(" → ")
+
+
+def _layer_of() -> dict[str, str]:
+    """Each kiln module's layer, as the table places it; a package's ``__init__`` the table does
+    not name is in its package's layer (the one every module of that package is in)."""
+    placed = {_name(paths.REPO / module): layer for layer, named in _table_rows() for module in named}
+    for path in MODULES:
+        name = _name(path)
+        if name not in placed and path.name == "__init__.py":
+            layers = {layer for module, layer in placed.items() if module.startswith(f"{name}.")}
+            assert len(layers) == 1, f"{path.relative_to(paths.REPO)}: its package is in layers {sorted(layers)}"
+            placed[name] = layers.pop()
+    return placed
+
+
+def _upward(graph: dict[str, set[str]], layer_of: dict[str, str]) -> list[str]:
+    """Every import of a module in a layer above the importer's."""
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    return sorted(f"{module} ({layer_of[module]}) imports {target} ({layer_of[target]})"
+                  for module, targets in graph.items() for target in targets
+                  if rank[layer_of[target]] < rank[layer_of[module]])
 
 
 def test_the_architecture_table_matches_the_tree():
@@ -145,6 +199,26 @@ def test_the_architecture_table_matches_the_tree():
     assert not modules - documented, f"docs/ARCHITECTURE.md does not list {sorted(modules - documented)}"
     stale = {m for m in documented if not (paths.REPO / m).is_file()}
     assert not stale, f"docs/ARCHITECTURE.md lists modules that do not exist: {sorted(stale)}"
+    assert _documented_chain() == list(LAYERS), "docs/ARCHITECTURE.md's line of layers is not LAYERS"
+    rows = [layer for layer, _ in _table_rows()]
+    assert not set(rows) - set(LAYERS), f"docs/ARCHITECTURE.md's table has layers not in LAYERS: {set(rows) - set(LAYERS)}"
+    assert rows == sorted(rows, key=LAYERS.index), f"docs/ARCHITECTURE.md's table is not in layer order: {rows}"
+    twice = sorted(m for m in documented if sum(m in named for _, named in _table_rows()) > 1)
+    assert not twice, f"docs/ARCHITECTURE.md places these in more than one row: {twice}"
+
+
+def test_imports_go_down_the_layers():
+    layer_of = _layer_of()
+    assert not (unplaced := set(_graph()) - set(layer_of)), f"in no layer: {sorted(unplaced)}"
+    upward = _upward(_graph(), layer_of)
+    assert not upward, f"imports of a layer above the importer's (docs/ARCHITECTURE.md): {upward}"
+
+
+def test_the_direction_check_catches_an_upward_import():
+    layer_of = {"kiln.oci.registry": "oci", "kiln.build.prepare": "build", "kiln.errors": "shared"}
+    graph = {"kiln.oci.registry": {"kiln.errors", "kiln.build.prepare"}, "kiln.build.prepare": {"kiln.oci.registry"},
+             "kiln.errors": set()}
+    assert _upward(graph, layer_of) == ["kiln.oci.registry (oci) imports kiln.build.prepare (build)"]
 
 
 # kiln runs from its package alone (an installed kiln has no ci/: tests/test_installed.py). The one

@@ -19,7 +19,7 @@ from kiln import commands, paths
 from kiln.patch.catalog import load_catalogue
 
 QWEN = "qwen3.6-27b-tq"
-QWEN_SMS = (86, 89, 90, 120)
+QWEN_SMS = (86, 89, 90, 120, 121)
 MODEL = """
 [model]
 id = "Lorbus/Qwen3.6-27B-int4-AutoRound"
@@ -319,3 +319,20 @@ def test_the_cpu_pin_stays_out_of_the_matrix(project, capsys):
     project.append(_module("P65"), "\n# a change\n")
     project.commit()
     assert project.rebuilds(capsys, before) == only_p65() + qwen()
+
+
+def test_one_entry_per_tag_naming_every_platform_it_ships_on(project, capsys):
+    """The matrix holds one entry per (image, pin, SM), not per platform: its job builds every
+    platform of the tag into one index (the workflow checks the build's platforms against it)."""
+    project, _ = project
+    project.write("images/spread.toml", ONLY_P65.replace('"only-p65"', '"spread"').replace(
+        "sms = [120, 86]", "sms = [121, 90, 120, 100]\nplatforms = { 100 = [\"linux/amd64\"] }"))
+    project.commit()
+    capsys.readouterr()
+    assert commands.main(["--pins", str(project.root / "pins.toml"), "--patchsets", str(project.root / "patchsets"),
+                          "--images", str(project.root / "images"), "--record",
+                          str(project.root / "patchsets/verdicts.toml"), "plan", "--all"]) == 0
+    entries = [e for e in json.loads(capsys.readouterr().out)["include"] if e["image"] == "spread"]
+    assert [(e["sm"], e["platforms"]) for e in entries] == [
+        (90, "linux/amd64 linux/arm64"), (100, "linux/amd64"), (120, "linux/amd64"), (121, "linux/arm64")]
+    assert len({e["tag"] for e in entries}) == len(entries)

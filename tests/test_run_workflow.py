@@ -1,7 +1,7 @@
 """The shipped workflow, run: ``ci/run_workflow.py`` on a clean clone against local registries.
 
 The clone gets one commit on top (a small image definition, so the plan holds one build instead
-of sixteen); the workflow file, pins.toml (unlocked, as shipped) and every script are the
+of twenty); the workflow file, pins.toml (unlocked, as shipped) and every script are the
 repository's own. The base comes from a local registry standing in for Docker Hub (a mirror,
 through ``KILN_REGISTRIES`` in the runner's environment, as on a self-hosted runner) and the
 image goes to a registry that needs a login, named by the one variable ``KILN_REPOSITORY``.
@@ -30,10 +30,10 @@ from actions_expr import ExpressionError, evaluate, interpolate, with_status  # 
 from registry_login import login  # noqa: E402
 
 FIXTURE_IMAGE = """\
-# a test fixture: one pin, one SM, one patch, no kernels (tests/test_run_workflow.py)
+# a test fixture: one pin, one SM on two platforms, one patch, no kernels (tests/test_run_workflow.py)
 name = "ci-fixture"
 pins = ["v0.20.1"]
-sms = [120]
+sms = [90]
 tag = "{cuda}-sm{sm}-{pin}"
 patches = ["P65"]
 
@@ -54,7 +54,12 @@ def _git(cwd: Path, *args: str) -> str:
 
 
 @pytest.mark.registry
-def test_the_workflow_goes_green_on_a_clean_clone(tmp_path, registry_plain, registry_basic):
+def test_the_workflow_goes_green_on_a_clean_clone(tmp_path, start_registry, registry_plain, registry_basic):
+    # Docker Hub as vLLM's release tags are: v0.20.1 an index of linux/amd64 and linux/arm64
+    hub = start_registry("plain", copy_from=registry_plain)
+    subprocess.run(["skopeo", "copy", "--all", "--src-tls-verify=false", "--dest-tls-verify=false",
+                    f"docker://{hub.host}/vllm/vllm-openai:v0.20.1-multi",
+                    f"docker://{hub.host}/vllm/vllm-openai:v0.20.1"], check=True, capture_output=True)
     head = _git(paths.REPO, "rev-parse", "HEAD")
     src = tmp_path / "src"
     subprocess.run(["git", "clone", "--quiet", "--no-local", str(paths.REPO), str(src)], check=True)
@@ -65,8 +70,8 @@ def test_the_workflow_goes_green_on_a_clean_clone(tmp_path, registry_plain, regi
     _git(src, "commit", "--quiet", "-m", "a fixture image")
     # the runner machine's environment: Docker Hub is the local registry; both speak plain HTTP
     Path(os.environ["KILN_REGISTRIES"]).write_text(
-        f'insecure = ["{registry_plain.host}", "{registry_basic.host}"]\n'
-        f'[mirrors]\n"docker.io" = "http://{registry_plain.host}"\n')
+        f'insecure = ["{hub.host}", "{registry_basic.host}"]\n'
+        f'[mirrors]\n"docker.io" = "http://{hub.host}"\n')
     env = {k: v for k, v in os.environ.items() if k != "KILN_PROGRESS"}
     work = tmp_path / "work"
     result = subprocess.run(
@@ -84,10 +89,18 @@ def test_the_workflow_goes_green_on_a_clean_clone(tmp_path, registry_plain, regi
     assert "::warning::pin v0.20.1 is unlocked in pins.toml" in log
     assert f"logged in to {registry_basic.host} for {registry_basic.host}/ci/ci-fixture" in log
     assert "stage pull: " in log and "stage publish: " in log  # plain progress in the job's log
-    out = work / "artifacts" / "kiln-ci-fixture-cu130-sm120-v0.20.1" / "out"
-    built = json.loads((out / "build-ci-fixture-cu130-sm120-v0.20.1.json").read_text())
+    out = work / "artifacts" / "kiln-ci-fixture-cu130-sm90-v0.20.1" / "out"
+    built = json.loads((out / "build-ci-fixture-cu130-sm90-v0.20.1.json").read_text())
     assert built["repository"] == f"{registry_basic.host}/ci/ci-fixture"
-    assert registry_basic.digest_of("ci/ci-fixture:cu130-sm120-v0.20.1") == built["manifest_digest"]
+    assert registry_basic.digest_of("ci/ci-fixture:cu130-sm90-v0.20.1") == built["manifest_digest"]
+    # one job pushed one index of both platforms (read back by skopeo)
+    index = json.loads(subprocess.run(
+        ["skopeo", "inspect", "--raw", "--tls-verify=false", "--creds", "testuser:testpass",
+         f"docker://{registry_basic.host}/ci/ci-fixture:cu130-sm90-v0.20.1"],
+        check=True, capture_output=True).stdout)
+    assert index["mediaType"] == "application/vnd.oci.image.index.v1+json"
+    assert [f"{m['platform']['os']}/{m['platform']['architecture']}" for m in index["manifests"]] == [
+        "linux/amd64", "linux/arm64"] == list(built["platforms"])
     # the matrix's shared build cache: read (a miss on a fresh registry), then written beside the images
     assert built["cache"]["hit"] is None
     written = []
@@ -99,10 +112,10 @@ def test_the_workflow_goes_green_on_a_clean_clone(tmp_path, registry_plain, regi
         assert entry.json()["artifactType"] == f"application/vnd.kiln.cache.{cached['kind']}.v1"
         written.append(f"{registry_basic.host}/ci/kiln-cache@{entry.headers['Docker-Content-Digest']}")
     assert "patched" in [e["kind"] for e in built["cache"]["entries"]] and built["cache"]["written"] == written
-    values = json.loads((out / "values-ci-fixture-cu130-sm120-v0.20.1.json").read_text())
+    values = json.loads((out / "values-ci-fixture-cu130-sm90-v0.20.1.json").read_text())
     jsonschema.validate(values, json.loads(VALUES_SCHEMA.read_text()))
     assert values["image"]["digest"] == built["manifest_digest"]
-    stack = json.loads((out / "vllm-stack-values-ci-fixture-cu130-sm120-v0.20.1.yaml").read_text())
+    stack = json.loads((out / "vllm-stack-values-ci-fixture-cu130-sm90-v0.20.1.yaml").read_text())
     jsonschema.validate(stack, json.loads(VLLM_STACK_SCHEMA.read_text()))
     assert stack["servingEngineSpec"]["modelSpec"][0]["tag"].endswith("@" + built["manifest_digest"])
 

@@ -1,6 +1,6 @@
 """A tiny Qwen3.6-family model made here: random weights, a locally trained tokenizer, no hub.
 
-    python tiny_model.py OUT_DIR
+    python tiny_model.py [--family qwen3_next|qwen3_5] OUT_DIR
 
 Run with the served image's own Python (``/opt/venv/bin/python``: transformers, tokenizers,
 torch and safetensors are vLLM's dependencies), so the config is the one that transformers
@@ -14,6 +14,17 @@ lm_head is left unloaded). The tokenizer is a byte-level BPE trained on a few se
 Qwen's special tokens; the chat template is Qwen-style (``<|im_start|>``, ``<think>``, tools as
 ``<tool_call><function=…><parameter=…>``, which the ``qwen3_coder`` parser reads). Same
 seed, same files.
+
+``--family qwen3_5`` (the GPU serve bundle, ``ci/gpu_serve_bundle.py``; the GPU machine has
+torchvision): ``Qwen3_5ForConditionalGeneration``, Qwen3.6-27B's own architecture, dense. The
+attention shape is the 27B's where kiln's kernels and vLLM's KV-cache sizing read it: gated
+full attention with 24 query heads, 4 KV heads, head dim 256 (what the image's
+``[model.kernels]`` preset compiles ahead of time, and a head dim TurboQuant k8v4 takes), and
+Gated DeltaNet layers with 16 key / 48 value heads of dim 128 (the Mamba page the block size is
+derived from). Everything else is shrunk: hidden size 128, three GDN layers then one full one
+(the 27B's 3:1), a one-layer vision tower, and an MTP head (``mtp.*``, one full-attention layer,
+the weights vLLM's ``qwen3_5_mtp`` loads, which transformers does not make) for
+``--speculative-config '{"method": "mtp"}'``. float16, as the image serves it.
 """
 
 from __future__ import annotations
@@ -152,15 +163,90 @@ def model_files(out: Path, token_id) -> None:
         {"eos_token_id": [token_id("<|im_end|>"), token_id("<|endoftext|>")], "do_sample": False}))
 
 
-def main(out: Path) -> None:
+QWEN35_TEXT = dict(
+    vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"], full_attention_interval=4,
+    num_attention_heads=24, num_key_value_heads=4, head_dim=256, attn_output_gate=True,
+    linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, max_position_embeddings=4096, rms_norm_eps=1e-6, mtp_num_hidden_layers=1,
+    tie_word_embeddings=False, dtype="float16",
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+)
+QWEN35_VISION = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, in_channels=3, patch_size=16,
+                     spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128, num_position_embeddings=256)
+
+
+def qwen35_model_files(out: Path, token_id) -> dict:
+    """Qwen3_5ForConditionalGeneration, dense, with an MTP head; returns what the config says."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    specials = {name: token_id(name) for name in ("<|im_end|>", "<|endoftext|>", "<|vision_start|>",
+                                                  "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")}
+    config = AutoConfig.for_model(
+        "qwen3_5", text_config={**QWEN35_TEXT, "eos_token_id": specials["<|im_end|>"],
+                                "pad_token_id": specials["<|endoftext|>"]},
+        vision_config=QWEN35_VISION, image_token_id=specials["<|image_pad|>"],
+        video_token_id=specials["<|video_pad|>"], vision_start_token_id=specials["<|vision_start|>"],
+        vision_end_token_id=specials["<|vision_end|>"], tie_word_embeddings=False)
+    # transformers' own initialisation (seeded): each norm as its class expects it
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float16)
+    model.save_pretrained(out, safe_serialization=True)
+    shards = sorted(out.glob("*.safetensors"))
+    if len(shards) != 1:
+        raise SystemExit(f"{out}: expected one safetensors file, found {len(shards)}")
+    weights = load_file(str(shards[0]))
+    # The MTP head: a full-attention decoder layer shaped like the model's own, fc over
+    # [embedding; hidden], and its three norms: the names vLLM's qwen3_5_mtp loads.
+    full = QWEN35_TEXT["layer_types"].index("full_attention")
+    prefix = next(k for k in weights if k.endswith(f"layers.{full}.self_attn.q_proj.weight")).rsplit(
+        f"layers.{full}.", 1)[0]
+    hidden = QWEN35_TEXT["hidden_size"]
+    generator = torch.Generator().manual_seed(1)
+    for key, value in list(weights.items()):
+        if key.startswith(f"{prefix}layers.{full}."):
+            rest = key[len(f"{prefix}layers.{full}."):]
+            fresh = value.clone() if value.dim() < 2 else \
+                (torch.randn(value.shape, generator=generator) * 0.02).to(value.dtype)  # norms: the layer's own
+            weights[f"mtp.layers.0.{rest}"] = fresh
+    weights["mtp.fc.weight"] = (torch.randn((hidden, 2 * hidden), generator=generator) * 0.02).half()
+    final_norm = weights[f"{prefix}norm.weight"]  # the model's last norm: the same kind of RMSNorm
+    for norm in ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"):
+        weights[norm] = final_norm.clone()
+    save_file(weights, str(shards[0]), metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    index.unlink(missing_ok=True)
+    (out / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [specials["<|im_end|>"], specials["<|endoftext|>"]], "do_sample": False}))
+    text = json.loads((out / "config.json").read_text())
+    return {"architectures": text.get("architectures"), "model_type": text.get("model_type"),
+            "parameters": sum(v.numel() for v in weights.values()),
+            "mtp_tensors": sorted(k for k in weights if k.startswith("mtp."))}
+
+
+def main(out: Path, family: str = "qwen3_next") -> None:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer_files(out)
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
-    model_files(out, tokenizer.token_to_id)
-    print(json.dumps({"model": str(out), "files": sorted(p.name for p in out.iterdir())}))
+    made = {}
+    if family == "qwen3_5":
+        made = qwen35_model_files(out, tokenizer.token_to_id)
+    else:
+        model_files(out, tokenizer.token_to_id)
+    print(json.dumps({"model": str(out), "family": family, **made,
+                      "files": sorted(p.name for p in out.iterdir())}))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    args = sys.argv[1:]
+    chosen = "qwen3_next"
+    if args[:1] == ["--family"]:
+        chosen, args = args[1], args[2:]
+    if chosen not in ("qwen3_next", "qwen3_5") or len(args) != 1:
+        raise SystemExit("usage: tiny_model.py [--family qwen3_next|qwen3_5] OUT_DIR")
+    main(Path(args[0]), chosen)

@@ -6,7 +6,13 @@ Public API:
     check_image(reference, files, config, public_key=None, reporter=SILENT, allow_moved_tag=False)
         -> CheckResult
 
-In order, each failure a one-line ``KilnError``: the reference resolves to an image manifest;
+An index (one tag's platforms) is checked platform by platform, each as below on its own
+platform of the base; the first that fails or differs is named (``linux/arm64 (sha256:…): …``);
+then the index must hold the platforms the definition ships the SM on, and re-made from the
+re-derived manifests be the index the reference names.
+
+In order, each failure a one-line ``KilnError``: the reference resolves to an image manifest
+(built on the platform its config names);
 its referrers (the referrers API, else the ``sha256-<hex>`` tag) hold a provenance and an SBOM
 whose artifact ``subject`` is this digest; with a key, a provenance signature verifies; the
 statement's subject is this digest; a tag in the reference is the tag the provenance records
@@ -22,9 +28,10 @@ or config field (``kiln.attest.treediff``).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from packaging.version import Version
@@ -40,7 +47,7 @@ from kiln.attest.referrers import (
 )
 from kiln.attest.slsa import RecordedBuild, read_statement
 from kiln.attest.treediff import describe_difference
-from kiln.build.image import bake
+from kiln.build.image import BuiltIndex, bake
 from kiln.build.inputs import BuildInputs
 from kiln.build.prepare import prepare_build
 from kiln.build.provenance import kiln_revision
@@ -68,7 +75,8 @@ class CheckResult:
     identical: bool
     difference: str = ""
     tag: str = ""  # the tag the provenance records
-    platform: str = ""  # "linux/amd64 sm_120": the image config's os/architecture and the recorded SM
+    platform: str = ""  # "linux/amd64 sm_120": the image config's os/architecture (an index: each) and the SM
+    sm: int = 0  # the recorded SM
 
 
 def _attached(client: RegistryClient, repo: str, digest: str) -> dict[str, list[tuple[Manifest, bytes]]]:
@@ -106,7 +114,7 @@ def _provenance(envelopes: list[tuple[Manifest, bytes]], public_key, what: str) 
     raise failure
 
 
-def _local_inputs(files: RepoFiles, recorded: RecordedBuild) -> BuildInputs:
+def _local_inputs(files: RepoFiles, recorded: RecordedBuild, platform: str) -> BuildInputs:
     """The build inputs the provenance records, from this checkout; refused where they differ."""
     catalogue = load_catalogue(files.patchsets)
     path = image_path(files.images, recorded.image)
@@ -130,7 +138,10 @@ def _local_inputs(files: RepoFiles, recorded: RecordedBuild) -> BuildInputs:
     pin = Pin(raw["name"], raw.get("role", "current"), raw["image"], Version(raw["vllm"]), raw["cuda"], raw["digest"])
     pins = load_pins(files.pins) if files.pins.is_file() else {}
     definition = load_definition(files.images, recorded.image, catalogue, {**pins, pin.name: pin})
-    inputs = BuildInputs(files, definition, pin, recorded.sm, catalogue)
+    shipped = definition.platforms_of(recorded.sm)
+    if platform not in shipped:
+        raise Refused(f"{path}: ships sm_{recorded.sm} on {', '.join(shipped)}, not on {platform} (the image's)")
+    inputs = BuildInputs(files, definition, pin, recorded.sm, catalogue, platform=platform)
     if inputs.tag != recorded.tag:
         raise Refused(f"{path}: gives tag {inputs.tag}, the provenance records {recorded.tag}")
     return inputs
@@ -154,9 +165,68 @@ def check_image(reference: str, files: RepoFiles, config: RegistryConfig, public
     repo = ref.repository
     digest = ref.digest or client.resolve(repo, ref.ref)
     manifest = client.get_manifest(repo, digest)
-    what = f"{ref.name}@{digest}"
     if manifest.is_index:
-        raise Refused(f"{what}: is an index; check the platform image's digest")
+        return _check_index(reference, ref, client, config, manifest, files, public_key, reporter, allow_moved_tag)
+    if manifest.config.size > _ATTESTATION_MAX:
+        raise Refused(f"{ref.name}@{digest}: image config of {manifest.config.size} bytes is too large")
+    with client.open_blob(repo, manifest.config.digest, manifest.config.size) as reader:
+        built = json.loads(reader.read())
+    platform = f"{built.get('os', '?')}/{built.get('architecture', '?')}"
+    result, _ = _check_one(reference, ref, client, config, manifest, platform, files, public_key, reporter,
+                           allow_moved_tag)
+    return result
+
+
+def _check_index(reference: str, ref, client: RegistryClient, config: RegistryConfig, index: Manifest,
+                 files: RepoFiles, public_key, reporter: Reporter, allow_moved_tag: bool) -> CheckResult:
+    """Every platform of the index re-derived in turn, the first that differs named; then the
+    index itself, re-made from the re-derived manifests, must be the one the tag names."""
+    repo, what = ref.repository, f"{ref.name}@{index.digest}"
+    platforms = {}
+    for entry in index.manifests:
+        where = entry.platform or {}
+        platform = f"{where.get('os', '?')}/{where.get('architecture', '?')}"
+        if platform in platforms:
+            raise Refused(f"{what}: lists {platform} twice")
+        platforms[platform] = entry
+    if not platforms:
+        raise Refused(f"{what}: an index of no platforms")
+    results, images = [], []
+    for platform, entry in platforms.items():
+        try:
+            manifest = client.get_manifest(repo, entry.digest)
+            if manifest.is_index:
+                raise Refused(f"{ref.name}@{entry.digest}: an index inside the index")
+            result, image = _check_one(reference, ref, client, config, manifest, platform, files, public_key,
+                                       reporter, allow_moved_tag)
+        except KilnError as err:
+            raise Refused(f"{platform}: {err}") from None
+        if not result.identical:
+            return replace(result, reference=reference, digest=index.digest,
+                           difference=f"{platform} ({entry.digest}): {result.difference}")
+        results.append(result)
+        images.append(image)
+    shipped = images[0].prepared.inputs.definition.platforms_of(images[0].prepared.inputs.sm)
+    named = ", ".join(platforms)
+    if sorted(shipped) != sorted(platforms):
+        return replace(results[0], reference=reference, digest=index.digest, identical=False,
+                       difference=f"the index holds {named}; sm_{results[0].sm} ships on {', '.join(shipped)}")
+    again = BuiltIndex(sorted(images, key=lambda image: shipped.index(image.prepared.inputs.platform))).manifest
+    first = results[0]
+    summary = f"{named} sm_{first.sm}"
+    if again.digest != index.digest:
+        return CheckResult(reference, index.digest, first.signed_by, False,
+                           f"every platform is identical, but the index is not the re-derived one ({again.digest})",
+                           first.tag, summary)
+    return CheckResult(reference, index.digest, first.signed_by, True, tag=first.tag, platform=summary)
+
+
+def _check_one(reference: str, ref, client: RegistryClient, config: RegistryConfig, manifest: Manifest,
+               platform: str, files: RepoFiles, public_key, reporter: Reporter,
+               allow_moved_tag: bool) -> tuple[CheckResult, object]:
+    """One platform's image: its attestations verified, then re-derived on ``platform`` of the base."""
+    repo, digest = ref.repository, manifest.digest
+    what = f"{ref.name}@{digest}"
     found = _attached(client, repo, digest)
     if not found.get(DSSE_MEDIA_TYPE):
         raise Refused(f"{what}: no provenance attached (no referrer of type {DSSE_MEDIA_TYPE})")
@@ -181,8 +251,8 @@ def check_image(reference: str, files: RepoFiles, config: RegistryConfig, public
         got = hashlib.sha256(sboms[-1]).hexdigest()
         raise Refused(f"{what}: the attached SBOM (sha256 {got[:16]}…) is not the one the provenance records "
                         f"(sha256 {recorded.sbom_sha256[:16]}…)")
-    inputs = _local_inputs(files, recorded)
-    result = {"tag": recorded.tag}
+    inputs = _local_inputs(files, recorded, platform)
+    result = {"tag": recorded.tag, "sm": recorded.sm, "platform": f"{platform} sm_{recorded.sm}"}
     with tempfile.TemporaryDirectory(prefix="kiln-check-") as tmp:
         cache = Path(tmp)
         _share_toolchains(cache)
@@ -191,17 +261,15 @@ def check_image(reference: str, files: RepoFiles, config: RegistryConfig, public
                                  reporter=reporter)
         (cache / "work").mkdir()
         image = bake(prepared, cache / "work", reporter)
-        built = image.model.config
-        result["platform"] = f"{built.get('os', '?')}/{built.get('architecture', '?')} sm_{recorded.sm}"
         if image.manifest.digest != digest:
             difference = describe_difference(manifest, image, client, repo, cache)
-            return CheckResult(reference, digest, signed_by, False, difference, **result)
+            return CheckResult(reference, digest, signed_by, False, difference, **result), image
         sbom_again, provenance_again = attestations(image)
         _, statement_again, _ = open_envelope(provenance_again.blobs[provenance_again.manifest.json["layers"][0]["digest"]], "")
         if sbom_again.blobs[sbom_again.manifest.json["layers"][0]["digest"]] != sbom:
             return CheckResult(reference, digest, signed_by, False, "the SBOM differs from the re-derived one",
-                               **result)
+                               **result), image
         if statement_again != payload:
             return CheckResult(reference, digest, signed_by, False, "the provenance differs from the re-derived one",
-                               **result)
-    return CheckResult(reference, digest, signed_by, True, **result)
+                               **result), image
+    return CheckResult(reference, digest, signed_by, True, **result), image

@@ -34,6 +34,9 @@ build's own.
   gated: the only use the engine makes of the SM and the model preset). No image name, tag,
   SM or baked file: each build assembles its image's patched-source layer (baked files, audit
   file) from the entry, so images on one base and selection share it, whatever their SMs.
+Both the ``patched`` and ``kernels`` keys name the build's platform (``linux/arm64``): an index's
+platforms may share their vLLM layers' blobs, and a kernel layer is keyed for its platform's Triton.
+
 * ``kernels``: one SM's kernel layer. The vLLM layers read (they hold Triton's dist-info, hence
   its version and RECORD, the toolchain wheel and the image's Python, and the pristine kernel
   sources), the base config's Env and the definition's serve env (the compile's environment),
@@ -144,7 +147,8 @@ def patched_key(inputs: BuildInputs, walk: dict, need_triton: bool) -> tuple[str
     """The patched entry's key: the vLLM layers the walk reads (``vllm_layers``; ``need_triton``
     reads on for Triton, which may read a stray file of a lower layer), the selection and what
     the target decides of each patch."""
-    return _keyed(PATCHED, {"vllm_layers": walk, "need_triton": need_triton, **_selection(inputs)})
+    return _keyed(PATCHED, {"vllm_layers": walk, "need_triton": need_triton, "platform": inputs.platform,
+                            **_selection(inputs)})
 
 
 def kernels_key(inputs: BuildInputs, layers_read: list[dict], base_env: dict[str, str],
@@ -157,6 +161,7 @@ def kernels_key(inputs: BuildInputs, layers_read: list[dict], base_env: dict[str
     touched = any(reads_source(kernels, rel) for pid in catalogue.closure(list(definition.patches))
                   for rel in catalogue.get(pid).targets)
     return _keyed(KERNELS, {"vllm_layers": layers_read, "base_env": dict(base_env), "sm": inputs.sm,
+                            "platform": inputs.platform,  # its Triton: that machine's wheel
                             "preset": kernels.to_json(), "serve_env": dict(definition.serve_env),
                             "leave_out_unusable_kernels": leave_out_unusable_kernels,
                             "sources": _selection(inputs) if touched else "pristine"})

@@ -6,6 +6,9 @@ Public API:
     CacheReader(cache_from, config, stats, budget, cache, reporter=SILENT, open_record=plain_record)
         .patched(inputs, layers, need_triton, platform) -> (CacheUse, CachedEntry) | None   the hit, if any
         .read(use, agrees=None) -> CachedEntry | None   ``use``'s entry from the first cache that has it verified
+    look_up_entries(reader, inputs, base, pull, lap, leave_out_unusable_kernels=False) -> CacheLookup
+        a build's ``patched``, ``kernels`` and ``catalogue`` entries: their keys, and what hit
+    unsigned_use(uses, hits, reporter)   the one warning of a build that uses unsigned entries
     cached_catalogue(patchsets, cache_from, config, reporter=SILENT, open_record=plain_record, cache=None)
         -> (Catalogue of facts, where) | (loaded Catalogue, None) | None   the ``catalogue`` entry of these ``patchsets/`` bytes
     facts_difference(local, cached) -> str | None   the first patch field where two catalogues' facts differ
@@ -23,7 +26,12 @@ deeper than ``PROBE_DEPTH`` layers is never probed that deep: its ``patched`` en
 written (its ``kernels`` entries still are: they are looked up after the walk).
 
 The ``kernels`` key is known once the layers read are: from the ``patched`` hit's key, or from
-the walk (``kiln.build.prepare`` pulls, then asks, before it compiles).
+the walk (the build pulls, then asks, before it compiles).
+
+``look_up_entries`` is the whole of "is it cached" for a build (``kiln.build.prepare`` is "how
+to build", as ko keeps its layer cache apart from its builder): it probes, and only when an
+entry misses does it call the build's ``pull`` (the base's pristine vLLM, read from its top
+layers), checks a hit against what the walk read, and keys what the build will write.
 
 The ``catalogue`` entry is read first of all, before the definition is loaded: its key is the
 bytes of ``patchsets/`` and kiln's code, known without importing anything. Only a signed entry
@@ -35,22 +43,27 @@ difference: a miss with a warning naming the patch and the field).
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from kiln.build.cachekeys import (
     CATALOGUE,
+    KERNELS,
     PATCHED,
     catalogue_key,
     entry_tag,
+    kernels_key,
     patched_key,
     probe_walks,
+    walk_read,
 )
 from kiln.build.inputs import BuildInputs
 from kiln.build.regcache import (
     CachedEntry,
     CacheUse,
+    base_platform,
     patched_agrees,
     plain_record,
     read_entry,
@@ -60,12 +73,15 @@ from kiln.cache import cache_root
 from kiln.errors import KilnError
 from kiln.lifeline import uninterrupted
 from kiln.oci.endpoints import RegistryConfig
+from kiln.oci.image import RemoteImage
 from kiln.oci.limits import Budget
 from kiln.oci.manifest import Descriptor
 from kiln.oci.registry import RegistryClient, TransferStats
 from kiln.patch.catalog import Catalogue, load_catalogue
 from kiln.patch.facts import catalogue_facts, facts_catalogue
 from kiln.report import SILENT, Reporter
+from kiln.source.image import ImageVllm, check_platform
+from kiln.triton.cachelayer import image_env
 
 PROBE_DEPTH = 32  # bounds a cold build's requests: at most 33 tags per cache
 PROBE_THREADS = 4
@@ -78,6 +94,7 @@ class CacheReader:
                  reporter: Reporter = SILENT, open_record=plain_record) -> None:
         self.locations = [(location, RegistryClient(config.endpoint(location.registry), stats=stats, budget=budget))
                           for location in cache_from]
+        self.budget = budget
         self.workroot, self.reporter, self.open_record = cache / "build", reporter, open_record
 
     def patched(self, inputs: BuildInputs, layers: list[Descriptor], need_triton: bool,
@@ -140,6 +157,98 @@ class CacheReader:
     def _workdir(self):
         self.workroot.mkdir(parents=True, exist_ok=True)
         return tempfile.TemporaryDirectory(dir=self.workroot, prefix=".tmp-cache-")
+
+
+@dataclass
+class CacheLookup:
+    """What the registry build cache holds for one build (``look_up_entries``): each entry it
+    looks up (its key, where it hit) and, where one hit, the verified entry."""
+
+    inputs: BuildInputs  # the build's, with the catalogue loaded when it patches or compiles
+    found: ImageVllm | None  # the base's pristine vLLM; None when every entry hit (no layer read)
+    patched: CacheUse
+    patched_hit: CachedEntry | None
+    kernels: CacheUse | None  # None: the definition declares no kernels
+    kernels_hit: CachedEntry | None
+    catalogue: CacheUse
+
+    @property
+    def uses(self) -> list[CacheUse]:
+        """Every entry, as the ``--json`` summary's ``cache`` lists them."""
+        return [self.patched, *([self.kernels] if self.kernels is not None else []), self.catalogue]
+
+    @property
+    def hits(self) -> list[CachedEntry]:
+        return [hit for hit in (self.patched_hit, self.kernels_hit) if hit is not None]
+
+
+def look_up_entries(reader: CacheReader, inputs: BuildInputs, base: RemoteImage, pull: Callable[[], ImageVllm],
+                    lap: Callable[[str], None], leave_out_unusable_kernels: bool = False) -> CacheLookup:
+    """A build's entries in ``reader``'s caches (none: only their keys, for ``--cache-to``).
+
+    ``base``: the resolved base (its manifest and config are read, none of its layers);
+    ``pull``: the build's own read of the pristine vLLM, called only when an entry misses (to
+    patch or compile with); ``lap``: the build's clock (a ``cache`` step each time it asks).
+    A ``patched`` entry is probed for before any layer is read; a ``catalogue`` hit stands in
+    for the catalogue only while nothing is patched (one whose facts are not the loaded
+    catalogue's refuses every hit); a ``patched`` hit that says the walk stops elsewhere than
+    it did is refused; the ``kernels`` entry is asked for once its key is known."""
+    kernels, reporter = inputs.definition.model.kernels, reader.reporter
+    need_triton = bool(kernels)
+
+    def kernels_use_of(layers_read: list[dict]) -> CacheUse:
+        return CacheUse(KERNELS, *kernels_key(inputs, layers_read, image_env(base.config()),
+                                              leave_out_unusable_kernels), sm=inputs.sm)
+
+    patched_use = kernels_use = patched_hit = kernels_hit = None
+    if reader.locations:  # the patched entry by the layers it was keyed by, before any is read
+        check_platform(base.config(), base.name, inputs.platform)
+        reader.budget.check_layers(base.name, len(base.layers()))
+        if (found_hit := reader.patched(inputs, base.layers(), need_triton, base_platform(base.config()))) is not None:
+            patched_use, patched_hit = found_hit
+            if kernels:  # the walk that wrote it read down to Triton: the same layers hold it
+                kernels_use = kernels_use_of(patched_use.inputs["vllm_layers"]["layers"])
+                kernels_hit = reader.read(kernels_use)
+        lap("cache")
+
+    found = None
+    if patched_hit is None or (kernels and kernels_hit is None):
+        if inputs.catalogue_hit is not None:  # to patch or compile with: the catalogue itself
+            facts = inputs
+            inputs = inputs.with_loaded_catalogue()
+            if catalogue_facts(inputs.catalogue) != catalogue_facts(facts.catalogue):
+                reporter.warn(f"build cache entry {facts.catalogue_hit} refused, building without it: its "
+                              f"facts are not those of {inputs.files.patchsets}")
+                patched_use = patched_hit = kernels_use = kernels_hit = None
+        found = pull()
+        walk = walk_read(base.layers(), found.layers_read)
+        if patched_hit is not None and patched_use.inputs["vllm_layers"]["layers"] != walk["layers"]:
+            reporter.warn(f"build cache entry {patched_use.hit} refused, building without it: it says the "
+                          f"walk stops after the top {len(patched_use.inputs['vllm_layers']['layers'])} layers; "
+                          f"it read {len(walk['layers'])}")
+            patched_use = patched_hit = kernels_use = None
+        if patched_use is None:
+            patched_use = CacheUse(PATCHED, *patched_key(inputs, walk, need_triton))
+            patched_use.writable = len(walk["layers"]) <= PROBE_DEPTH  # deeper: no probe would find it
+        if kernels and kernels_use is None:
+            kernels_use = kernels_use_of(walk["layers"])
+            if reader.locations:
+                kernels_hit = reader.read(kernels_use)
+                lap("cache")
+    catalogue_use = CacheUse(CATALOGUE, *catalogue_key(inputs.files.patchsets), hit=inputs.catalogue_hit,
+                             fields={"facts": catalogue_facts(inputs.catalogue)})
+    return CacheLookup(inputs, found, patched_use, patched_hit, kernels_use, kernels_hit, catalogue_use)
+
+
+def unsigned_use(uses: list[CacheUse], hits: list, reporter: Reporter) -> None:
+    """The one line a build that uses unsigned registry cache entries says (``docs/TRUST.md``)."""
+    unsigned = [(use, hit) for use in uses for hit in hits if use.hit == hit.where and not hit.signed]
+    if unsigned:
+        repos = sorted({use.location.name for use, _ in unsigned if use.location is not None})
+        reporter.warn(f"build cache: using unsigned {' and '.join(use.kind for use, _ in unsigned)} "
+                      f"entr{'ies' if len(unsigned) > 1 else 'y'} from {', '.join(repos)}: whoever can push there "
+                      "can change its patched bytes undetected; --cache-key PUB (or [cache] require_signed) "
+                      "takes signed entries only")
 
 
 def cached_catalogue(patchsets: Path, cache_from, config: RegistryConfig, reporter: Reporter = SILENT,

@@ -8,17 +8,20 @@ Public API:
     Clock              seconds spent per step, for ``--json`` and the benchmarks
 
 Steps: resolve the pin's base reference to a digest (one manifest HEAD) and check it against
-the pin's lock; read the pristine ``vllm/`` from only the top layers that hold it
-(``ImageSource``); run the image's patch selection on it, or reuse what ``kiln.patch.memo``
-remembers of it (a patch whose verdict blocks a build stops it here, naming the patch); decide
-the patched-source layer, the audit file and, when the definition declares kernels, the
-Triton cache layer (compiled beside the patching when no selected patch touches the files the
-kernels are compiled from); decide the labels. With ``cache_from`` (registry build caches,
-``kiln.build.regcache``, found by ``kiln.build.cachelookup``), a verified ``patched`` entry
-replaces the patching and a ``kernels`` entry the compiling; when both hit, the base's
-manifest and config are read, none of its layers. The patched-source layer is assembled the same way from the patching or the entry. Baking the layers into
-an image (``kiln.build.image``) and the Dockerfile context (``kiln.publish.context``) both start
-from this one value, so they cannot drift apart.
+the pin's lock (``resolve_base``); ask the registry build caches what they hold
+(``kiln.build.cachelookup.look_up_entries``, "is it cached", kept apart from "how to build"
+as ko keeps its layer cache), which reads the pristine ``vllm/`` from only the top layers that
+hold it (``ImageSource``) when an entry misses; run the image's patch selection on it, or
+reuse what ``kiln.patch.memo`` remembers of it (a patch whose verdict blocks a build stops it
+here, naming the patch: ``patch_source``); decide the patched-source layer, the audit file
+(``audit_layer``) and, when the definition declares kernels, the Triton cache layer (compiled
+beside the patching when no selected patch touches the files the kernels are compiled from:
+``kernels_of``); decide the labels. With ``cache_from`` (``kiln.build.regcache``), a verified
+``patched`` entry replaces the patching and a ``kernels`` entry the compiling; when both hit,
+the base's manifest and config are read, none of its layers. The patched-source layer is
+assembled the same way from the patching or the entry. Baking the layers into an image
+(``kiln.build.image``) and the Dockerfile context (``kiln.publish.context``) both start from
+this one value, so they cannot drift apart.
 """
 
 from __future__ import annotations
@@ -29,21 +32,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kiln import labels as L
-from kiln.build.cachekeys import (
-    CATALOGUE,
-    KERNELS,
-    PATCHED,
-    catalogue_key,
-    kernels_key,
-    patched_key,
-    walk_read,
-)
-from kiln.build.cachelookup import PROBE_DEPTH, CacheReader
+from kiln.build.cachelookup import CacheLookup, CacheReader, look_up_entries, unsigned_use
 from kiln.build.inputs import BuildInputs
 from kiln.build.layers import audit_record, source_contents, with_audit
 from kiln.build.platform import check_base_platform, check_base_triton
 from kiln.build.provenance import kiln_revision, kiln_source_url
-from kiln.build.regcache import CacheUse, base_platform, plain_record
+from kiln.build.regcache import base_platform, plain_record
 from kiln.build.wheelcache import RegistryWheels
 from kiln.cache import cache_root
 from kiln.errors import KilnError
@@ -57,12 +51,11 @@ from kiln.oci.limits import Budget
 from kiln.oci.mutate import ImageModel, to_oci
 from kiln.oci.reference import ImageReference, parse_reference
 from kiln.oci.registry import RegistryClient, TransferStats
-from kiln.patch.facts import catalogue_facts
 from kiln.patch.outcome import Outcome, Verdict
 from kiln.pausepoint import pause_point
 from kiln.pins import Pin
 from kiln.report import SILENT, Reporter
-from kiln.source.image import ImageSource, ImageVllm, check_platform
+from kiln.source.image import ImageSource, ImageVllm
 from kiln.targets import split_platform
 from kiln.triton.aot import reads_source
 from kiln.triton.cachelayer import image_env, kernel_created_by, triton_cache_layer
@@ -145,6 +138,25 @@ def check_lock(pin: Pin, resolved: str, allow_unlocked: bool, reporter: Reporter
         reporter.warn(f"pin {pin.name} lock differs; building {pin.image}@{resolved}")
 
 
+def resolve_base(inputs: BuildInputs, config: RegistryConfig, cache: Path, stats: TransferStats, reporter: Reporter,
+                 budget: Budget | None, allow_unlocked: bool) -> tuple[ImageReference, str, ImageSource, RemoteImage]:
+    """The pin's base: its reference, the digest it resolves to (one manifest HEAD, checked against
+    the pin's lock), the source that reads its vLLM at that digest, and the image (the build's
+    platform's manifest, checked against the pin's record)."""
+    pin = inputs.pin
+    base_ref = parse_reference(pin.image)
+    source = ImageSource(base_ref, expected_version=pin.vllm, registry_config=config, cache=cache, stats=stats,
+                         reporter=reporter, budget=budget, need_triton=bool(inputs.definition.model.kernels),
+                         platform=inputs.platform)
+    resolved = base_ref.digest or source.client.resolve(base_ref.repository, base_ref.ref)
+    check_lock(pin, resolved, allow_unlocked, reporter)
+    source.reference = base_ref.pinned(resolved)  # what it reads, if the registry cache leaves it anything to
+    base = RemoteImage(base_ref.pinned(resolved), source.client, BlobCache(cache / "blobs"),
+                       platform=split_platform(inputs.platform), manifest_cache=cache / "manifests")
+    check_base_platform(pin, resolved, base, inputs.platform)  # before any layer is read
+    return base_ref, resolved, source, base
+
+
 def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = None,
                   allow_unlocked: bool = False, cache: Path | None = None,
                   reporter: Reporter = SILENT, budget: Budget | None = None,
@@ -156,72 +168,27 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     ``cache_from``: registry build caches (``ImageReference`` without tag) tried in order;
     ``open_record``: how an entry's record is opened (and its signature checked: the pipeline's);
     ``keep_wheels``: where a Triton wheel fetched from the index is kept (for ``--cache-to``)."""
-    definition, pin, sm = inputs.definition, inputs.pin, inputs.sm
+    definition, sm, kernels = inputs.definition, inputs.sm, inputs.definition.model.kernels
     config = registry_config or RegistryConfig.load()
     cache = cache or cache_root()
-    kernels = definition.model.kernels
 
     # 1. resolve the base and check the lock
-    base_ref = parse_reference(pin.image)
     stats = TransferStats()
     clock = Clock(reporter, lambda: stats.bytes_down)
-    source = ImageSource(base_ref, expected_version=pin.vllm, registry_config=config, cache=cache, stats=stats,
-                         reporter=reporter, budget=budget, need_triton=bool(kernels), platform=inputs.platform)
-    resolved = base_ref.digest or source.client.resolve(base_ref.repository, base_ref.ref)
-    check_lock(pin, resolved, allow_unlocked, reporter)
-    base = RemoteImage(base_ref.pinned(resolved), source.client, BlobCache(cache / "blobs"),
-                       platform=split_platform(inputs.platform), manifest_cache=cache / "manifests")
-    check_base_platform(pin, resolved, base, inputs.platform)  # before any layer is read
+    base_ref, resolved, source, base = resolve_base(inputs, config, cache, stats, reporter, budget, allow_unlocked)
     clock.lap("resolve")
-    need_triton = bool(kernels)
-    reader = CacheReader(cache_from, config, stats, source.client.budget, cache, reporter, open_record)
 
-    def kernels_use_of(layers_read: list[dict]) -> CacheUse:
-        return CacheUse(KERNELS, *kernels_key(inputs, layers_read, image_env(base.config()),
-                                              leave_out_unusable_kernels), sm=sm)
-
-    patched_use = kernels_use = patched_hit = kernels_hit = None
-    if cache_from:  # the patched entry by the layers it was keyed by, before any is read
-        check_platform(base.config(), base.name, inputs.platform)
-        source.client.budget.check_layers(base.name, len(base.layers()))
-        if (found_hit := reader.patched(inputs, base.layers(), need_triton, base_platform(base.config()))) is not None:
-            patched_use, patched_hit = found_hit
-            if kernels:  # the walk that wrote it read down to Triton: the same layers hold it
-                kernels_use = kernels_use_of(patched_use.inputs["vllm_layers"]["layers"])
-                kernels_hit = reader.read(kernels_use)
-        clock.lap("cache")
-
-    # 2. the pristine vLLM, from the top layers of the base only (not when the cache has it all)
-    found = None
-    if patched_hit is None or (kernels and kernels_hit is None):
-        if inputs.catalogue_hit is not None:  # to patch or compile with: the catalogue itself
-            facts = inputs
-            inputs = inputs.with_loaded_catalogue()
-            if catalogue_facts(inputs.catalogue) != catalogue_facts(facts.catalogue):
-                reporter.warn(f"build cache entry {facts.catalogue_hit} refused, building without it: its "
-                              f"facts are not those of {inputs.files.patchsets}")
-                patched_use = patched_hit = kernels_use = kernels_hit = None
-        source.reference = base_ref.pinned(resolved)
+    # 2. what the registry build cache holds; the pristine vLLM, from the top layers of the base
+    # only, read when an entry missed
+    def pull() -> ImageVllm:
         found = source.pull()
-        check_base_triton(sm, found, pin)
+        check_base_triton(sm, found, inputs.pin)
         clock.lap("pull")
-        walk = walk_read(base.layers(), found.layers_read)
-        if patched_hit is not None and patched_use.inputs["vllm_layers"]["layers"] != walk["layers"]:
-            reporter.warn(f"build cache entry {patched_use.hit} refused, building without it: it says the "
-                          f"walk stops after the top {len(patched_use.inputs['vllm_layers']['layers'])} layers; "
-                          f"it read {len(walk['layers'])}")
-            patched_use = patched_hit = kernels_use = None
-        if patched_use is None:
-            patched_use = CacheUse(PATCHED, *patched_key(inputs, walk, need_triton))
-            patched_use.writable = len(walk["layers"]) <= PROBE_DEPTH  # deeper: no probe would find it
-        if kernels and kernels_use is None:
-            kernels_use = kernels_use_of(walk["layers"])
-            if cache_from:
-                kernels_hit = reader.read(kernels_use)
-                clock.lap("cache")
-    uses = [patched_use, *([kernels_use] if kernels else [])]
-    catalogue_use = CacheUse(CATALOGUE, *catalogue_key(inputs.files.patchsets), hit=inputs.catalogue_hit,
-                             fields={"facts": catalogue_facts(inputs.catalogue)})
+        return found
+
+    reader = CacheReader(cache_from, config, stats, source.client.budget, cache, reporter, open_record)
+    cached = look_up_entries(reader, inputs, base, pull, clock.lap, leave_out_unusable_kernels)
+    inputs = cached.inputs
     # One flavour for every output (skopeo's layout reader ignores Docker v2 manifests).
     base_model = to_oci(ImageModel.from_base(base.manifest(), base.config_bytes()))
 
@@ -232,9 +199,9 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
                               loc.repository) for loc in cache_from], keep_wheels, reporter)
 
     def kernel_layer(changed: dict[str, str]):
-        return triton_cache_layer(kernels, sm, found, changed, runtime_env, cache,
+        return triton_cache_layer(kernels, sm, cached.found, changed, runtime_env, cache,
                                   f"{definition.path}: model.kernels", definition.name, reporter,
-                                  leave_out_unusable_kernels, wheels)
+                                  leave_out_unusable_kernels, wheels, inputs.platform)
 
     selected = inputs.catalogue.closure(list(definition.patches))
     beside = bool(kernels) and not any(reads_source(kernels, rel) for pid in selected
@@ -242,87 +209,121 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     early = []  # the kernels' future, once the patching has forked its processes
 
     def start_kernels() -> None:
-        if beside and kernels_hit is None:  # reads only files no patch changes
+        if beside and cached.kernels_hit is None:  # reads only files no patch changes
             with uninterrupted():  # a signal inside submit could start a thread the pool never joins
                 early.append(pool.submit(kernel_layer, {}))
 
     with ThreadPoolExecutor(max_workers=1) as pool:
-        if patched_hit is None:
-            tree = found.tree
-            result = patched_selection(inputs.catalogue, tree, inputs.target(), list(definition.patches),
-                                       cache, forked=start_kernels)
-            for outcome in result.outcomes.values():
-                if outcome.verdict.blocks_build:
-                    raise KilnError(
-                        f"patch {outcome.patch_id} is {outcome.verdict} on {pin.name} ({base_ref}): {outcome.detail}"
-                    )
-            outcomes, changed = result.outcomes, result.changed_text()
-            before = {rel: sha256_text(tree.read(rel)) for rel in changed if tree.exists(rel)}
-            vllm_version, site_dir = str(tree.vllm_version), found.site_dir
-            patched_source = source_contents(changed, site_dir, found.vllm_files)
-            clock.lap("patch")
-            pause_point("patch")
-        else:  # the entry's: verified, keyed by the layers this base's walk reads and this selection
-            record = patched_hit.record
-            outcomes, changed, before = patched_hit.outcomes, patched_hit.changed(), dict(record["before"])
-            vllm_version, site_dir = str(record["vllm_version"]), str(record["site_dir"])
-            patched_source = patched_hit.layers[0]
-        applied = [pid for pid, o in outcomes.items() if o.verdict is Verdict.APPLIES]
-        uses[0].fields = {"vllm_version": vllm_version, "site_dir": site_dir, "outcomes": [o.to_json() for o in outcomes.values()],
-                          "applied": applied, "before": before, "platform": base_platform(base.config()),
-                          "modules": {p["id"]: p["sha256"] for p in uses[0].inputs["patches"]}}
-        uses[0].contents = [patched_source]
+        patching = patch_source(inputs, cached, base_ref, cache, clock, start_kernels)
+        cached.patched.fields = {
+            "vllm_version": patching.vllm_version, "site_dir": patching.site_dir,
+            "outcomes": [o.to_json() for o in patching.outcomes.values()], "applied": patching.applied,
+            "before": patching.before, "platform": base_platform(base.config()),
+            "modules": {p["id"]: p["sha256"] for p in cached.patched.inputs["patches"]}}
+        cached.patched.contents = [patching.layer]
 
         # 4. what kiln's layers hold, and the image's labels
-        pin_json = {"name": pin.name, "image": pin.image, "vllm": str(pin.vllm), "cuda": pin.cuda,
-                    "digest": pin.digest or None}
-        audit = audit_record(image=definition.name, pin=pin_json, sm=sm, base_reference=str(base_ref),
-                             base_digest=resolved, site_dir=site_dir, outcomes=outcomes,
-                             before=before, changed=changed, baked=definition.files,
-                             images_dir=inputs.files.images.name)
-        layers = [with_audit(
-            patched_source, audit, baked=definition.files,
-            created_by=f"kiln bake {definition.name} {pin.name} sm{sm}: {','.join(applied) or 'no patch'}")]
-        env: dict[str, str] = {}
-        triton: dict = {}
-        mounts: dict[str, ImageReference] = {}
-        if kernels_hit is not None:
-            env, triton = dict(kernels_hit.record["env"]), dict(kernels_hit.record["triton"])
-            if kernels_hit.layers:  # the history line names this image
-                layers.append(replace(kernels_hit.layers[0], created_by=kernel_created_by(
-                    definition.name, sm, triton.get("kernel_names") or [])))
-                mounts[kernels_hit.record["layers"][0]["digest"]] = uses[1].location
-        elif kernels:  # the ahead-of-time Triton kernel cache, one layer per SM
-            # (when it compiled beside the patching, this lap is only the wait for it)
-            done = early[0].result() if early else kernel_layer(changed)
-            if done is None:  # the image could not use it, and the build was told to leave it out
-                triton = {"sm": sm, "left_out": True, "keyed_for_image": False}
-            else:
-                layers.append(done.contents)
-                env, triton = done.env, {**done.summary, "beside_patching": beside}
-            clock.lap("triton")
-        if kernels:
-            uses[1].fields, uses[1].contents = {"env": env, "triton": triton}, layers[1:]
-    labels = image_labels(inputs, base_ref, resolved, applied, vllm_version)
-    unsigned_use(uses, [hit for hit in (patched_hit, kernels_hit) if hit is not None], reporter)
+        def compiled():  # (when it compiled beside the patching: the wait for it)
+            return early[0].result() if early else kernel_layer(patching.changed)
+
+        kernel_layers, env, triton, mounts = kernels_of(inputs, cached, compiled, beside, clock)
+        layers = [audit_layer(inputs, base_ref, resolved, patching), *kernel_layers]
+    labels = image_labels(inputs, base_ref, resolved, patching.applied, patching.vllm_version)
+    unsigned_use(cached.uses, cached.hits, reporter)
     return PreparedBuild(
-        inputs=inputs, base_ref=base_ref, base_digest=resolved, found=found, base=base, base_model=base_model,
-        client=source.client, stats=stats, outcomes=outcomes, applied=applied,
-        files_changed=len(changed), layers=layers, labels=labels, clock=clock, env=env, triton=triton,
-        vllm_version=vllm_version, site_dir=site_dir, base_manifest_digest=base.manifest().digest,
-        cache=[*uses, catalogue_use], cache_mounts=mounts, wheels=wheels,
+        inputs=inputs, base_ref=base_ref, base_digest=resolved, found=cached.found, base=base, base_model=base_model,
+        client=source.client, stats=stats, outcomes=patching.outcomes, applied=patching.applied,
+        files_changed=len(patching.changed), layers=layers, labels=labels, clock=clock, env=env, triton=triton,
+        vllm_version=patching.vllm_version, site_dir=patching.site_dir, base_manifest_digest=base.manifest().digest,
+        cache=cached.uses, cache_mounts=mounts, wheels=wheels,
     )
 
 
-def unsigned_use(uses: list[CacheUse], hits: list, reporter: Reporter) -> None:
-    """The one line a build that uses unsigned registry cache entries says (``docs/TRUST.md``)."""
-    unsigned = [(use, hit) for use in uses for hit in hits if use.hit == hit.where and not hit.signed]
-    if unsigned:
-        repos = sorted({use.location.name for use, _ in unsigned if use.location is not None})
-        reporter.warn(f"build cache: using unsigned {' and '.join(use.kind for use, _ in unsigned)} "
-                      f"entr{'ies' if len(unsigned) > 1 else 'y'} from {', '.join(repos)}: whoever can push there "
-                      "can change its patched bytes undetected; --cache-key PUB (or [cache] require_signed) "
-                      "takes signed entries only")
+@dataclass(frozen=True)
+class Patching:
+    """The patching's result, run or read from the ``patched`` entry: each patch's outcome, the
+    changed files (and each one's pristine sha256), vLLM's version and site dir, the layer."""
+
+    outcomes: dict[str, Outcome]
+    changed: dict[str, str]  # path under the site dir -> the patched text
+    before: dict[str, str]  # path -> the pristine file's sha256
+    vllm_version: str
+    site_dir: str
+    layer: LayerContents  # the patched-source layer, before its baked files and audit file
+
+    @property
+    def applied(self) -> list[str]:
+        return [pid for pid, o in self.outcomes.items() if o.verdict is Verdict.APPLIES]
+
+
+def patch_source(inputs: BuildInputs, cached: CacheLookup, base_ref: ImageReference, cache: Path, clock: Clock,
+                 forked) -> Patching:
+    """The image's patch selection run on the pristine source (``forked``: called once the patching
+    has forked its processes), or the ``patched`` entry's result; a verdict that blocks a build stops it."""
+    hit = cached.patched_hit
+    if hit is not None:  # the entry's: verified, keyed by the layers this base's walk reads and this selection
+        record = hit.record
+        return Patching(hit.outcomes, hit.changed(), dict(record["before"]), str(record["vllm_version"]),
+                        str(record["site_dir"]), hit.layers[0])
+    found, pin = cached.found, inputs.pin
+    tree = found.tree
+    result = patched_selection(inputs.catalogue, tree, inputs.target(), list(inputs.definition.patches),
+                               cache, forked=forked)
+    for outcome in result.outcomes.values():
+        if outcome.verdict.blocks_build:
+            raise KilnError(
+                f"patch {outcome.patch_id} is {outcome.verdict} on {pin.name} ({base_ref}): {outcome.detail}"
+            )
+    changed = result.changed_text()
+    before = {rel: sha256_text(tree.read(rel)) for rel in changed if tree.exists(rel)}
+    patching = Patching(result.outcomes, changed, before, str(tree.vllm_version), found.site_dir,
+                        source_contents(changed, found.site_dir, found.vllm_files))
+    clock.lap("patch")
+    pause_point("patch")
+    return patching
+
+
+def audit_layer(inputs: BuildInputs, base_ref: ImageReference, resolved: str, patching: Patching) -> LayerContents:
+    """The patched-source layer with the definition's baked files and the audit file."""
+    definition, pin, sm = inputs.definition, inputs.pin, inputs.sm
+    pin_json = {"name": pin.name, "image": pin.image, "vllm": str(pin.vllm), "cuda": pin.cuda,
+                "digest": pin.digest or None}
+    audit = audit_record(image=definition.name, pin=pin_json, sm=sm, base_reference=str(base_ref),
+                         base_digest=resolved, site_dir=patching.site_dir, outcomes=patching.outcomes,
+                         before=patching.before, changed=patching.changed, baked=definition.files,
+                         images_dir=inputs.files.images.name)
+    return with_audit(
+        patching.layer, audit, baked=definition.files,
+        created_by=f"kiln bake {definition.name} {pin.name} sm{sm}: {','.join(patching.applied) or 'no patch'}")
+
+
+def kernels_of(inputs: BuildInputs, cached: CacheLookup, compiled, beside: bool, clock: Clock):
+    """The Triton kernel cache layers (none or one), the config Env and summary they come with, and
+    where a reused layer is mounted from: the ``kernels`` entry's, else ``compiled()``'s (the
+    compile, or the wait for it when it ran beside the patching)."""
+    definition, sm, hit = inputs.definition, inputs.sm, cached.kernels_hit
+    layers: list[LayerContents] = []
+    env: dict[str, str] = {}
+    triton: dict = {}
+    mounts: dict[str, ImageReference] = {}
+    if hit is not None:
+        env, triton = dict(hit.record["env"]), dict(hit.record["triton"])
+        if hit.layers:  # the history line names this image
+            layers.append(replace(hit.layers[0], created_by=kernel_created_by(
+                definition.name, sm, triton.get("kernel_names") or [])))
+            mounts[hit.record["layers"][0]["digest"]] = cached.kernels.location
+    elif definition.model.kernels:  # the ahead-of-time Triton kernel cache, one layer per SM
+        # (when it compiled beside the patching, this lap is only the wait for it)
+        done = compiled()
+        if done is None:  # the image could not use it, and the build was told to leave it out
+            triton = {"sm": sm, "left_out": True, "keyed_for_image": False}
+        else:
+            layers.append(done.contents)
+            env, triton = done.env, {**done.summary, "beside_patching": beside}
+        clock.lap("triton")
+    if definition.model.kernels:
+        cached.kernels.fields, cached.kernels.contents = {"env": env, "triton": triton}, list(layers)
+    return layers, env, triton, mounts
 
 
 def patched_selection(catalogue, tree, target, selection: list[str], cache: Path, forked):

@@ -20,6 +20,7 @@ from kiln.publish.context import ContextPublisher
 from kiln.publish.layout import LayoutPublisher
 from kiln.publish.registry import RegistryPublisher
 from kiln.publish.values import CHARTS, ValuesPublisher, built_values, values_bytes
+from kiln.targets import host_platform
 
 
 def register(sub) -> None:
@@ -107,7 +108,9 @@ def run_build_command(args, out) -> int:
         publishers.append(RegistryPublisher(name, [inputs.tag], config, reporter))
     result = run_build(inputs, publishers, name.name, config, args.allow_unlocked, reporter=reporter,
                        leave_out_unusable_kernels=args.without_unusable_kernels, sign_key=sign_key,
-                       cache_from=cache_from, cache_to=cache_to, cache_key=cache_key, warm=args.warm)
+                       cache_from=cache_from, cache_to=cache_to, cache_key=cache_key,
+                       platforms=build_platforms(inputs, args.platform, args.docker_archive is not None),
+                       warm=args.warm)
     result.warnings = list(reporter.warnings)
     if args.json:
         out.json(result.to_json())
@@ -125,6 +128,18 @@ def run_build_command(args, out) -> int:
     return 0
 
 
+def build_platforms(inputs, asked: str | None, one: bool) -> tuple[str, ...]:
+    """The tag's platforms: ``--platform``'s; else, for an output holding one platform
+    (``--docker-archive``), the host's (``inputs.platform`` when the SM does not ship on it);
+    else every platform the image ships the SM on (an OCI index of them when more than one)."""
+    if asked:
+        return (inputs.platform,)
+    shipped = inputs.definition.platforms_of(inputs.sm)
+    if one:
+        return (host_platform(),) if host_platform() in shipped else (inputs.platform,)
+    return tuple(shipped)
+
+
 def _cache_locations(args, config) -> tuple[list, list]:
     """``--cache-from``/``--cache-to``, else the registries file's ``[cache] from``/``to``: checked now."""
     where = f"{config.path}: cache"
@@ -140,7 +155,8 @@ def run_context(args, out) -> int:
     publisher = ContextPublisher(args.out, args.force)
     result = run_build(inputs, [publisher], destination(inputs.definition, purpose="local").name,
                        options.registry_config(args), args.allow_unlocked, reporter=out.reporter(),
-                       leave_out_unusable_kernels=args.without_unusable_kernels)
+                       leave_out_unusable_kernels=args.without_unusable_kernels,
+                       platforms=build_platforms(inputs, args.platform, one=True))
     record = publisher.record
     dest = publisher.path
     if args.json:

@@ -5,8 +5,8 @@ Public API:
     ENV_ARGS, ENV_STAGES            config Env kiln sets -> build arg; set of names -> Dockerfile stage
     CONTEXT_MARKER                  "kiln-context.json", the summary that marks a directory as a context
     ContextPublisher(path, force=False)        the publisher (``.record``: what was written)
-    stage_context(layers, base, labels, dest, env=None, summary=None) -> Staged
-    context_build_args(base, labels, env=None) -> dict[str, str]
+    stage_context(layers, base, labels, dest, env=None, summary=None, ..., platform="linux/amd64") -> Staged
+    context_build_args(base, labels, env=None, platform="linux/amd64") -> dict[str, str]
 
 The context is another output of the same ``LayerContents`` the daemonless build bakes into
 tar layers (``kiln.build.prepare`` decides them once); nothing here patches anything.
@@ -16,8 +16,10 @@ earlier layer (or the base) put at that path, a file replaces what was there. Wh
     Dockerfile         a copy of the repository's ``Dockerfile``, so ``podman build DIR`` works
     rootfs/<path>      every file at its image path (0644, directories 0755, the layer mtime)
     remove.txt         base paths to delete, one absolute path a line (the daemonless whiteouts)
-    base.txt           the base, ``registry/repository@sha256:…``
-    build-args         ``BASE=…``, ``KILN_ENV=…`` (the stage that sets kiln's config Env) and
+    base.txt           the base, ``registry/repository@sha256:…`` (its index, for a multi-platform base)
+    build-args         ``BASE=…``, ``KILN_PLATFORM=…`` (the platform of the base the context was
+                       computed on, which ``FROM --platform`` picks: ``context --platform``, default
+                       the host's), ``KILN_ENV=…`` (the stage that sets kiln's config Env) and
                        one ``KILN_*=…`` per label and variable, ``KEY=VALUE`` lines
     kiln-context.json  what was written, for scripts (and to recognise a context to replace)
 
@@ -39,6 +41,7 @@ from kiln.errors import KilnError
 from kiln.oci.layer import LAYER_MTIME, LayerContents, normalise_path
 from kiln.publish import Input, Publisher
 from kiln.staging import Staged, stage_dir
+from kiln.targets import DEFAULT_PLATFORM
 
 CONTEXT_MARKER = "kiln-context.json"
 ROOTFS = "rootfs"
@@ -71,8 +74,10 @@ def _plain(value: str, what: str) -> str:
     return value
 
 
-def context_build_args(base: str, labels: dict[str, str], env: dict[str, str] | None = None) -> dict[str, str]:
-    """``BASE``, ``KILN_ENV`` and the label and Env build args; what the Dockerfile cannot set is refused."""
+def context_build_args(base: str, labels: dict[str, str], env: dict[str, str] | None = None,
+                       platform: str = DEFAULT_PLATFORM) -> dict[str, str]:
+    """``BASE``, ``KILN_PLATFORM``, ``KILN_ENV`` and the label and Env build args; what the
+    Dockerfile cannot set is refused."""
     env = env or {}
     unknown = sorted(set(labels) - set(LABEL_ARGS))
     if unknown:
@@ -84,7 +89,7 @@ def context_build_args(base: str, labels: dict[str, str], env: dict[str, str] | 
                         "these (add one to Dockerfile and kiln/publish/context.py ENV_STAGES)")
     if "@sha256:" not in base:
         raise KilnError(f"base {base}: a build context needs the base pinned by digest")
-    args = {"BASE": _plain(base, "base"), "KILN_ENV": stage}
+    args = {"BASE": _plain(base, "base"), "KILN_PLATFORM": _plain(platform, "platform"), "KILN_ENV": stage}
     for name, arg in ENV_ARGS.items():
         if name in env:
             args[arg] = _plain(env[name], f"environment variable {name}")
@@ -139,9 +144,9 @@ class ContextPublisher(Publisher):
         prepared = image.prepared
         inputs = prepared.inputs
         summary = {"image": inputs.definition.name, "pin": inputs.pin.name, "sm": inputs.sm, "tag": prepared.tag,
-                   "patches": prepared.applied, "triton": prepared.triton}
+                   "patches": prepared.applied, "triton": prepared.triton, "platform": inputs.platform}
         return stage_context(prepared.layers, prepared.base_by_digest, prepared.labels, self.path,
-                             prepared.env, summary, self.dockerfile, self)
+                             prepared.env, summary, self.dockerfile, self, inputs.platform)
 
     def where(self, image) -> str:
         return str(self.path)
@@ -149,13 +154,14 @@ class ContextPublisher(Publisher):
 
 def stage_context(layers: Sequence[LayerContents], base: str, labels: dict[str, str], dest: Path,
                   env: dict[str, str] | None = None, summary: dict | None = None,
-                  dockerfile: Path = paths.DOCKERFILE, owner: ContextPublisher | None = None) -> Staged:
-    """The build context for ``layers`` over ``base``, staged beside ``dest``.
+                  dockerfile: Path = paths.DOCKERFILE, owner: ContextPublisher | None = None,
+                  platform: str = DEFAULT_PLATFORM) -> Staged:
+    """The build context for ``layers`` over ``platform`` of ``base``, staged beside ``dest``.
 
     ``labels`` and ``env``: the config labels and Env entries the daemonless image gets.
     ``summary`` is merged into ``kiln-context.json`` (kept on ``owner.record``).
     """
-    build_args = context_build_args(base, labels, env)
+    build_args = context_build_args(base, labels, env, platform)
     files, removals = _merge(layers)
     for path in [*files, *removals]:
         _plain(path, "image path")

@@ -22,8 +22,10 @@ The image's attestations (SBOM, provenance) join the layout as artifact manifest
 image's manifest digest (each artifact's own ``subject`` says the same). When this image
 replaces another under its name, the replaced image's artifacts leave ``index.json`` with it
 (under the same lock, said in one warning): a layout never lists an SBOM or provenance of an image
-it no longer lists. Those still naming an image another entry lists stay; the blobs stay too
-(another entry may use them), and a rollback puts the index entries back.
+it no longer lists (of a replaced index, its platform manifests' artifacts: an index's SBOMs
+and provenances name its platform images). Those still naming an image another entry lists stay
+(a platform manifest the new index keeps, too); the blobs stay too (another entry may use
+them), and a rollback puts the index entries back.
 """
 
 from __future__ import annotations
@@ -39,11 +41,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kiln.attest.referrers import SUBJECT_ANNOTATION
+from kiln.build.image import parts
 from kiln.errors import KilnError, writing
 from kiln.labels import REF_NAME
 from kiln.oci.limits import Budget
 from kiln.oci.manifest import Descriptor
-from kiln.oci.mediatypes import OCI_INDEX
+from kiln.oci.mediatypes import INDEX_TYPES, OCI_INDEX
 from kiln.oci.mutate import canonical_json
 from kiln.publish import Input, Publisher
 from kiln.publish.destinations import LAYOUT_MARKER
@@ -159,6 +162,25 @@ def _place(source: Path, target: Path) -> None:
     shutil.copyfile(source, target)
 
 
+def _reached(layout: Path, entries: list[dict]) -> set[str]:
+    """The image manifests ``entries`` name (not their artifacts): each, and each platform
+    manifest of an index among them (read from the layout's blob; none when it is unreadable)."""
+    reached = set()
+    for entry in entries:
+        if SUBJECT_ANNOTATION in (entry.get("annotations") or {}):
+            continue
+        reached.add(entry.get("digest"))
+        if entry.get("mediaType") not in INDEX_TYPES:
+            continue
+        algorithm, _, encoded = str(entry.get("digest")).partition(":")
+        try:
+            children = json.loads((layout / "blobs" / algorithm / encoded).read_bytes()).get("manifests") or []
+        except (OSError, ValueError, AttributeError):
+            continue
+        reached |= {child.get("digest") for child in children if isinstance(child, dict)}
+    return reached
+
+
 class LayoutPublisher(Publisher):
     kind = "oci"
     option = "--oci"
@@ -184,10 +206,10 @@ class LayoutPublisher(Publisher):
         try:
             blob_dir = staged / "blobs" / "sha256"
             blob_dir.mkdir(parents=True)
-            model, manifest = image.model, image.manifest
-            needed = sum(d.size for d in model.blobs()) + len(manifest.data) + sum(
-                len(data) for artifact in image.attestations
-                for data in (*artifact.blobs.values(), artifact.manifest.data))
+            needed = len(image.manifest.data) + sum(
+                sum(d.size for d in part.model.blobs()) + len(part.manifest.data) + sum(
+                    len(data) for artifact in part.attestations
+                    for data in (*artifact.blobs.values(), artifact.manifest.data)) for part in parts(image))
             entries = self._write(image, staged, blob_dir, lambda: writing(dest, needed, f"--oci {dest}"))
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
@@ -200,25 +222,28 @@ class LayoutPublisher(Publisher):
         Every write into the layout is inside ``layout_write()``: a full disk there names the
         layout and the bytes it needs (one elsewhere, e.g. kiln's layer materialised in the work
         directory, names its own path)."""
-        for descriptor in image.model.blobs():
-            target = blob_dir / descriptor.digest.split(":", 1)[1]
-            if not target.exists():
-                source = image.blobs.path(descriptor)
-                with layout_write():
-                    _place(source, target)
+        for part in parts(image):  # an index's platform images, or the one
+            for descriptor in part.model.blobs():
+                target = blob_dir / descriptor.digest.split(":", 1)[1]
+                if not target.exists():
+                    source = part.blobs.path(descriptor)
+                    with layout_write():
+                        _place(source, target)
         with layout_write():
             return self._write_rest(image, staged, blob_dir)
 
     def _write_rest(self, image, staged: Path, blob_dir: Path) -> list[dict]:
-        manifest = image.manifest
+        manifest = image.manifest  # the index of an index build
         (blob_dir / manifest.digest.split(":", 1)[1]).write_bytes(manifest.data)
-        extra = []  # the attestations: artifacts beside the image, each naming it as subject
-        for artifact in image.attestations:
-            for digest, data in {**artifact.blobs, artifact.manifest.digest: artifact.manifest.data}.items():
-                (blob_dir / digest.split(":", 1)[1]).write_bytes(data)
-            found = artifact.entry()
-            found["annotations"] = {**found.get("annotations", {}), SUBJECT_ANNOTATION: manifest.digest}
-            extra.append(found)
+        extra = []  # the attestations: artifacts beside the image, each naming its platform's image
+        for part in parts(image):
+            (blob_dir / part.manifest.digest.split(":", 1)[1]).write_bytes(part.manifest.data)
+            for artifact in part.attestations:
+                for digest, data in {**artifact.blobs, artifact.manifest.digest: artifact.manifest.data}.items():
+                    (blob_dir / digest.split(":", 1)[1]).write_bytes(data)
+                found = artifact.entry()
+                found["annotations"] = {**found.get("annotations", {}), SUBJECT_ANNOTATION: part.manifest.digest}
+                extra.append(found)
         (staged / LAYOUT_MARKER).write_bytes(canonical_json({"imageLayoutVersion": "1.0.0"}))
         entry = Descriptor(manifest.media_type, manifest.digest, len(manifest.data),
                            annotations={REF_NAME: self.ref_name}).to_json()
@@ -247,21 +272,24 @@ class LayoutPublisher(Publisher):
             previous = [m for m in manifests if (m.get("annotations") or {}).get(REF_NAME) == self.ref_name]
             added = [e for e in entries if e not in manifests or e in previous]
             kept = [m for m in manifests if m not in previous and m not in added]
-            orphans, said = self._orphans(previous, kept, entries)
+            orphans, said = self._orphans(dest, previous, kept, entries)
             index["manifests"] = [m for m in kept if m not in orphans] + added
             write_atomic(dest / "index.json", canonical_json(index))
             if said:
                 self.reporter.warn(said)
             return lambda: self._undo_merge(dest, added, previous + orphans)
 
-    def _orphans(self, previous: list[dict], kept: list[dict], entries: list[dict]) -> tuple[list[dict], str]:
-        """The artifacts of the images this name no longer lists (and no other entry does), and
-        the one line that says so ("" when no image was replaced)."""
-        listed = {m.get("digest") for m in [*kept, *entries] if SUBJECT_ANNOTATION not in (m.get("annotations") or {})}
+    def _orphans(self, dest: Path, previous: list[dict], kept: list[dict],
+                 entries: list[dict]) -> tuple[list[dict], str]:
+        """The artifacts of the images this name no longer lists (and no other entry does): of a
+        replaced index, those of its platform manifests; and the one line that says so ("" when
+        no image was replaced)."""
+        listed = _reached(dest, [*kept, *entries])
         replaced = [m.get("digest") for m in previous if m.get("digest") not in listed]
         if not replaced:
             return [], ""
-        orphans = [m for m in kept if (m.get("annotations") or {}).get(SUBJECT_ANNOTATION) in replaced]
+        gone = _reached(dest, previous) - listed
+        orphans = [m for m in kept if (m.get("annotations") or {}).get(SUBJECT_ANNOTATION) in gone]
         types = ", ".join(sorted({str(m.get("artifactType", "?")) for m in orphans})) or "none"
         return orphans, (f"--oci {self.path}: {self.ref_name} replaced {', '.join(replaced)} with "
                          f"{entries[0]['digest']}; removed its {len(orphans)} referrer(s) from index.json ({types})")

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kiln.attest.referrers import merged_index, referrers_tag
+from kiln.build.image import BuiltIndex, parts
 from kiln.errors import KilnError
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.mediatypes import OCI_INDEX
@@ -88,13 +89,40 @@ class RegistryPublisher(Publisher):
         return RegistryClient(endpoint, stats=TransferStats(), budget=base_client.budget), None
 
     def stage(self, image) -> Staged:
+        """Every blob of every platform's image (an index's, or the one) confirmed; the commit PUTs
+        each platform's manifest by digest with its referrers, the index by digest, then the tags."""
         client, mount_from = self._client_for(image)
         self.client = client
-        model, blobs = image.model, image.blobs
         repository = self.destination.repository
-        manifest = model.manifest()
+        manifest = image.manifest
         report = PushReport(repository, manifest.digest, list(self.tags))
-        descriptors = model.blobs()
+        for part in parts(image):
+            self._push_blobs(part, client, mount_from, report)
+        # Every blob is now confirmed (HEAD 200, mount 201 or upload 201): tags may name it.
+        pause_point("push")
+        self.report = report
+
+        def put_manifests():
+            pause_point("commit")  # the local outputs are committed by now (this one is last)
+            for part in parts(image):  # each image by digest, its referrers, then the index and the tags
+                if part.attestations or part is not image:
+                    part_manifest = part.manifest
+                    client.put_manifest(repository, part_manifest.digest, part_manifest.data, part_manifest.media_type)
+                    if part.attestations:
+                        self._attach(client, repository, part_manifest.digest, part.attestations)
+            if isinstance(image, BuiltIndex):
+                client.put_manifest(repository, manifest.digest, manifest.data, manifest.media_type)
+            for tag in self.tags:
+                client.put_manifest(repository, tag, manifest.data, manifest.media_type)
+            report.bytes_uploaded += len(manifest.data) * len(self.tags)
+            return lambda: None  # a tag cannot be taken back; it is committed last for that reason
+
+        return Staged(None, None, on_commit=put_manifests)
+
+    def _push_blobs(self, image, client: RegistryClient, mount_from: str | None, report: PushReport) -> None:
+        """One platform's image's blobs and its attestations' into the destination repository."""
+        repository, blobs = self.destination.repository, image.blobs
+        descriptors = image.model.blobs()
         from_cache = self._cache_mount(image, client)
         # The task counts bytes sent: a blob mounted or already there moves none, so it leaves the
         # total instead of being counted as pushed (the plain line says how many of each).
@@ -126,21 +154,6 @@ class RegistryPublisher(Publisher):
                     client.upload_blob(repository, descriptor.digest, artifact.blobs[descriptor.digest])
                     report.uploaded.append(descriptor.digest)
                     report.bytes_uploaded += descriptor.size
-        # Every blob is now confirmed (HEAD 200, mount 201 or upload 201): tags may name it.
-        pause_point("push")
-        self.report = report
-
-        def put_manifests():
-            pause_point("commit")  # the local outputs are committed by now (this one is last)
-            if image.attestations:  # the image by digest, its referrers, then the tags
-                client.put_manifest(repository, manifest.digest, manifest.data, manifest.media_type)
-                self._attach(client, repository, manifest.digest, image.attestations)
-            for tag in self.tags:
-                client.put_manifest(repository, tag, manifest.data, manifest.media_type)
-            report.bytes_uploaded += len(manifest.data) * len(self.tags)
-            return lambda: None  # a tag cannot be taken back; it is committed last for that reason
-
-        return Staged(None, None, on_commit=put_manifests)
 
     def _cache_mount(self, image, client: RegistryClient) -> dict[str, str]:
         """kiln's layers read from a registry build cache on this host: digest -> the cache repository

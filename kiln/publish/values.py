@@ -9,7 +9,9 @@ Public API:
                                            (and the CPU pin: values ask for a GPU node)
     values_bytes(values) -> bytes          the values file's exact bytes
     ValuesPublisher(path, repository, chart="kiln", definition=None, pin=None)   ``build --values FILE``
-    built_values(inputs, config, repository=None, chart="kiln") -> dict  values of a pushed image
+    built_values(inputs, config, repository=None, chart="kiln") -> dict  values of a pushed image: the
+                                           tag's digest, an index's when the SM ships on several platforms
+                                           (it must hold exactly those, each kiln's image)
 
 The values hold only what the build knows: the image (repository, tag, manifest digest), the
 model preset's id, the image definition's ``[serve]`` args and env, one GPU, and a node
@@ -138,10 +140,39 @@ def built_values(inputs: BuildInputs, config: RegistryConfig, repository: str | 
             f"{where}: no such image, {definition.name} was never built for pin {pin.name} sm {sm} "
             f"(build.py build --image {definition.name} --pin {pin.name} --sm {sm} --push)"
         ) from None
-    annotations = {} if manifest.media_type in INDEX_TYPES else manifest.json.get("annotations") or {}
+    if manifest.media_type in INDEX_TYPES:
+        _check_index(client, dest.repository, manifest, inputs, where)
+    else:
+        _check_annotations(manifest, inputs, f"{where}@{manifest.digest}")
+    return chart_values(chart, definition, pin, sm, dest.name, tag, manifest.digest)
+
+
+def _check_annotations(manifest, inputs: BuildInputs, what: str) -> None:
+    definition, pin, sm = inputs.definition, inputs.pin, inputs.sm
+    annotations = manifest.json.get("annotations") or {}
     expected = {L.IMAGE: definition.name, L.PIN: pin.name, L.SM: str(sm)}
     wrong = {k: annotations.get(k) for k, v in expected.items() if annotations.get(k) != v}
     if wrong:
         found = ", ".join(f"{k}={v!r}" for k, v in wrong.items())
-        raise KilnError(f"{where}@{manifest.digest}: not kiln's {definition.name} {pin.name} sm {sm} image ({found})")
-    return chart_values(chart, definition, pin, sm, dest.name, tag, manifest.digest)
+        raise KilnError(f"{what}: not kiln's {definition.name} {pin.name} sm {sm} image ({found})")
+
+
+def _check_index(client: RegistryClient, repository: str, index, inputs: BuildInputs, where: str) -> None:
+    """The tag names an index (the SM ships on several platforms): the values pin the index's digest,
+    once it holds exactly the platforms the definition ships the SM on, each kiln's image of it."""
+    definition, pin, sm = inputs.definition, inputs.pin, inputs.sm
+    shipped = definition.platforms_of(sm)
+    entries = {f"{(e.platform or {}).get('os', '?')}/{(e.platform or {}).get('architecture', '?')}": e
+               for e in index.manifests}
+    missing = [platform for platform in shipped if platform not in entries]
+    extra = [platform for platform in entries if platform not in shipped]
+    if missing or extra:
+        what = f"lacks {', '.join(missing)}" if missing else f"also holds {', '.join(extra)}"
+        raise KilnError(f"{where}@{index.digest}: the index {what}; {definition.name} ships sm {sm} on "
+                        f"{', '.join(shipped)} (build.py build --image {definition.name} --pin {pin.name} "
+                        f"--sm {sm} --push)")
+    for platform in shipped:
+        manifest = client.get_manifest(repository, entries[platform].digest)
+        if manifest.media_type in INDEX_TYPES:
+            raise KilnError(f"{where}@{index.digest}: its {platform} entry is an index, not an image")
+        _check_annotations(manifest, inputs, f"{where}@{index.digest} {platform} ({manifest.digest})")

@@ -4,14 +4,13 @@ Public API:
     KernelSources(changed, pristine_root)     the patched tree as the image will hold it
     SmCache(sm, root, key, launches, failures, compiled, cached, seconds, libtriton)
     compile_kernel_caches(preset, sms, sources, toolchain, cache, runtime_env=None, jobs=None,
-                          runtime_dir=RUNTIME_CACHE_DIR, progress=None, image_libtriton=None)
-        -> dict[int, SmCache]     ``image_libtriton``: key entries for that libtriton.so (``imagekey.py``)
+        runtime_dir=RUNTIME_CACHE_DIR, progress=None, image_libtriton=None) -> dict[int, SmCache]
     kernel_cache_files(sm_cache, toolchain, preset, runtime_dir=RUNTIME_CACHE_DIR) -> dict[str, bytes]
     stage_sources(preset, sources) -> (Path, str)   the files the worker imports, staged; their hash
     reads_source(preset, rel) -> bool     whether the compile reads vLLM's ``rel`` (kernel dirs + config)
     KERNEL_AUDIT_PATH     "opt/kiln/triton-kernels.json" (inside the image)
 
-Per SM, in its own process (several SMs in parallel, up to the core count): the worker
+Per SM, in its own process (SMs in parallel, up to ``KILN_JOBS`` or the core count): the worker
 (``worker.py``) launches vLLM's launchers through Triton's JIT path with a stand-in driver,
 which writes a normal Triton cache (``TRITON_STORE_BINARY_ONLY=1``: cubin, metadata, source,
 group file). The group files name their members by absolute path, so they are rewritten to
@@ -43,23 +42,25 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln import lifeline, staging
+from kiln import lifeline
 from kiln.cache import install_dir
-from kiln.errors import KilnError, no_space, writing
+from kiln.errors import KilnError, no_space
 from kiln.jobs import worker_count
 from kiln.pausepoint import pause_point
 from kiln.triton import standin_torch
 from kiln.triton import worker as worker_module
-from kiln.triton.kernels import KERNELS, RUNTIME_CACHE_DIR, KernelPreset, launch_plan
-from kiln.triton.runtime_layout import RuntimeLayout, layout_for, vllm_version
-from kiln.triton.toolchain import SOURCE_MTIME, Toolchain, stage_dir
+from kiln.triton.kernels import RUNTIME_CACHE_DIR, KernelPreset, launch_plan
+
+# the sources half, re-exported: callers import it from here
+from kiln.triton.sources import KernelSources, reads_source, stage_sources  # noqa: F401
+from kiln.triton.toolchain import Toolchain
 from kiln.triton.worker_process import no_space_in
 
 KERNEL_AUDIT_PATH = "opt/kiln/triton-kernels.json"
 FORMAT = 1  # bump when what an entry holds changes
 _WORKER = Path(worker_module.__file__)
+_WORKER_KEYS = _WORKER.with_name("worker_keys.py")  # loaded by the worker: how it keys entries
 _STANDIN_TORCH = Path(standin_torch.__file__)  # the worker's tensors (no torch needed)
-_CONFIG_FILE = "model_executor/layers/quantization/turboquant/config.py"
 # Environment variables that may change Triton's cache key or output (Triton reads them by name).
 _ENV_PREFIXES = ("TRITON_", "DISABLE_", "PTXAS_", "LLVM_", "MLIR_", "NVPTX_", "AMDGCN_")
 _ENV_NOT_KEYED = {"TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR", "TRITON_OVERRIDE_DIR",
@@ -68,25 +69,6 @@ _ENV_NOT_KEYED = {"TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR", "TRITON_
 _META_FIELDS = ("target", "num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion",
                 "launch_pdl", "launch_cooperative_grid", "debug", "arch", "ptx_options",
                 "instrumentation_mode", "triton_version", "supported_fp8_dtypes")
-
-
-@dataclass(frozen=True)
-class KernelSources:
-    changed: dict[str, str]  # vllm-relative path -> patched text (new files included)
-    pristine_root: Path  # the directory holding the pristine ``vllm/``
-
-    def read(self, rel: str) -> str | None:
-        if rel in self.changed:
-            return self.changed[rel]
-        path = self.pristine_root / "vllm" / rel
-        return path.read_text(encoding="utf-8") if path.is_file() else None
-
-    def runtime_layout(self) -> RuntimeLayout:
-        """What this vLLM version hands the kernels (``runtime_layout.py``), from ``vllm/_version.py``."""
-        version = vllm_version(self.read("_version.py"))
-        if version is None:
-            raise KilnError("vllm/_version.py: no vLLM version, so the kernels' block table layout is unknown")
-        return layout_for(version)
 
 
 @dataclass
@@ -100,59 +82,7 @@ class SmCache:
     cached: bool = False
     seconds: float = 0.0
     libtriton: str = ""  # the libtriton.so sha256 its entries are keyed with (the image's Triton's)
-
-
-# -- sources ------------------------------------------------------------------------------------
-
-def _kernel_dirs(preset: KernelPreset) -> list[str]:
-    return sorted({KERNELS[name].file.rpartition("/")[0] for name in preset.launchers})
-
-
-def reads_source(preset: KernelPreset, rel: str) -> bool:
-    """Whether the compile of ``preset`` reads vLLM's ``rel`` (a patch to it changes the kernels)."""
-    return rel == _CONFIG_FILE or any(rel.startswith(directory + "/") for directory in _kernel_dirs(preset))
-
-
-def stage_sources(preset: KernelPreset, sources: KernelSources) -> tuple[Path, str]:
-    """The files the worker imports, under ``STAGE/src-<content>/vllm/`` (same text, same lines)."""
-    dirs = _kernel_dirs(preset)
-    rels = {_CONFIG_FILE}
-    for directory in dirs:
-        base = sources.pristine_root / "vllm" / directory
-        rels |= {f"{directory}/{p.relative_to(base).as_posix()}" for p in base.rglob("*.py")}
-        rels |= {rel for rel in sources.changed if rel.startswith(directory + "/") and rel.endswith(".py")}
-    texts = {}
-    for rel in sorted(rels):
-        text = sources.read(rel)
-        if text is not None:
-            texts[rel] = text
-    digest = hashlib.sha256()
-    for rel, text in sorted(texts.items()):
-        digest.update(f"{rel}\0{hashlib.sha256(text.encode()).hexdigest()}\n".encode())
-    content = digest.hexdigest()
-    final = stage_dir() / f"src-{content[:32]}"
-    if not (final / ".complete").is_file():
-        staging.remove_dead_stages(final.parent)  # what killed builds were staging here
-        tmp = staging.stage_dir(final)
-        try:
-            with writing(final, sum(len(t.encode()) for t in texts.values()), "the Triton kernels' sources"):
-                for rel, text in texts.items():
-                    path = tmp / "vllm" / rel
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_text(text, encoding="utf-8")
-                    os.utime(path, (SOURCE_MTIME, SOURCE_MTIME))  # ptxas records it in the line info
-                (tmp / ".complete").write_text(content)
-            try:
-                os.rename(tmp, final)
-            except OSError:  # another build staged the same content first
-                pass
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    for rel in texts:  # a directory staged by an older kiln kept the time it was written
-        path = final / "vllm" / rel
-        if path.stat().st_mtime != SOURCE_MTIME:
-            os.utime(path, (SOURCE_MTIME, SOURCE_MTIME))
-    return final, content
+    ptxas: list[str] = field(default_factory=list)  # the image's ptxas --version texts keyed for (another machine's)
 
 
 # -- worker processes ---------------------------------------------------------------------------
@@ -238,27 +168,30 @@ def _miss_reason(miss: dict, check_root: Path, built: dict[str, dict]) -> str:
 
 
 def _entry_key(toolchain: Toolchain, sm: int, preset: KernelPreset, plan: list[dict], source_hash: str,
-               runtime_dir: str, runtime_env: dict[str, str], key_libtriton: dict | None) -> str:
+               runtime_dir: str, runtime_env: dict[str, str], key_libtriton: dict | None,
+               key_ptxas: dict | None = None) -> str:
     ingredients = {
         "format": FORMAT, "triton": toolchain.version, "toolchain": toolchain.fingerprint, "sm": sm,
         "key_libtriton": key_libtriton,
         "preset": preset.to_json(), "plan": plan, "sources": source_hash, "runtime_dir": runtime_dir,
-        "env": sorted(runtime_env.items()), "worker": hashlib.sha256(_WORKER.read_bytes()).hexdigest(),
+        "env": sorted(runtime_env.items()), "worker": hashlib.sha256(_WORKER.read_bytes() + _WORKER_KEYS.read_bytes()).hexdigest(),
         "tensors": hashlib.sha256(_STANDIN_TORCH.read_bytes()).hexdigest(),
     }
+    if key_ptxas:  # an image of another machine (absent otherwise: the host's entries keep their keys)
+        ingredients["key_ptxas"] = sorted(key_ptxas.items())
     return hashlib.sha256(json.dumps(ingredients, sort_keys=True).encode()).hexdigest()
 
 
 def _build_one(sm: int, preset: KernelPreset, plan: list[dict], staged: Path, toolchain: Toolchain,
                entries: Path, key: str, runtime_dir: str, runtime_env: dict[str, str],
-               key_libtriton: dict | None) -> SmCache:
+               key_libtriton: dict | None, key_ptxas: dict | None = None) -> SmCache:
     final = entries / key
     started = time.monotonic()
     built: dict = {}
 
     def fill(work: Path) -> None:
         launches, failures, compiled = _compile_and_check(sm, preset, plan, staged, toolchain, work, runtime_dir,
-                                                          runtime_env, key_libtriton)
+                                                          runtime_env, key_libtriton, key_ptxas)
         (work / "entry.json").write_text(json.dumps({"sm": sm, "key": key, "launches": launches,
                                                      "failures": failures}, indent=1, sort_keys=True))
         shutil.rmtree(work / "home", ignore_errors=True)
@@ -271,17 +204,19 @@ def _build_one(sm: int, preset: KernelPreset, plan: list[dict], staged: Path, to
     record = json.loads((final / "entry.json").read_text())
     return SmCache(sm, final / "cache", key, record["launches"], record["failures"], built.get("compiled", 0),
                    "compiled" not in built, round(time.monotonic() - started, 3),
-                   (key_libtriton or {}).get("image") or toolchain.libtriton_sha256)
+                   (key_libtriton or {}).get("image") or toolchain.libtriton_sha256,
+                   sorted((key_ptxas or {}).values()))
 
 
 def _compile_and_check(sm: int, preset: KernelPreset, plan: list[dict], staged: Path, toolchain: Toolchain,
-                       work: Path, runtime_dir: str, runtime_env: dict[str, str], key_libtriton: dict | None):
+                       work: Path, runtime_dir: str, runtime_env: dict[str, str], key_libtriton: dict | None,
+                       key_ptxas: dict | None = None):
     home = work / "home"
     home.mkdir()
     build_dir = work / "cache"
     job = {"sm": sm, "toolchain_site": str(toolchain.staged_site()), "roots": [str(staged)],
            "standin_torch": str(_STANDIN_TORCH), "preset": preset.to_json(), "launches": plan,
-           "key_libtriton": key_libtriton}
+           "key_libtriton": key_libtriton, **({"key_ptxas": key_ptxas} if key_ptxas else {})}
     report = _run_worker(toolchain, {**job, "mode": "compile"}, _worker_env(build_dir, home, runtime_env, True),
                          work, sm)
     if report.get("triton") != toolchain.version:
@@ -368,7 +303,8 @@ def compile_kernel_caches(preset: KernelPreset, sms: list[int], sources: KernelS
                           cache: Path, runtime_env: dict[str, str] | None = None, jobs: int | None = None,
                           runtime_dir: str = RUNTIME_CACHE_DIR,
                           progress: Callable[[SmCache], None] | None = None,
-                          image_libtriton: str | None = None) -> dict[int, SmCache]:
+                          image_libtriton: str | None = None,
+                          image_ptxas: dict[str, str] | None = None) -> dict[int, SmCache]:
     """Compile, check and keep the kernel cache of every SM (one worker process per SM)."""
     if not runtime_dir.startswith("/"):
         raise KilnError(f"Triton cache path {runtime_dir!r}: must be absolute")
@@ -376,6 +312,7 @@ def compile_kernel_caches(preset: KernelPreset, sms: list[int], sources: KernelS
     plan = launch_plan(preset, sources.runtime_layout())
     own = toolchain.libtriton_sha256
     key_libtriton = {"own": own, "image": image_libtriton} if image_libtriton and image_libtriton != own else None
+    key_ptxas = dict(image_ptxas) if image_ptxas and any(own != text for own, text in image_ptxas.items()) else None
     staged, source_hash = stage_sources(preset, sources)
     entries = cache / "triton" / "kernels"
     entries.mkdir(parents=True, exist_ok=True)
@@ -384,8 +321,9 @@ def compile_kernel_caches(preset: KernelPreset, sms: list[int], sources: KernelS
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = {
             sm: pool.submit(_build_one, sm, preset, plan, staged, toolchain, entries,
-                            _entry_key(toolchain, sm, preset, plan, source_hash, runtime_dir, env, key_libtriton),
-                            runtime_dir, env, key_libtriton)
+                            _entry_key(toolchain, sm, preset, plan, source_hash, runtime_dir, env, key_libtriton,
+                                       key_ptxas),
+                            runtime_dir, env, key_libtriton, key_ptxas)
             for sm in sms
         }
         for sm, future in futures.items():
@@ -410,7 +348,8 @@ def kernel_cache_files(sm_cache: SmCache, toolchain: Toolchain, preset: KernelPr
         "schema": 1,
         "sm": sm_cache.sm,
         "triton": {"version": toolchain.version, "record_sha256": toolchain.fingerprint, "wheel": toolchain.wheel,
-                   "wheel_sha256": toolchain.wheel_sha256, "keyed_for_libtriton_sha256": sm_cache.libtriton},
+                   "wheel_sha256": toolchain.wheel_sha256, "keyed_for_libtriton_sha256": sm_cache.libtriton,
+                   **({"keyed_for_ptxas_version": sm_cache.ptxas} if sm_cache.ptxas else {})},
         "cache_dir": runtime_dir,
         "key": sm_cache.key,
         "preset": preset.to_json(),

@@ -3,7 +3,8 @@
 Public API:
     TritonLayer(contents, env, summary)
     triton_cache_layer(preset, sm, found, changed, runtime_env, cache, label, image_name, reporter=SILENT,
-                       leave_out_unusable=False) -> TritonLayer | None   (None: left out)
+                       leave_out_unusable=False, wheels=None, platform=None) -> TritonLayer | None
+                                     (None: left out; ``platform``: the image's, keyed for its machine)
     LEAVE_OUT_OPTION                 the build option that sets ``leave_out_unusable``
     image_env(config) -> dict       a base config's Env as a dict
     kernel_created_by(image_name, sm, kernels) -> str   the layer's history line
@@ -34,10 +35,12 @@ from kiln.errors import KilnError
 from kiln.oci.layer import LayerContents
 from kiln.report import SILENT, Reporter
 from kiln.source.image import ImageVllm
+from kiln.targets import PLATFORMS
 from kiln.triton.aot import KernelSources, compile_kernel_caches, kernel_cache_files
-from kiln.triton.imagekey import runtime_key
+from kiln.triton.imagekey import RuntimeKey, platform_key, runtime_key
 from kiln.triton.kernels import RUNTIME_CACHE_DIR, KernelPreset, check_kernels
 from kiln.triton.keyfiles import read_key_sources
+from kiln.triton.platformwheel import platform_wheel, wheel_arch
 from kiln.triton.toolchain import toolchain_for
 
 LEAVE_OUT_OPTION = "--without-unusable-kernels"
@@ -53,16 +56,16 @@ class TritonLayer:
 def triton_cache_layer(preset: KernelPreset, sm: int, found: ImageVllm, changed: dict[str, str],
                        runtime_env: dict[str, str], cache: Path, label: str, image_name: str,
                        reporter: Reporter = SILENT, leave_out_unusable: bool = False,
-                       wheels=None) -> TritonLayer | None:
+                       wheels=None, platform: str | None = None) -> TritonLayer | None:
     """``label`` names the preset in errors (``images/x.toml: model.kernels``); ``image_name`` the layer.
     None: the image could not use the layer and ``leave_out_unusable`` left it out.
-    ``wheels``: the registry build cache's toolchain wheels (``toolchain_for``)."""
+    ``wheels``: the registry build cache's toolchain wheels (``toolchain_for``); ``platform``: the
+    image's (``linux/arm64``: keyed for that machine's Triton wheel, ``platformwheel.py``)."""
     sources = KernelSources(changed, found.tree.root)
     check_kernels(preset, sources.read, label)
     toolchain = toolchain_for(found.triton_version, found.image, cache, reporter, wheels)
     python = _image_python(found.site_dir)
-    keyed = runtime_key(found.triton_record, toolchain.record, python, toolchain.wheel_python,
-                        read_key_sources(toolchain.site, toolchain.version))
+    keyed, image_ptxas, other = _image_key(found, toolchain, python, platform, cache, reporter)
     if keyed.problem:
         unusable = f"{label}: sm_{sm}: {keyed.problem}, so the image's Triton would never read these kernels"
         if not leave_out_unusable:
@@ -72,7 +75,7 @@ def triton_cache_layer(preset: KernelPreset, sm: int, found: ImageVllm, changed:
     # not "compiling": the kernels may come from kiln's cache, which the status then says
     with reporter.status(f"Triton kernels for sm_{sm} (Triton {toolchain.version})") as status:
         result = compile_kernel_caches(preset, [sm], sources, toolchain, cache, runtime_env=runtime_env,
-                                       image_libtriton=keyed.libtriton_sha256)[sm]
+                                       image_libtriton=keyed.libtriton_sha256, image_ptxas=image_ptxas)[sm]
         status.finish("from kiln's cache, none compiled" if result.cached
                       else f"{result.compiled} compiled and checked")
     for failure in result.failures:
@@ -89,9 +92,31 @@ def triton_cache_layer(preset: KernelPreset, sm: int, found: ImageVllm, changed:
                "cache_dir": RUNTIME_CACHE_DIR, "key": result.key,
                "kernels": len({k["hash"] for launch in result.launches for k in launch["kernels"]}),
                "kernel_names": kernels, "compiled": result.compiled, "from_cache": result.cached,
-               "not_built": result.failures, "seconds": result.seconds}
+               "not_built": result.failures, "seconds": result.seconds,
+               **({"platform": platform, "platform_wheel": other.to_json(), "ptxas_keyed": result.ptxas}
+                  if other else {})}
     contents = LayerContents(files=files, removals=(), created_by=kernel_created_by(image_name, sm, kernels))
     return TritonLayer(contents, {"TRITON_CACHE_DIR": RUNTIME_CACHE_DIR}, summary)
+
+
+def _image_key(found: ImageVllm, toolchain, python: str | None, platform: str | None, cache: Path,
+               reporter: Reporter):
+    """How the image's Triton keys kernels: (RuntimeKey, its ptxas texts or None, the platform's
+    wheel or None). On the host's machine, by the toolchain's RECORD (``runtime_key``); on another
+    (an arm64 image built here), by that machine's PyPI wheel (``platform_key``)."""
+    sources = read_key_sources(toolchain.site, toolchain.version)
+    arch = PLATFORMS.get(platform) if platform else None
+    if arch is None or arch == wheel_arch(toolchain.wheel):
+        return runtime_key(found.triton_record, toolchain.record, python, toolchain.wheel_python, sources), None, None
+    if python is None:
+        return RuntimeKey(None, toolchain.libtriton_sha256, f"the image's Python is unknown (site dir "
+                                                            f"{found.site_dir}), so is its {arch} Triton wheel"), None, None
+    try:
+        other = platform_wheel(toolchain, python, arch, found.image, cache, reporter)
+    except KilnError as err:
+        return RuntimeKey(None, toolchain.libtriton_sha256, f"its {platform} Triton wheel: {err}"), None, None
+    keyed = platform_key(found.triton_record, other.record, toolchain.record, sources, other.wheel)
+    return keyed, other.ptxas, other
 
 
 def kernel_created_by(image_name: str, sm: int, kernels: list[str]) -> str:

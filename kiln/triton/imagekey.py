@@ -4,6 +4,10 @@ Public API:
     RuntimeKey(libtriton_sha256, toolchain_libtriton_sha256, problem)
         ``.substitutes`` whether the worker keys entries with another libtriton.so than its own
     runtime_key(image_record, toolchain_record, image_python, toolchain_python, sources) -> RuntimeKey
+    platform_key(image_record, platform_record, toolchain_record, sources, platform_wheel) -> RuntimeKey
+                                               an image of another machine than the host's
+                                               (``platformwheel.py``): its Triton must be that
+                                               platform's PyPI wheel, the wheel the host's source
     compared_files(sources, paths) -> set[str]  the Triton files that must be the toolchain's
     record_hashes(text) -> dict[str, str]      a dist-info RECORD: path -> sha256 (hex)
     LIBTRITON                                  "triton/_C/libtriton.so"
@@ -45,6 +49,7 @@ from kiln.triton.keyfiles import KeySources
 LIBTRITON = "triton/_C/libtriton.so"
 _SHOWN = 3  # differing files named in a problem
 _NATIVE = re.compile(r"\.so(\.[^/]*)?$")  # libcupti.so, libcupti.so.13
+_MACHINE = re.compile(r"/bin/[^/]+$|\.a$")  # executables, static archives: built per machine
 
 
 @dataclass(frozen=True)
@@ -101,4 +106,43 @@ def runtime_key(image_record: str | None, toolchain_record: str, image_python: s
         shown = ", ".join(differing[:_SHOWN]) + (f" and {len(differing) - _SHOWN} more" if len(differing) > _SHOWN else "")
         return RuntimeKey(None, own, f"the image's Triton is not the PyPI wheel kiln compiles with: "
                                      f"{len(differing)} file(s) differ ({shown})")
+    return RuntimeKey(theirs[LIBTRITON], own)
+
+
+def _differ(ours: dict[str, str], theirs: dict[str, str], paths: set[str]) -> str | None:
+    differing = sorted(p for p in paths if ours.get(p) != theirs.get(p))
+    if not differing:
+        return None
+    shown = ", ".join(differing[:_SHOWN]) + (f" and {len(differing) - _SHOWN} more" if len(differing) > _SHOWN else "")
+    return f"{len(differing)} file(s) differ ({shown})"
+
+
+def platform_key(image_record: str | None, platform_record: str, toolchain_record: str, sources: KeySources,
+                 platform_wheel: str) -> RuntimeKey:
+    """How to key kernels for an image of another machine (``platform_record``: the RECORD of the
+    PyPI wheel ``platform_wheel`` of its Triton for its Python and machine, sha256-checked).
+
+    The image's Triton must be that wheel on every file the key is made of, ``libtriton.so`` and
+    the ptxas binaries too (their ``--version`` text keys the backend: ``platformwheel.py``); and
+    that wheel the host's toolchain on all of them but what is built per machine (``libtriton.so``,
+    native libraries, executables, static archives): the same compiler source and libdevice."""
+    ours, wheel = record_hashes(toolchain_record), record_hashes(platform_record)
+    own = ours.get(LIBTRITON)
+    if own is None:
+        raise KilnError(f"the Triton toolchain's RECORD lists no {LIBTRITON}: kiln cannot tell its cache key")
+    if sources.extension != LIBTRITON:
+        raise KilnError(f"Triton's triton_key() hashes {sources.extension}; kiln keys for the image's {LIBTRITON} only")
+    if image_record is None:
+        return RuntimeKey(None, own, f"the image's Triton has no RECORD, so kiln cannot tell it is {platform_wheel}")
+    theirs = record_hashes(image_record)
+    walked = compared_files(sources, set(wheel) | set(theirs))
+    machine = {p for p in set(wheel) | set(theirs) | set(ours)
+               if any(p.startswith(root + "/") for root in sources.walked) and _MACHINE.search(p)}
+    if LIBTRITON not in theirs:
+        return RuntimeKey(None, own, f"the image's Triton RECORD lists no {LIBTRITON}")
+    if problem := _differ(wheel, theirs, walked | machine | {LIBTRITON}):
+        return RuntimeKey(None, own, f"the image's Triton is not the PyPI wheel {platform_wheel}: {problem}")
+    same_source = compared_files(sources, set(ours) | set(wheel)) - machine - {LIBTRITON}
+    if problem := _differ(ours, wheel, same_source):
+        return RuntimeKey(None, own, f"{platform_wheel} is not the compiler kiln compiles with: {problem}")
     return RuntimeKey(theirs[LIBTRITON], own)

@@ -202,22 +202,34 @@ def _fetch(version: str, image: str, into: Path, reporter: Reporter, wheels=None
                          "record_sha256": record, "python": sys.version.split()[0]})
 
 
-def _choose_wheel(version: str, image: str) -> tuple[str, str]:
-    """The URL and sha256 of the wheel pip would install here (its indexes, this Python)."""
+def _choose_wheel(version: str, image: str, target: tuple[str, str] | None = None) -> tuple[str, str]:
+    """The URL and sha256 of the wheel pip would install here (its indexes, this Python), or for
+    ``target`` = (Python ``3.12``, wheel arch ``aarch64``): another platform's (``platformwheel.py``)."""
     with tempfile.TemporaryDirectory(prefix="kiln-pip-") as tmp:
         report = Path(tmp) / "report.json"
         result = lifeline.run(
             [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--disable-pip-version-check",
              "--ignore-installed", "--no-deps", "--only-binary=:all:", "--report", str(report),
-             f"triton=={version}"])
+             *(_target_options(target, Path(tmp) / "target") if target else ()), f"triton=={version}"])
         if result.returncode != 0 or not report.is_file():
             tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
-            raise KilnError(f"{image}: no triton=={version} wheel for this Python "
-                            f"({sys.version.split()[0]}) on the package index: {tail[0]}")
+            what = (f"CPython {target[0]} on manylinux {target[1]}" if target
+                    else f"this Python ({sys.version.split()[0]})")
+            raise KilnError(f"{image}: no triton=={version} wheel for {what} on the package index: {tail[0]}")
         [item] = json.loads(report.read_text())["install"]
     info = item["download_info"]
     sha256 = (info.get("archive_info") or {}).get("hashes", {}).get("sha256") or ""
     return info["url"], sha256
+
+
+def _target_options(target: tuple[str, str], into: Path) -> list[str]:
+    """pip's options choosing a wheel for CPython ``python`` on manylinux ``arch`` (pip 23 matches
+    each ``--platform`` exactly: every manylinux glibc a wheel may name is listed)."""
+    python, arch = target
+    platforms = [f"manylinux_2_{minor}_{arch}" for minor in range(17, 40)] + [f"manylinux2014_{arch}"]
+    abi = f"cp{python.replace('.', '')}"
+    return ["--target", str(into), "--python-version", python, "--implementation", "cp", "--abi", abi,
+            *(option for name in platforms for option in ("--platform", name))]
 
 
 def _download(url: str, sha256: str, path: Path, label: str, reporter: Reporter) -> str:

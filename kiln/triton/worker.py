@@ -27,14 +27,17 @@ What it does, in order:
    counts compiles and cache hits with ``triton.knobs.compilation.listener``;
 7. when the job names the image's libtriton.so (``key_libtriton``: the image runs another
    Python's wheel of the same Triton, see ``imagekey.py``), keys every entry as that Triton
-   does: ``triton_key()`` holds the sha256 of libtriton.so once, and it is replaced there.
+   does: ``triton_key()`` holds the sha256 of libtriton.so once, and it is replaced there; and
+   when it names the image's ptxas text (``key_ptxas``: an image of another machine), the
+   backend's ``hash()`` gets that text for the one our ptxas prints.
 
 A failing launch (e.g. fp8e4b15 from bf16 on sm_86) is reported, not raised: the caller
 decides what a failure means.
 
 Job (JSON): {"mode": "compile"|"check", "sm": int, "toolchain_site": str|null, "standin_torch": str|null,
              "roots": [overlay, pristine], "preset": {...}, "launches": [{"kernel", "module",
-             "function", "builder", "params"}], "key_libtriton": {"own": hex, "image": hex}|null}
+             "function", "builder", "params"}], "key_libtriton": {"own": hex, "image": hex}|null,
+             "key_ptxas": {"<our ptxas --version>": "<the image's>"}|null}
 The cache directory and Triton's environment come from the process environment.
 What ``ci/gpu_check.py`` and ``ci/gpu_pn119.py`` use on a real GPU (imported by path): ``install_vllm``,
 ``force_fp8_flavour``, ``use_device``, ``BUILDERS``, ``TQ_CONFIG``.
@@ -67,6 +70,7 @@ def _beside(name: str) -> types.ModuleType:
 _process = _beside("worker_process")
 NO_SPACE, children_die_with_me, exit_on_no_space = (_process.NO_SPACE, _process.children_die_with_me,
                                                     _process.exit_on_no_space)
+_keys = _beside("worker_keys")  # keying entries for the image's Triton (its part of the entry key: aot.py)
 
 
 def _setup_path(job: dict) -> None:
@@ -311,30 +315,12 @@ BUILDERS = {"store": build_store, "decode": build_decode}
 # -- main ---------------------------------------------------------------------------------------
 
 
-def _key_for_image(key_libtriton: dict | None) -> None:
-    """Make ``triton_key()`` what the image's Triton computes: its libtriton.so hash for ours."""
-    if not key_libtriton:
-        return
-    from triton.runtime import autotuner, cache
-
-    own, image = key_libtriton["own"], key_libtriton["image"]
-    key = cache.triton_key()
-    if key.count(own) != 1:  # a Triton that hashes libtriton.so differently: nothing to replace safely
-        raise RuntimeError(f"triton_key() does not hold libtriton.so's sha256 {own} exactly once")
-    image_key = key.replace(own, image)
-
-    def triton_key():
-        return image_key
-
-    cache.triton_key = triton_key  # get_cache_key reads the module global
-    autotuner.triton_key = triton_key  # imported by name there
-
-
 def run(job: dict) -> dict:
     _setup_path(job)
     sm = job["sm"]
     triton = _install_driver(sm)
-    _key_for_image(job.get("key_libtriton"))
+    _keys.key_for_image(job.get("key_libtriton"))
+    _keys.ptxas_for_image(job.get("key_ptxas"))
     launches = job["launches"]
     install_vllm(job["roots"], [launch["module"] for launch in launches] + [TQ_CONFIG])
     import importlib

@@ -73,18 +73,28 @@ def _other_venv(root: Path) -> str:
     return python
 
 
-def _layers(layout: Path) -> list[str]:
+def _layers(layout: Path) -> dict[str, list[str]]:
+    """manifest digest -> its layers, of the one tag in the layout: the image, or each platform's of an index."""
+    def blob(digest: str) -> dict:
+        return json.loads((layout / "blobs/sha256" / digest.split(":")[1]).read_bytes())
+
     [entry] = [m for m in json.loads((layout / "index.json").read_text())["manifests"] if "artifactType" not in m]
-    manifest = json.loads((layout / "blobs/sha256" / entry["digest"].split(":")[1]).read_bytes())
-    return [layer["digest"] for layer in manifest["layers"]]
+    top = blob(entry["digest"])
+    manifests = [m["digest"] for m in top["manifests"]] if "manifests" in top else [entry["digest"]]
+    return {digest: [layer["digest"] for layer in blob(digest)["layers"]] for digest in manifests}
 
 
-@pytest.mark.parametrize(("image", "sm"), [(IMAGE, SM), ("qwen3.6-35b-a3b-fp8", 90)])
-def test_shipped_definition_builds_bit_reproducibly(tmp_path, registry_plain, image, sm):
+# sm_120: one linux/amd64 image; sm_90: an index of amd64 and arm64 on the two-platform base, each
+# platform's kernels keyed for its own Triton; sm_121 (DGX Spark): one linux/arm64 image
+@pytest.mark.parametrize(("image", "sm", "variant", "platforms"), [
+    (IMAGE, SM, "triton36", ["linux/amd64"]),
+    ("qwen3.6-35b-a3b-fp8", 90, "multi36", ["linux/amd64", "linux/arm64"]),
+    (IMAGE, 121, "multi36", ["linux/arm64"])])
+def test_shipped_definition_builds_bit_reproducibly(tmp_path, registry_plain, image, sm, variant, platforms):
     """Two cold builds: other cache, toolchain location, working and temp directory, interpreter path
     (the second without torch or numpy)."""
     assert "[model.kernels]" in (paths.IMAGES / f"{image}.toml").read_text()  # the Triton layer is compared
-    pins = _pins(tmp_path, registry_plain)
+    pins = _pins(tmp_path, registry_plain, variant)
     results, layers = [], []
     for run, python in (("one", sys.executable), ("two", _other_venv(tmp_path / "venv-two"))):
         work = tmp_path / f"work-{run}"
@@ -97,14 +107,17 @@ def test_shipped_definition_builds_bit_reproducibly(tmp_path, registry_plain, im
         result = json.loads(done.stdout)
         # a cold build: the toolchain fetched into this cache, every kernel compiled here
         assert (work / "cache/triton/toolchains/triton-3.6.0/triton/__init__.py").is_file()
-        assert result["triton"]["compiled"] > 0 and not result["triton"]["from_cache"]
+        for part in result["platforms"].values():
+            assert part["triton"]["compiled"] > 0 and not part["triton"]["from_cache"]
         results.append(result)
         layers.append(_layers(work / "out"))
     one, two = results
     assert one["image"] == image and one["tag"] == f"cu130-sm{sm}-{PIN}"
-    assert one["triton"]["kernels"] >= 3 and len(layers[0]) == len(layers[1])
-    assert layers[0][-1] == layers[1][-1]  # the Triton layer
-    assert layers[0][-2] == layers[1][-2] == one["layer_digest"]  # the patched-source layer
+    assert list(one["platforms"]) == platforms
+    assert one["triton"]["kernels"] >= 3 and layers[0] == layers[1]  # every layer of every platform
+    for part in one["platforms"].values():
+        found = layers[0][part["manifest_digest"]]
+        assert found[-2] == part["layer_digest"] == one["layer_digest"]  # the patched-source layer
     assert one["config_digest"] == two["config_digest"]
     assert one["manifest_digest"] == two["manifest_digest"]
 

@@ -25,15 +25,17 @@ RECORD = paths.PATCHSETS / TRAIN_RECORD
 # 0.20.1 and 0.33.0, and every release where a recorded verdict changes, with the one before:
 #   0.21.0  P4, P5, P5b upstream; P22 drift (half upstream); PN353A, K4 ungated; K2 drift; K3 upstream
 #   0.22.0  P44 upstream (zero fill gone); P60 target gone, P60b gated; K2 upstream
-#   0.23.0  PN91 upstream (developer messages converted before rendering); PN92 upstream (trial import)
+#   0.23.0  PN91 upstream (developer messages converted before rendering); PN92 upstream (trial import);
+#           P34 drift (the waiting loop's split also tests `not load_kv_async`)
 #   0.24.0  P22, PN353A upstream (reserved workspace); P64 upstream (parser engine); P61c gated, K1 ungated
 #   0.25.0  P62 drift (half upstream)
 #   0.26.0  PN346 upstream (no extra search block for Mamba groups)
 #   0.27.0  P62 upstream (the accepted-token window); P14 upstream (move_row zeroes the vacated row)
+#   0.28.0  P34 upstream (aligned before the encoder cap; a mid-block chunk stops at the boundary)
 #   0.29.0  P66, P109, PN73 upstream (uniform decode sizes; stop-token validation; guarded tool-call arguments)
 #   0.30.0  PN390 out of range (its kernels launch through warm-up dispatchers)
 #   0.32.0  P60 upstream (draftless rows on the spec path)
-RELEASES = ["0.20.1", "0.21.0", "0.22.0", "0.23.0", "0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.29.0", "0.30.0", "0.32.0", "0.33.0"]
+RELEASES = ["0.20.1", "0.21.0", "0.22.0", "0.23.0", "0.24.0", "0.25.0", "0.26.0", "0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.32.0", "0.33.0"]
 
 
 def test_the_spread_covers_every_recorded_change():

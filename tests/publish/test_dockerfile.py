@@ -295,7 +295,7 @@ def test_context_merges_layers_like_an_image(tmp_path):
     files = sorted(str(p.relative_to(dest / "rootfs")) for p in (dest / "rootfs").rglob("*") if p.is_file())
     assert files == ["usr/lib/__pycache__/a.pyc", "usr/lib/a.py"]  # upper re-added a.pyc, removed gone.py
     assert (dest / "remove.txt").read_text() == "/usr/lib/base-only\n/usr/lib/gone.py\n"
-    assert (dest / "build-args").read_text() == f"BASE=docker.io/x/y@{DIGEST}\nKILN_ENV=none\nKILN_PIN=v1\n"
+    assert (dest / "build-args").read_text() == f"BASE=docker.io/x/y@{DIGEST}\nKILN_PLATFORM=linux/amd64\nKILN_ENV=none\nKILN_PIN=v1\n"
     for path in (dest / "rootfs").rglob("*"):
         assert path.stat().st_mtime == 1_000_000_000
         assert oct(path.stat().st_mode & 0o777) == ("0o755" if path.is_dir() else "0o644")
@@ -335,7 +335,10 @@ def test_dockerfile_declares_every_label_and_env_arg():
     stage per ENV_STAGES entry setting exactly those variables from their ENV_ARGS."""
     text = paths.DOCKERFILE.read_text().replace("\\\n", " ")
     declared = set(re.findall(r"^ARG (\w+)", text, re.M))
-    assert set(LABEL_ARGS.values()) | set(ENV_ARGS.values()) | {"BASE", "KILN_ENV"} <= declared
+    assert set(LABEL_ARGS.values()) | set(ENV_ARGS.values()) | {"BASE", "KILN_ENV", "KILN_PLATFORM"} <= declared
+    # the one stage on the base picks the context's platform of it
+    assert [line for line in text.splitlines() if line.startswith("FROM ") and "${BASE}" in line] == [
+        "FROM --platform=${KILN_PLATFORM} ${BASE} AS kiln-env-none"]
     [label_line] = [line for line in text.splitlines() if line.startswith("LABEL ")]
     pairs = dict(re.findall(r'([\w.]+)="\$\{(\w+)\}"', label_line))
     assert pairs == LABEL_ARGS
@@ -359,3 +362,37 @@ def test_context_bad_input_from_the_command_line(capsys, tmp_path, registry_plai
     assert code == 2 and "error:" in err and "now resolves to" in err
     assert not (tmp_path / "ctx").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".ctx")] == []
+
+
+def test_context_for_a_platform_builds_on_that_platform_of_the_base(capsys, tmp_path, registry_plain, podman):
+    """``context --platform linux/arm64`` on a two-platform base: build-args name the platform,
+    and the Dockerfile's ``FROM --platform`` picks that manifest of the base's index (podman
+    builds the base stage, which runs nothing, so no emulation is needed): its architecture and
+    layers are the ones skopeo reads for that platform."""
+    base_name = f"vllm/vllm-openai:v{VLLM_VERSION}-multi"
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / f"{IMAGE}.toml").write_text(
+        (TEST_IMAGES / f"{IMAGE}.toml").read_text().replace("sms = [86, 120]", "sms = [86, 90, 120]"))
+    pins = _pins(tmp_path, registry_plain.digest_of(base_name), base_name)
+    for platform in ("linux/amd64", "linux/arm64"):
+        arch = platform.split("/")[1]
+        context = tmp_path / f"ctx-{arch}"
+        capsys.readouterr()
+        code = commands.main(["--pins", str(pins), "--images", str(images), "context", "--out", str(context),
+                              "--image", IMAGE, "--pin", "v0.20.1", "--sm", "90", "--platform", platform,
+                              "--mirror", registry_plain.mirror, "--json"])
+        assert code == 0, capsys.readouterr().err
+        assert f"KILN_PLATFORM={platform}" in (context / "build-args").read_text().splitlines()
+        assert json.loads((context / CONTEXT_MARKER).read_text())["platform"] == platform
+        podman.ok("build", "--identity-label=false", *_build_args(context), "--target", "kiln-env-none",
+                  "-t", f"localhost/kiln-base:{arch}", str(context))
+        built = json.loads(podman.ok("image", "inspect", f"localhost/kiln-base:{arch}"))[0]
+        config = json.loads(run_out("skopeo", "--override-arch", arch, "inspect", "--config", "--raw",
+                                    "--tls-verify=false", f"docker://{registry_plain.host}/{base_name}"))
+        assert built["Architecture"] == config["architecture"] == arch
+        assert built["RootFS"]["Layers"] == config["rootfs"]["diff_ids"], platform
+
+
+def run_out(*argv: str) -> str:
+    return subprocess.run(list(argv), capture_output=True, text=True, check=True).stdout

@@ -27,6 +27,9 @@ Images, under the real Docker Hub name so a mirror ``docker.io=<host>`` stands i
     vllm/vllm-openai:v0.20.1-triton36 ``base`` + a layer replacing triton 3.5.0's dist-info with
                                       3.6.0's (the Triton the test toolchain runs), whose RECORD
                                       is the real cp312 wheel's (``TRITON_CP312_RECORD``)
+    vllm/vllm-openai:v0.20.1-multi36  OCI index: linux/amd64 (= ``triton36``), linux/arm64 (``multi``'s arm64
+                                      half + a layer with Triton 3.6.0's real aarch64 cp312 dist-info,
+                                      ``TRITON_CP312_AARCH64_RECORD``): a two-platform base with kernels
     vllm/vllm-openai:v0.20.1-triton38 the same with Triton 3.8.0's real cp312 dist-info (vLLM 0.33.0's)
     vllm/vllm-openai:v0.20.1-tritonvendor  the same as triton36 with triton/language/core.py's hash
                                       changed: a Triton that is not the PyPI wheel
@@ -88,6 +91,9 @@ TRITON_CP312_RECORD = Path(__file__).with_name("triton-3.6.0-cp312.RECORD")
 # triton~=3.8.0): 3.8.0's RECORD copied out of
 # triton-3.8.0-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl from PyPI, sha256
 # e91ffa46d095b252248297292dd22bcbacd53a125a0c2eefbbbf74925a320bc3.
+# The RECORD of triton-3.6.0-cp312-cp312-manylinux_2_27_aarch64.manylinux_2_28_aarch64.whl from PyPI,
+# sha256 374f52c11a711fd062b4bfbb201fd9ac0a5febd28a96fb41b4a0f51dde3157f4 (an arm64 image's Triton).
+TRITON_CP312_AARCH64_RECORD = Path(__file__).with_name("triton-3.6.0-cp312-aarch64.RECORD")
 TRITON_CP312_RECORDS = {"3.6.0": TRITON_CP312_RECORD,
                         "3.8.0": Path(__file__).with_name("triton-3.8.0-cp312.RECORD")}
 # And the RECORDs of the cp311 wheels of both (kiln on Python 3.11 compiles with those), copied out of
@@ -385,6 +391,17 @@ def build_base_layout(work: Path, wheel: Path) -> BaseLayout:
         run("umoci", "raw", "add-layer", "--image", f"{layout}:arm64vllm", "--history.created_by",
             f"fixture {role} (arm64)", work / f"{role}.tar")
 
+    # its Triton 3.6.0 twin: the aarch64 wheel's real dist-info over it (``multi36``'s arm64 half)
+    site = work / "trees" / "triton36-arm64" / SITE
+    site.mkdir(parents=True)
+    (site / ".wh.triton-3.5.0.dist-info").write_bytes(b"")
+    (site / "triton-3.6.0.dist-info").mkdir()
+    (site / "triton-3.6.0.dist-info/METADATA").write_text("Metadata-Version: 2.1\nName: triton\nVersion: 3.6.0\n")
+    (site / "triton-3.6.0.dist-info/RECORD").write_bytes(TRITON_CP312_AARCH64_RECORD.read_bytes())
+    run("umoci", "raw", "add-layer", "--image", f"{layout}:arm64vllm", "--tag", "arm64triton36",
+        "--history.created_by", "fixture triton36 (arm64)",
+        _tar(work / "trees" / "triton36-arm64", work / "triton36-arm64.tar"))
+
     index = json.loads((layout / "index.json").read_text())
     by_tag = {m["annotations"]["org.opencontainers.image.ref.name"]: m for m in index["manifests"]}
     layers: dict[str, str] = {}
@@ -426,6 +443,13 @@ def build_base_layout(work: Path, wheel: Path) -> BaseLayout:
     }).encode())
     index["manifests"].append({"mediaType": "application/vnd.oci.image.index.v1+json", "digest": multi[0],
                                "size": multi[1], "annotations": {"org.opencontainers.image.ref.name": "multi"}})
+    multi36 = _blob(layout, json.dumps({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [entry("triton36", {"architecture": "amd64", "os": "linux"}),
+                      entry("arm64triton36", {"architecture": "arm64", "os": "linux"})],
+    }).encode())
+    index["manifests"].append({"mediaType": "application/vnd.oci.image.index.v1+json", "digest": multi36[0],
+                               "size": multi36[1], "annotations": {"org.opencontainers.image.ref.name": "multi36"}})
     (layout / "index.json").write_text(json.dumps(index))
     return BaseLayout(layout, layers, sizes, wheel_files, overridden, override, whited_out, opaque_dir, opaque_files)
 
@@ -466,6 +490,7 @@ def _push_all(server: RegistryServer, layout: BaseLayout, full: bool) -> None:
         server.push(layout.oci("base"), f"{REPO}:v{VLLM_VERSION}-docker", "--format", "v2s2")
         server.push(layout.oci("index"), f"{REPO}:v{VLLM_VERSION}-index", "--all")
         server.push(layout.oci("multi"), f"{REPO}:v{VLLM_VERSION}-multi", "--all")
+        server.push(layout.oci("multi36"), f"{REPO}:v{VLLM_VERSION}-multi36", "--all")
         server.push(layout.oci("novllm"), "test/no-vllm:1")
         for variant in ("triton36", "triton38", "tritonvendor"):
             server.push(layout.oci(variant), f"{REPO}:v{VLLM_VERSION}-{variant}")

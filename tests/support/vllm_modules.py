@@ -31,10 +31,8 @@ import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import os
 import re
 import sys
-import traceback
 import types
 from pathlib import Path
 
@@ -211,33 +209,59 @@ class VllmModules(importlib.abc.MetaPathFinder):
 
 
 def in_child(test):
-    """Run ``test`` in a forked child process: the real vLLM modules it imports, and whatever they
+    """Run ``test`` in a fresh Python process: the real vLLM modules it imports, and whatever they
     do to the globals of torch, Triton or the import system, stay there (run in the suite's own
-    process, they once broke a later test's Triton-interpreted kernel). A failure comes back as
-    the child's traceback."""
+    process, they once broke a later test's Triton-interpreted kernel). A fresh interpreter, not a
+    fork: a fork of a process with other threads (pytest-xdist's worker has its channel's) can
+    inherit a lock held mid-operation and hang (seen: a forked PN520 case waiting on a futex for 47
+    minutes). Its arguments are JSON values, and ``trees``, which the child makes itself (the
+    conftest fixture's own recipe: the release wheels in kiln's cache). A failure comes back as the
+    child's traceback."""
 
     @functools.wraps(test)
     def run(*args, **kwargs):
+        import json
+        import subprocess
+
         import pytest
 
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: never returns into pytest
-            code, text = 0, b""
-            try:
-                os.close(read)
-                test(*args, **kwargs)
-            except BaseException:
-                code, text = 1, traceback.format_exc().encode()
-            finally:
-                with os.fdopen(write, "wb") as out:
-                    out.write(text)
-                os._exit(code)
-        os.close(write)
-        with os.fdopen(read, "rb") as out:
-            text = out.read().decode(errors="replace")
-        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        if code != 0:
-            pytest.fail(f"in a child process (exit {code}):\n{text}", pytrace=False)
+        assert not args, "in_child takes keyword arguments (pytest passes fixtures and params so)"
+        values = {name: value for name, value in kwargs.items() if name != "trees"}
+        call = json.dumps({"module": test.__module__, "name": test.__name__, "kwargs": values,
+                           "trees": "trees" in kwargs})
+        repo = Path(__file__).resolve().parents[2]
+        result = subprocess.run([sys.executable, "-m", "tests.support.vllm_modules", call], cwd=repo,
+                                capture_output=True, text=True, timeout=900)
+        if result.returncode != 0:
+            pytest.fail(f"in a child process (exit {result.returncode}):\n{result.stderr[-8000:]}", pytrace=False)
 
     return run
+
+
+def _run_in_child(call: dict) -> None:
+    """The child's half of ``in_child``: the undecorated test, called with its arguments."""
+    import importlib
+
+    from packaging.version import Version
+
+    from kiln.source.wheel import WheelSource
+    from tests.conftest import SOURCES
+
+    kwargs = dict(call["kwargs"])
+    if call["trees"]:
+        made: dict = {}
+
+        def trees(label: str):
+            if label not in made:
+                made[label] = WheelSource(Version(SOURCES[label])).fetch()
+            return made[label]
+
+        kwargs["trees"] = trees
+    test = getattr(importlib.import_module(call["module"]), call["name"]).__wrapped__
+    test(**kwargs)
+
+
+if __name__ == "__main__":
+    import json
+
+    _run_in_child(json.loads(sys.argv[1]))

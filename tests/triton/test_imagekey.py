@@ -175,7 +175,7 @@ real = cache.triton_key.__wrapped__
 image_key = types.FunctionType(real.__code__, {{**real.__globals__,
                                                 "__file__": {str(image / "triton/runtime/cache.py")!r}}})()
 own_key = cache.triton_key()
-worker._key_for_image({{"own": {toolchain.libtriton_sha256!r}, "image": {image_sha!r}}})
+worker._keys.key_for_image({{"own": {toolchain.libtriton_sha256!r}, "image": {image_sha!r}}})
 print(json.dumps([own_key, image_key, cache.triton_key(), autotuner.triton_key()]))
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
@@ -191,7 +191,7 @@ sys.path.insert(0, {str(toolchain.site)!r})
 spec = importlib.util.spec_from_file_location("kiln_worker", {worker_module.__file__!r})
 worker = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(worker)
-worker._key_for_image({{"own": "0" * 64, "image": "1" * 64}})
+worker._keys.key_for_image({{"own": "0" * 64, "image": "1" * 64}})
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode != 0 and "exactly once" in result.stderr

@@ -1,0 +1,258 @@
+"""The GPU run of issue 37: a serve bundle's parts carried one per run, then one serve run.
+
+    PYTHONPATH=. .venv/bin/python ci/gpu_serve_plan.py plan --parts DIR        # here: the runs, in order
+    PYTHONPATH=. .venv/bin/python ci/gpu_serve_plan.py dry-run --parts DIR --standin DIR --python PY
+    PYTHONPATH=. python3 ci/gpu_serve_plan.py serve --prefix PREFIX --out DIR  # there (the last run)
+
+``plan``: what a session with the device tool does, as JSON: for each part, put that part and the
+manifest (alone) in the checkout's ignored folder ``.bundle`` and call ``run`` with
+``carry: [".bundle"]`` and ``--receive`` (the part is checked and kept in ``/tmp/kiln-parts``,
+which outlives the run while the machine stays up); then one ``run`` that assembles
+(``--opt-kiln /opt/kiln``: the kernel cache's group files name that path) and serves. Every run
+has a timeout; the serve run's leaves time to rerun it once (``docs/gpu/SERVE_BUNDLE.md``).
+
+``dry-run``: the same sequence here, against a stand-in machine folder ``--standin`` (the
+machine's ``/tmp`` and ``/opt/kiln`` under it) and a Python standing in for the machine's
+(``--python``, a venv of its packages): each part carried alone, received, assembled, then the
+serve run's preflight (``serve --preflight``: both sides import vLLM's server, the overlay's files
+are kiln's, the serve commands are built). Only the serving itself needs the GPU.
+
+``serve`` (on the machine): from one assembled install, pristine then patched (the overlay
+switched by ``PYTHONPATH``), each with TurboQuant k8v4, MTP speculative decoding and async
+scheduling as the image's ``[serve] args`` say, scaled to the tiny model (``scaled_args``):
+1. pristine server up; the Triton cache's entries counted; one request; counted again (compiles
+   during the first request); greedy outputs of ``GREEDY`` kept; the profile's memory lines of its log;
+2. the patched server beside it, the same;
+3. ``kiln.bench``: speed A/B (interleaved: TTFT, TPOT, tokens/s with their CV) and the forced
+   tool-call battery; then both stopped;
+4. ``serve.json`` in ``--out``: all of it, and which requests failed on one side only.
+Each server has ``--ready-timeout``; the whole run ``--budget-s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CI = Path(__file__).resolve().parent
+REPO = CI.parent
+ASSEMBLE = CI / "gpu_serve_assemble.py"
+PARTS_THERE = "/tmp/kiln-parts"
+PREFIX_THERE = "/tmp/kiln-serve"
+GREEDY = ["The capital of France is", "def fibonacci(n):", "Tool calls: search the web, read a file,"]
+RECEIVE_TIMEOUT_S = 120
+SERVE_TIMEOUT_S = 420
+
+
+# -- the plan --------------------------------------------------------------------------------------
+
+
+def plan(parts: Path) -> list[dict]:
+    manifest = json.loads((parts / "manifest.json").read_text())
+    runs = []
+    for entry in manifest["parts"]:
+        runs.append({
+            "stage": f"rm -rf .bundle && mkdir .bundle && cp {parts / entry['name']} {parts / 'manifest.json'} .bundle/",
+            "carry": [".bundle"], "timeout_s": RECEIVE_TIMEOUT_S,
+            "command": (f"python3 ci/gpu_serve_assemble.py --receive .bundle/{entry['name']} "
+                        f"--manifest .bundle/manifest.json --into {PARTS_THERE}"),
+            "mib": round(entry["size"] / (1 << 20), 1)})
+    runs.append({
+        "stage": "rm -rf .bundle", "carry": [], "timeout_s": SERVE_TIMEOUT_S + 60,
+        "command": (f"python3 ci/gpu_serve_assemble.py --assemble {PARTS_THERE} --prefix {PREFIX_THERE} "
+                    f"--opt-kiln /opt/kiln > $OUT/assembled.json && PYTHONUNBUFFERED=1 PYTHONPATH=$PWD "
+                    f"python3 ci/gpu_serve_plan.py serve --prefix {PREFIX_THERE} --out $OUT "
+                    f"--budget-s {SERVE_TIMEOUT_S - 30}")})
+    return runs
+
+
+# -- the serve run ---------------------------------------------------------------------------------
+
+
+def scaled_args(image_args: list[str], model: Path, chat_template: Path, gpu_share: float) -> list[str]:
+    """The image's ``[serve] args`` for the tiny model: what the model or the bundle changes, and why."""
+    args, skip = [], False
+    for index, arg in enumerate(image_args):
+        if skip:
+            skip = False
+            continue
+        value = image_args[index + 1] if index + 1 < len(image_args) else None
+        if arg == "--quantization":  # the tiny model is not quantized
+            skip = True
+        elif arg == "--max-model-len":  # its max_position_embeddings
+            args += [arg, "4096"]
+            skip = True
+        elif arg == "--gpu-memory-utilization":  # two servers share the GPU for the A/B
+            args += [arg, f"{gpu_share:.2f}"]
+            skip = True
+        elif arg == "--chat-template":  # where the assembler put kiln's /opt/kiln
+            args += [arg, str(chat_template)]
+            skip = True
+        else:
+            args.append(arg)
+            del value
+    return ["--model", str(model), *args,
+            "--async-scheduling",  # the image relies on 0.20.1's default; said explicitly here
+            "--gdn-prefill-backend", "triton",  # FlashInfer is not carried (ci/gpu_serve_bundle.OMIT_DEPS)
+            "--language-model-only"]  # text requests only: the vision tower is not built
+
+
+def cache_entries(root: Path) -> set[str]:
+    return {p.name for p in root.iterdir() if p.is_dir()} if root.is_dir() else set()
+
+
+PROFILE_LINES = re.compile(r"(Model loading took|Available KV cache memory|GPU KV cache size|"
+                           r"Memory profiling takes|torch peak memory|non-torch|CUDA graph|Maximum concurrency)")
+
+
+def _greedy_body(prompt: str, max_tokens: int) -> dict:
+    return {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0.0,
+            "chat_template_kwargs": {"enable_thinking": False}}
+
+
+def serve(args) -> int:
+    from gpu_serve import Server, free_port  # ci/gpu_serve.py: the server process and its lifeline
+
+    from kiln.bench.battery import CASES
+    from kiln.bench.client import stream_chat
+    from kiln.bench.evidence import evidence, machine_info
+    from kiln.bench.run import BenchSettings, run_battery, run_speed
+
+    prefix: Path = args.prefix
+    assembled = json.loads((prefix / "assembled.json").read_text())
+    bundle = json.loads((prefix / "bundle" / "bundle.json").read_text())
+    opt_kiln = Path(assembled["opt_kiln"])
+    cache_dir = Path(assembled["env"]["TRITON_CACHE_DIR"])
+    model = Path(assembled["model"])
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.budget_s
+    report: dict = {"bundle": {"kiln": bundle["kiln"], "model": bundle["model"]}, "sides": {}}
+    servers, endpoints = {}, {}
+    base_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    base_env.update(bundle["kiln"].get("serve_env", {}), TRITON_CACHE_DIR=str(cache_dir), VLLM_NO_USAGE_STATS="1")
+    try:
+        for label, side in (("B", "pristine"), ("A", "patched")):  # one at a time: each profiles memory
+            command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
+                       "--port", str(free_port()), "--served-model-name", "kiln-check",
+                       *scaled_args(bundle["kiln"]["serve_args"], model, opt_kiln / "chat-templates" / "qwen3.6.jinja",
+                                    args.gpu_share)]
+            env = {**base_env, **assembled["env"][side]}
+            if args.preflight:
+                probe = subprocess.run([sys.executable, "-c", "import vllm.entrypoints.openai.api_server as m, vllm;"
+                                        "print(vllm.__file__)"], env=env, capture_output=True, text=True, timeout=900)
+                report["sides"][side] = {"command": command, "imports": probe.returncode == 0,
+                                         "vllm": probe.stdout.strip(), "error": probe.stderr.strip().splitlines()[-1:]}
+                continue
+            servers[label] = Server(command, env, out / f"server-{side}.log")
+            endpoints[label] = servers[label].wait_ready(min(args.ready_timeout, deadline - time.monotonic()))
+            before = cache_entries(cache_dir)
+            first = stream_chat(endpoints[label], _greedy_body("Hello", 16), timeout=120)
+            compiled = sorted(cache_entries(cache_dir) - before)
+            greedy = [stream_chat(endpoints[label], _greedy_body(p, 32), timeout=60) for p in GREEDY]
+            log = (out / f"server-{side}.log").read_text(errors="replace")
+            report["sides"][side] = {"command": command, "first_request_ok": first.ok, "first_error": first.error,
+                                     "triton_compiles_first_request": len(compiled), "compiled_entries": compiled,
+                                     "greedy": [g.content if g.ok else f"error: {g.error}" for g in greedy],
+                                     "profile": [line.strip() for line in log.splitlines()
+                                                                   if PROFILE_LINES.search(line)][-12:]}
+        if not args.preflight:
+            settings = BenchSettings(runs=args.runs, warmup=1, concurrency=(1, 4))
+            speed = run_speed(endpoints, settings, deadline=time.perf_counter() + max(30.0, deadline - time.monotonic() - 60))
+            battery = run_battery(endpoints, CASES, 1, settings, deadline=time.perf_counter() + 50)
+            data = evidence(endpoints, {}, settings, speed, battery, machine_info())
+            (out / "bench.json").write_text(json.dumps(data, indent=1) + "\n")
+            sides = report["sides"]
+            report["greedy_equal"] = sides["pristine"]["greedy"] == sides["patched"]["greedy"]
+            report["failed_requests"] = data["speed"]["failed_requests"]
+    finally:
+        for server in servers.values():
+            server.stop()
+    (out / "serve.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({side: {k: v for k, v in info.items() if k != "command"} for side, info in report["sides"].items()},
+                     indent=1))
+    if args.preflight:
+        return 0 if all(s["imports"] for s in report["sides"].values()) else 1
+    return 0 if all(s["first_request_ok"] for s in report["sides"].values()) else 1
+
+
+# -- the dry run -----------------------------------------------------------------------------------
+
+
+def dry_run(parts: Path, standin: Path, python: str) -> dict:
+    """The plan's runs against a stand-in machine folder: each carried part alone, then the last run's
+    assembly and the serve preflight, its paths moved under ``standin``."""
+    checkout = standin / "checkout"  # the carried folder, as the run sees it
+    steps = []
+    for run in plan(parts):
+        started = time.monotonic()
+        shutil.rmtree(checkout / ".bundle", ignore_errors=True)
+        if run["carry"]:
+            (checkout / ".bundle").mkdir(parents=True)
+            names = run["command"].split("--receive .bundle/")[1].split()[0], "manifest.json"
+            for name in names:
+                shutil.copyfile(parts / name, checkout / ".bundle" / name)
+            carried = sum(f.stat().st_size for f in (checkout / ".bundle").iterdir())
+            proc = subprocess.run([python, str(ASSEMBLE), "--receive", str(checkout / ".bundle" / names[0]),
+                                   "--manifest", str(checkout / ".bundle" / "manifest.json"),
+                                   "--into", str(standin / PARTS_THERE.lstrip("/"))],
+                                  capture_output=True, text=True, timeout=run["timeout_s"])
+            steps.append({"run": run["command"], "carried_mib": round(carried / (1 << 20), 1), "rc": proc.returncode,
+                          "said": (proc.stdout + proc.stderr).strip(), "s": round(time.monotonic() - started, 1)})
+            if proc.returncode:
+                break
+            continue
+        prefix = standin / PREFIX_THERE.lstrip("/")
+        proc = subprocess.run([python, str(ASSEMBLE), "--assemble", str(standin / PARTS_THERE.lstrip("/")),
+                               "--prefix", str(prefix), "--opt-kiln", str(standin / "opt" / "kiln")],
+                              capture_output=True, text=True, timeout=run["timeout_s"])
+        steps.append({"run": "assemble", "rc": proc.returncode, "said": proc.stderr.strip(),
+                      "s": round(time.monotonic() - started, 1)})
+        if proc.returncode:
+            break
+        started = time.monotonic()
+        proc = subprocess.run([python, str(Path(__file__)), "serve", "--prefix", str(prefix), "--out",
+                               str(standin / "out"), "--preflight"], capture_output=True, text=True,
+                              timeout=run["timeout_s"], env={**os.environ, "PYTHONPATH": str(REPO)})
+        steps.append({"run": "serve --preflight", "rc": proc.returncode, "said": (proc.stdout + proc.stderr)[-3000:],
+                      "s": round(time.monotonic() - started, 1)})
+    return {"runs": len(plan(parts)), "steps": steps}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="verb", required=True)
+    p = sub.add_parser("plan")
+    p.add_argument("--parts", type=Path, required=True)
+    d = sub.add_parser("dry-run")
+    d.add_argument("--parts", type=Path, required=True)
+    d.add_argument("--standin", type=Path, required=True, help="a folder standing for the machine's / (new or empty)")
+    d.add_argument("--python", required=True, help="a Python standing for the machine's (its packages)")
+    s = sub.add_parser("serve")
+    s.add_argument("--prefix", type=Path, required=True)
+    s.add_argument("--out", type=Path, required=True)
+    s.add_argument("--gpu-share", type=float, default=0.4)
+    s.add_argument("--ready-timeout", type=float, default=150.0, help="seconds for each server to answer")
+    s.add_argument("--budget-s", type=float, default=SERVE_TIMEOUT_S - 30, help="the whole serve step")
+    s.add_argument("--runs", type=int, default=3, help="bench runs per prompt")
+    s.add_argument("--preflight", action="store_true", help="no server: imports and commands only")
+    args = parser.parse_args(argv)
+    if args.verb == "plan":
+        print(json.dumps(plan(args.parts), indent=1))
+        return 0
+    if args.verb == "dry-run":
+        done = dry_run(args.parts, args.standin, args.python)
+        print(json.dumps(done, indent=1))
+        return 0 if done["steps"] and all(s["rc"] == 0 for s in done["steps"]) else 1
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
