@@ -28,7 +28,7 @@ def with_warm(prepared: PreparedBuild, folder: Path) -> PreparedBuild:
     record, files = read_bundle(folder)
     source = prepared.layers[0]
     audit = json.loads(source.files[AUDIT_PATH])
-    check_bundle(record, audit, prepared.inputs.definition, f"--warm {folder}")
+    check_bundle(record, audit, prepared.inputs.definition, prepared.inputs.platform, f"--warm {folder}")
     summary = {name: record.get(name) for name in _SUMMARY}
     summary["record_sha256"] = hashlib.sha256((folder / RECORD).read_bytes()).hexdigest()
     summary["files"] = len(files)

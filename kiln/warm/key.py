@@ -32,13 +32,19 @@ def warm_env(image_env: dict[str, str]) -> dict[str, str]:
                if not (name == "TRITON_CACHE_DIR" and image_env.get(name))}, **NO_PRECOMPILED_HEADERS}
 
 
-def key_factors(audit: dict, definition) -> dict:
-    """Every input the key hashes, from an image's audit record and its definition."""
+# the OCI platform of a machine (``platform.machine()``): what a warm boot compiled for
+MACHINE_PLATFORMS = {"x86_64": "linux/amd64", "amd64": "linux/amd64", "aarch64": "linux/arm64", "arm64": "linux/arm64"}
+
+
+def key_factors(audit: dict, definition, os_arch: str) -> dict:
+    """Every input the key hashes, from an image's audit record, its definition and the platform
+    (``linux/amd64``…: the base's digest may name an index of several, compiled code is per platform)."""
     pin = audit.get("pin") or {}
     return {
         "schema": WARM_SCHEMA,
         "image": audit.get("image"),
         "base_digest": (audit.get("base") or {}).get("digest"),
+        "os_arch": os_arch,
         "vllm": pin.get("vllm"),
         "platform": pin.get("cuda"),
         "sm": audit.get("sm"),
@@ -54,9 +60,9 @@ def warm_key(factors: dict) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
 
 
-def check_bundle(record: dict, audit: dict, definition, where: str) -> None:
+def check_bundle(record: dict, audit: dict, definition, os_arch: str, where: str) -> None:
     """A bundle made for other inputs than this build's is refused in one line naming the first factor that differs."""
-    want = key_factors(audit, definition)
+    want = key_factors(audit, definition, os_arch)
     have = record.get("factors") or {}
     if record.get("key") == warm_key(want) and have == want:
         return

@@ -20,7 +20,7 @@ from kiln.build.layers import AUDIT_PATH
 from kiln.errors import KilnError
 from kiln.warm.boot import boot_chroot, send_requests, stop, wait_healthy
 from kiln.warm.capture import capture, write_bundle
-from kiln.warm.key import WARM_ROOT, key_factors, warm_env, warm_key
+from kiln.warm.key import MACHINE_PLATFORMS, WARM_ROOT, key_factors, warm_env, warm_key
 
 # vLLM's lines when it compiles and when it loads what it compiled (on CPU, DYNAMO_TRACE_ONCE: only the AOT ones)
 COMPILED = re.compile(r"torch\.compile took|Starting torch\.compile|Compiling a graph|Dynamo bytecode transform time|"
@@ -70,7 +70,9 @@ def warm_rootfs(rootfs: Path, definition, out: Path, model: str, binds: dict[str
     audit = audit_of(rootfs)
     if (rootfs / WARM_ROOT).exists():
         raise KilnError(f"{rootfs}/{WARM_ROOT}: already there (a warmed image, or a warm boot's leftovers)")
-    factors = key_factors(audit, definition)
+    if platform.machine() not in MACHINE_PLATFORMS:
+        raise KilnError(f"this machine is {platform.machine()}: kiln builds for {', '.join(sorted(set(MACHINE_PLATFORMS.values())))}")
+    factors = key_factors(audit, definition, MACHINE_PLATFORMS[platform.machine()])
     env = {"PATH": f"{Path(python).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
            "HOME": "/root", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            **definition.serve_env, **warm_env({})}

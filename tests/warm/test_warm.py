@@ -40,7 +40,7 @@ class Definition:
 
 
 def record_for(audit=AUDIT, definition=Definition()) -> dict:
-    factors = key_factors(audit, definition)
+    factors = key_factors(audit, definition, "linux/amd64")
     return {"key": warm_key(factors), "factors": factors, "booted": {"serve": ["vllm", "serve"]},
             "hardware": {"machine": "x86_64"}, "versions": {"torch": "2.13.0+cpu"}, "vllm_cache_dirs": []}
 
@@ -57,8 +57,8 @@ def rootfs_with_cache(tmp_path: Path, text: bytes = b"compiled for /opt/kiln/war
 
 
 def test_the_key_moves_with_every_factor_and_not_with_kiln_s_commit():
-    base = warm_key(key_factors(AUDIT, Definition()))
-    assert warm_key(key_factors({**AUDIT, "kiln": {"commit": "other"}}, Definition())) == base
+    base = warm_key(key_factors(AUDIT, Definition(), "linux/amd64"))
+    assert warm_key(key_factors({**AUDIT, "kiln": {"commit": "other"}}, Definition(), "linux/amd64")) == base
     changed = [
         {**AUDIT, "base": {"digest": "sha256:" + "c" * 64}},
         {**AUDIT, "pin": {**AUDIT["pin"], "vllm": "0.33.0"}},
@@ -66,24 +66,27 @@ def test_the_key_moves_with_every_factor_and_not_with_kiln_s_commit():
         {**AUDIT, "patches": AUDIT["patches"][:1]},
         {**AUDIT, "files": {k: {"after": "2" * 64} for k in AUDIT["files"]}},
     ]
-    keys = {warm_key(key_factors(audit, Definition())) for audit in changed}
-    keys |= {warm_key(key_factors(AUDIT, Definition(serve_args=("--max-num-seqs", "8")))),
-             warm_key(key_factors(AUDIT, Definition(model=Model("other/model")))),
-             warm_key(key_factors(AUDIT, Definition(serve_env={"OMP_NUM_THREADS": "4"})))}
-    assert base not in keys and len(keys) == 8
+    keys = {warm_key(key_factors(audit, Definition(), "linux/amd64")) for audit in changed}
+    keys |= {warm_key(key_factors(AUDIT, Definition(serve_args=("--max-num-seqs", "8")), "linux/amd64")),
+             warm_key(key_factors(AUDIT, Definition(model=Model("other/model")), "linux/amd64")),
+             warm_key(key_factors(AUDIT, Definition(serve_env={"OMP_NUM_THREADS": "4"}), "linux/amd64")),
+             warm_key(key_factors(AUDIT, Definition(), "linux/arm64"))}
+    assert base not in keys and len(keys) == 9
 
 
 def test_a_bundle_made_for_other_serve_args_is_refused_in_one_line_naming_the_factor():
     record = record_for(definition=Definition(serve_args=("--max-num-seqs", "8")))
-    check_bundle(record_for(), AUDIT, Definition(), "--warm x")  # its own inputs: accepted
+    check_bundle(record_for(), AUDIT, Definition(), "linux/amd64", "--warm x")  # its own inputs: accepted
     with pytest.raises(KilnError) as refused:
-        check_bundle(record, AUDIT, Definition(), "--warm x")
+        check_bundle(record, AUDIT, Definition(), "linux/amd64", "--warm x")
     line = str(refused.value)
     assert "\n" not in line and line.startswith("--warm x: a warm cache made for other inputs (1 differ; serve_args:")
     assert "build.py warm" in line
     tampered = dict(record_for(), key="sha256:" + "0" * 64)  # the factors agree, the key does not
     with pytest.raises(KilnError, match="other inputs"):
-        check_bundle(tampered, AUDIT, Definition(), "--warm x")
+        check_bundle(tampered, AUDIT, Definition(), "linux/amd64", "--warm x")
+    with pytest.raises(KilnError, match="os_arch"):  # made on another machine's platform
+        check_bundle(record_for(), AUDIT, Definition(), "linux/arm64", "--warm x")
 
 
 def test_capture_takes_the_warm_root_and_leaves_out_locks(tmp_path):
@@ -142,7 +145,7 @@ def test_the_warm_layer_is_the_same_from_caches_written_at_other_times(tmp_path)
 def prepared_with(audit: dict, env: dict | None = None) -> PreparedBuild:
     audit_bytes = json.dumps(audit).encode()
     fields = {name: None for name in PreparedBuild.__dataclass_fields__}
-    fields.update(inputs=SimpleNamespace(definition=Definition()), layers=[LayerContents({AUDIT_PATH: audit_bytes})],
+    fields.update(inputs=SimpleNamespace(definition=Definition(), platform="linux/amd64"), layers=[LayerContents({AUDIT_PATH: audit_bytes})],
                   base_model=SimpleNamespace(config={"config": {"Env": [f"{k}={v}" for k, v in (env or {}).items()]}}),
                   env={}, warm={})
     return PreparedBuild(**fields)

@@ -46,7 +46,7 @@ def _bundle(project, tmp_path, audit, name, serve_args=None):
     definition = load_build_inputs(RepoFiles(pins=project.pins(), images=IMAGES), IMAGE, "v0.20.1", SM).definition
     if serve_args is not None:
         definition = type(definition)(**{**definition.__dict__, "serve_args": tuple(serve_args)})
-    factors = key_factors(audit, definition)
+    factors = key_factors(audit, definition, "linux/amd64")
     write_bundle(tmp_path / name, CACHE, {"key": warm_key(factors), "factors": factors,
                                           "booted": {"serve": ["vllm", "serve", "m"]}, "hardware": {"machine": "x86_64"},
                                           "versions": {"torch": "2.13.0"}, "vllm_cache_dirs": []})
