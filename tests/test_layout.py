@@ -22,7 +22,7 @@ MAX_FUNCTION_LINES = 80  # a function longer than a screen hides the steps it sh
 # docs/ARCHITECTURE.md's layers, top to bottom: a module imports its own layer or one below. The
 # page's table says which layer each module is in, in this order, and its chain line is this list
 # (test_the_architecture_table_matches_the_tree), so the page and this test cannot drift.
-LAYERS = ("commands", "tools", "pipeline", "publish", "attest", "build", "loaders", "patch", "triton",
+LAYERS = ("commands", "tools", "pipeline", "warm", "publish", "attest", "build", "loaders", "patch", "triton",
           "source", "oci", "shared")
 ARCHITECTURE = paths.REPO / "docs" / "ARCHITECTURE.md"
 # A test hook, not output: with KILN_TEST_PAUSE_AT set, it announces the pause the crash tests wait for.
