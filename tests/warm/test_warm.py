@@ -173,3 +173,13 @@ def test_with_warm_refuses_a_bundle_planted_for_another_base(tmp_path):
     with pytest.raises(KilnError) as refused:
         with_warm(prepared_with(AUDIT), tmp_path / "bundle")
     assert "\n" not in str(refused.value) and "base_digest" in str(refused.value)
+
+
+def test_warm_on_a_tag_of_several_platforms_is_refused_before_any_work(tmp_path):
+    from kiln.pipeline import run_build
+
+    with pytest.raises(KilnError) as refused:
+        run_build(SimpleNamespace(platform="linux/amd64"), [], "repo", platforms=("linux/amd64", "linux/arm64"),
+                  warm=tmp_path / "bundle")
+    assert str(refused.value) == (f"--warm {tmp_path / 'bundle'}: a warm cache is made on one platform's hardware, "
+                                  "and this tag has 2 (linux/amd64, linux/arm64): build one (--platform OS/ARCH)")
