@@ -91,7 +91,7 @@ CASES: dict[str, tuple[str, str, str]] = {
     "image: sms floats": ("image", IMAGE.replace("[86, 89]", '[86.0]'), "sms[0]: expected an integer, not the float 86.0"),
     "image: unknown top-level key": ("image", IMAGE.replace("tag = ", 'colour = "red"\ntag = '), "colour: unknown key; valid: "),
     "image: misspelt top-level key": ("image", IMAGE.replace("patches = ", "patchs = "), "patchs: unknown key; did you mean patches?"),
-    "image: unknown table": ("image", IMAGE + "[evil]\nx = 1\n", "[evil]: unknown table; valid: [model], [serve]"),
+    "image: unknown table": ("image", IMAGE + "[evil]\nx = 1\n", "[evil]: unknown table; valid: [platforms], [model], [serve]"),
     "image: [serv] for [serve]": ("image", IMAGE.replace("[serve]", "[serv]"), "[serv]: unknown table; did you mean [serve]?"),
     "image: misspelt model table": ("image", IMAGE.replace("[model]", "[modle]"), "[modle]: unknown table; did you mean [model]?"),
     "image: unknown key in [model]": ("image", IMAGE.replace("kv_cache_dtype =", "kv_cache_dtyp ="),
