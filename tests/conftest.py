@@ -11,6 +11,7 @@ access to the developer's credentials or mirrors (``isolated_registry_env``).
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 from packaging.version import Version
@@ -41,6 +42,69 @@ SOURCES = {name: str(pin.vllm) for name, pin in load_pins(paths.PINS).items()} |
 # check progress ask for it with --progress (tests/commands/test_progress.py). Set for the whole
 # session, not per test: module-scoped fixtures run their commands before any per-test fixture.
 os.environ["KILN_PROGRESS"] = "quiet"
+# Under pytest-xdist each worker is one of several processes sharing the machine's cores: a build
+# in it patches and compiles in one process (kiln/jobs.py) rather than forking a worker per core.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("KILN_JOBS", "1")
+
+# -- the `network` marker, kept true ------------------------------------------------------------
+# A test that uses one of these fixtures (directly or through another fixture) reads real vLLM
+# wheels from PyPI on a machine whose kiln cache lacks them: it is marked `network` at collection.
+# A test that reaches any other host without the marker fails (the audit hook below), so
+# `-m "not network and not registry"` is an offline lane by construction, not by convention.
+NETWORK_FIXTURES = frozenset({"trees", "vllm_wheel"})  # every tree, session and registry fixture uses one
+_LOOPBACK = ("127.", "::1", "localhost", "0.0.0.0")
+_unmarked: dict = {"test": None, "reached": []}  # the running test when it is not marked network
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by markers
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if NETWORK_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.network)
+
+
+def _host(event: str, args: tuple) -> str | None:
+    if event == "socket.getaddrinfo":
+        host = args[0]
+    elif event == "socket.connect" and isinstance(args[1], tuple):
+        host = args[1][0]
+    else:
+        return None
+    return host.decode() if isinstance(host, bytes) else str(host or "")
+
+
+def _audit(event: str, args: tuple) -> None:
+    if _unmarked["test"] is None or not event.startswith("socket."):
+        return
+    host = _host(event, args)
+    if host and not host.startswith(_LOOPBACK):  # "" and None: a local socket, or this host
+        _unmarked["reached"].append(host)
+        raise OSError(f"{_unmarked['test']} reached {host} but is not marked network (tests/conftest.py)")
+
+
+sys.addaudithook(_audit)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """From the test's first fixture to its last teardown (a module fixture set up for it counts)."""
+    marked = item.get_closest_marker("network") is not None
+    _unmarked.update(test=None if marked else item.nodeid, reached=[])
+    try:
+        yield
+    finally:
+        _unmarked["test"] = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that swallowed the refused connection still fails: the marker is what is wrong."""
+    report = (yield).get_result()
+    if call.when == "teardown" and _unmarked["reached"] and report.passed:
+        report.outcome = "failed"
+        report.longrepr = (f"reached {sorted(set(_unmarked['reached']))} without the network marker: "
+                           "mark the test (or give it a fixture of NETWORK_FIXTURES, tests/conftest.py)")
 
 
 @pytest.fixture(autouse=True)

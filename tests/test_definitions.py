@@ -69,6 +69,7 @@ def test_unknown_image(capsys, workspace):
     assert "unknown image 'nope'" in one_line_error(err)
 
 
+@pytest.mark.network  # reads releases' wheels (verify)
 def test_verify_image_passes_when_every_patch_applies(capsys, workspace):
     image(workspace, patches='["P65", "P903"]')
     code, out, err = verify_image(capsys, workspace, "test", "--json")
@@ -81,6 +82,7 @@ def test_verify_image_passes_when_every_patch_applies(capsys, workspace):
     assert data["failures"] == []
 
 
+@pytest.mark.network  # reads releases' wheels (verify)
 def test_verify_image_reports_a_gated_patch_and_passes(capsys, workspace):
     """GATED (like UPSTREAM) leaves the patch out of that pin's build; it does not block it."""
     image(workspace, pins='["v0.20.1", "v0.33.0"]', patches='["P65", "P902"]')
@@ -91,6 +93,7 @@ def test_verify_image_reports_a_gated_patch_and_passes(capsys, workspace):
     assert data["failures"] == []
 
 
+@pytest.mark.network  # reads releases' wheels (verify)
 def test_verify_image_lists_the_patches_that_block_a_build(capsys, workspace):
     write_patch(workspace / "patchsets", "attention_turboquant", "p904_test.py",
                 good_patch(pid="P904").replace('cls("TurboQuantMetadataBuilder")', 'cls("NoSuchBuilder")'))
@@ -101,6 +104,7 @@ def test_verify_image_lists_the_patches_that_block_a_build(capsys, workspace):
     assert len(failures) == 1 and failures[0].startswith("P904 on v0.20.1: DRIFTED"), failures
 
 
+@pytest.mark.network  # reads releases' wheels (verify)
 def test_repository_image_definitions_load(capsys):
     for path in sorted(paths.IMAGES.glob("*.toml")):
         code, _, err = run(capsys, "verify", "--image", path.stem)
@@ -220,6 +224,7 @@ def test_shipped_qwen_images_bake_the_chat_template_they_serve_with(capsys):
         assert baked.data == (paths.IMAGES / "files" / "chat-templates" / "qwen3.6.jinja").read_bytes()
 
 
+@pytest.mark.network  # reads releases' wheels (verify)
 def test_verify_image_explains_a_patch_out_of_its_range_and_passes(capsys, workspace):
     """OUT_OF_RANGE (the pin's release is outside what the patch was written for) leaves the
     patch out without blocking the build, and verify says what that means, naming the patch."""
@@ -245,6 +250,7 @@ def test_verify_image_explains_a_patch_out_of_its_range_and_passes(capsys, works
     assert "(maintainers: " in text and "widen `written_for` or gate the patch" in text, text
 
 
+@pytest.mark.network  # reads releases' wheels (verify)
 def test_an_image_naming_a_renamed_patch_by_its_old_id_selects_it(capsys, workspace):
     """kiln's P98 is Genesis's PN353A: an image definition written before the rename still builds."""
     write_patch(workspace / "patchsets", "attention_turboquant", "pn353a_test.py", good_patch(pid="PN353A"))

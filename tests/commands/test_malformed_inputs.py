@@ -155,6 +155,7 @@ def workspace(tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
+@pytest.mark.network  # reads releases' wheels (verify)
 def test_the_workspace_itself_is_valid(capsys, workspace):
     code, _, err = run(capsys, "--patchsets", workspace / "patchsets", "--pins", workspace / "pins.toml",
                        "--images", workspace / "images", "verify", "--image", "test", "--json")

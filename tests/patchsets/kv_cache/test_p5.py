@@ -97,6 +97,7 @@ def test_applying_twice_changes_nothing(catalogue, sessions):
     assert_applies_once(catalogue, session, "P5", version="0.20.1")
 
 
+@pytest.mark.network  # reads releases' wheels (verify)
 def test_upstream_from_0210_by_the_platform_turboquant_page():
     """0.21.0: the platform sizes the hybrid attention page from TurboQuant's packed layout
     (vllm#39931), so the Mamba page is padded to the real TurboQuant page and unify never sees

@@ -15,6 +15,9 @@ from kiln.source.wheel import WheelSource
 from tests.patchsets.support import parser_engine as pe
 from tests.patchsets.support.patchlib import patched_files
 
+# releases' wheels from PyPI on a machine whose kiln cache lacks them (tests/conftest.py keeps this true)
+pytestmark = pytest.mark.network
+
 RELEASES = ("0.24.0", "0.32.0", "0.33.0")  # the engine's first release, the CPU pin's, the newest pin
 UPSTREAM_TESTED = Version("0.32.0")  # vLLM's tests for vllm#47137 ship from here (its sdist's tests/)
 PROSE = ["Use the ", "<tool_call>", " tag to call tools", ", like this.", " Done."]
