@@ -54,6 +54,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # `-m "not network and not registry"` is an offline lane by construction, not by convention.
 NETWORK_FIXTURES = frozenset({"trees", "vllm_wheel"})  # every tree, session and registry fixture uses one
 _LOOPBACK = ("127.", "::1", "localhost", "0.0.0.0")
+# names reserved never to resolve (RFC 2606, RFC 6761): tests of a DNS failure use them
+_RESERVED = (".invalid", ".test", ".example", ".localhost")
 _unmarked: dict = {"test": None, "reached": []}  # the running test when it is not marked network
 
 
@@ -78,7 +80,7 @@ def _audit(event: str, args: tuple) -> None:
     if _unmarked["test"] is None or not event.startswith("socket."):
         return
     host = _host(event, args)
-    if host and not host.startswith(_LOOPBACK):  # "" and None: a local socket, or this host
+    if host and not host.startswith(_LOOPBACK) and not host.rstrip(".").endswith(_RESERVED):  # "": this host
         _unmarked["reached"].append(host)
         raise OSError(f"{_unmarked['test']} reached {host} but is not marked network (tests/conftest.py)")
 

@@ -77,7 +77,9 @@ class KillWorkspace:
                 "--images", str(self.root / "images"), "build", "--image", IMAGE, "--pin", PIN,
                 "--sm", str(SM), "--mirror", self.registry.mirror, "--json", "--oci", str(out), "--push",
                 "--repository", f"{self.registry.host}/{dest}"]
-        env = dict(os.environ, KILN_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")
+        # KILN_JOBS=2 whatever the suite's worker set (kiln/jobs.py): a kill while patching is one of
+        # the build with its forked patch workers (killed builds must leave none behind)
+        env = dict(os.environ, KILN_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1", KILN_JOBS="2")
         env.pop("KILN_TEST_PAUSE_AT", None)
         if pause_at:
             env["KILN_TEST_PAUSE_AT"] = pause_at

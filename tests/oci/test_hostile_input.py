@@ -254,7 +254,7 @@ def _index_without_amd64(images: Images) -> tuple[str, str, tuple[str, ...]]:
     arm_digest = images.image("arm64-child", arm, images.base.manifest["layers"])
     digest = images.index("no-amd64", [(arm_digest, {"os": "linux", "architecture": "arm64"}, OCI_MANIFEST),
                                        (arm_digest, {"os": "linux", "architecture": "s390x"}, OCI_MANIFEST)])
-    return "no-amd64", digest, ("no linux/amd64 image in the index (has: linux/arm64, linux/s390x)",)
+    return "no-amd64", digest, ("has no linux/amd64 image; it has linux/arm64, linux/s390x",)
 
 
 def _index_lies_about_platform(images: Images) -> tuple[str, str, tuple[str, ...]]:

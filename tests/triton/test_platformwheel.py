@@ -33,6 +33,9 @@ from kiln.triton.platformwheel import (
 from kiln.triton.toolchain import toolchain_for
 from tests.support.registry import TOOLCHAIN_CACHE, TRITON_CP312_RECORDS
 
+# releases' wheels from PyPI on a machine whose kiln cache lacks them (tests/conftest.py keeps this true)
+pytestmark = pytest.mark.network
+
 AARCH64 = (TRITON_CP312_RECORDS["3.6.0"].parent / "triton-3.6.0-cp312-aarch64.RECORD").read_bytes().decode()
 X86_64 = TRITON_CP312_RECORDS["3.6.0"].read_text()
 WHEEL = "triton-3.6.0-cp312-cp312-manylinux_2_27_aarch64.manylinux_2_28_aarch64.whl"
@@ -90,8 +93,6 @@ spec.loader.exec_module(worker)
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 
-# releases' wheels from PyPI on a machine whose kiln cache lacks them (tests/conftest.py keeps this true)
-pytestmark = pytest.mark.network
 own = [CUDABackend(GPUTarget("cuda", sm, 32)).hash() for sm in (90, 100)]
 worker._keys.ptxas_for_image(json.loads(sys.argv[1]))
 print(json.dumps([own, [CUDABackend(GPUTarget("cuda", sm, 32)).hash() for sm in (90, 100)]]))

@@ -17,10 +17,13 @@ import libcst.matchers as m
 import pytest
 from packaging.version import Version
 
+from kiln import paths
 from kiln.patch.anchor import resolve
-from kiln.patch.engine import State, evaluate, isolated_run
+from kiln.patch.catalog import load_catalogue
+from kiln.patch.engine import Session, State, evaluate, isolated_run
 from kiln.patch.model import BuildTarget, Outcome, Verdict
 from tests.patchsets.support.patchlib import extract, patched_files
+from tests.support.vllm_modules import in_child
 
 CONV = "model_executor/layers/mamba/ops/causal_conv1d.py"
 GDN_LAYER = "model_executor/layers/mamba/gdn_linear_attn.py"
@@ -125,10 +128,16 @@ def _programs(torch, seqlens, block_m=8):
     return types.SimpleNamespace(nums_dict={block_m: entry}, batch_ptr=batch_ptr, token_chunk_offset_ptr=offsets)
 
 
-def test_interpreted_kernel_reads_and_normalises_the_accepted_window(patched, sessions, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the kernel is decorated
+@in_child
+def test_interpreted_kernel_reads_and_normalises_the_accepted_window(trees):
+    """In a fresh interpreter: Triton reads TRITON_INTERPRET when it decorates a kernel, and a test
+    file before this one in the same process may have imported Triton's compiled path (seen under
+    pytest-xdist: "Cannot call @triton.jit'd outside of the scope of a kernel")."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    session = Session(trees("v0.20.1"))
+    patched = patched_files(load_catalogue(paths.PATCHSETS), session, "P60b")
     causal_conv1d_fn, torch = _launcher(patched[CONV])
-    pristine_fn, _ = _launcher(sessions("v0.20.1").tree.read(CONV))
+    pristine_fn, _ = _launcher(session.tree.read(CONV))
     torch.manual_seed(0)
     dim, width, num_spec = 4, 4, 2
     state_len = width - 1
