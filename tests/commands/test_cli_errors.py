@@ -38,6 +38,7 @@ def test_unknown_patch_id(capsys, tmp_path):
 # Malformed pins.toml, image definitions and patch metadata: tests/test_malformed_inputs.py.
 
 
+@pytest.mark.network  # verify reads a release's wheel
 def test_conflicting_patches_selected(capsys, patchsets, tmp_path):
     write_patch(patchsets, "attention_turboquant", "p67b_test.py", good_patch(pid="P67b"))
     out = tmp_path / "out"
@@ -48,6 +49,7 @@ def test_conflicting_patches_selected(capsys, patchsets, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.network  # verify reads a release's wheel
 def test_codemod_output_that_does_not_compile(capsys, patchsets, tmp_path):
     # `return` at class level parses for libcst but is rejected by compile()
     body = good_patch(code="return 1\n", patched='m.SimpleStatementLine(leading_lines=marked("P900"))')
