@@ -53,6 +53,10 @@ import zipfile
 from pathlib import Path
 
 import requests
+
+# the hash the assembler checks the parts with on the GPU machine, one definition for both ends
+# (run as a script, this file's folder is on sys.path; the assembler is stdlib only)
+from gpu_serve_assemble import sha256_file  # noqa: E402
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -119,14 +123,6 @@ RELAXED = {
 def _fail(message: str) -> int:
     print(f"gpu_serve_bundle: {message}", file=sys.stderr)
     return 2
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # -- downloads: bounded, sha256-checked, content-addressed ----------------------------------------
