@@ -22,7 +22,7 @@ What the bundle holds (``bundle.json`` records each file's sha256):
    checked against PyPI's sha256. ``OMIT_DEPS``: requirements left out, each with the reason.
 3. ``overlay/``: kiln's patched-source layer for (image, pin, SM), made by kiln's build code
    (``kiln.verify.patched_source``: the build's checks and selection call;
-   ``kiln.build.layers.audit_record`` / ``patched_contents``: the layer's files, the definition's
+   ``kiln.image.layers.audit_record`` / ``patched_contents``: the layer's files, the definition's
    baked files and ``/opt/kiln/manifest.json``), with the site dir ``site`` (where the assembler
    installs vLLM).
 4. ``kernels/``: kiln's Triton kernel layer for the SM (``kiln.triton.aot.compile_kernel_caches``
@@ -63,9 +63,9 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 import kiln  # noqa: F401  (kiln's public API below; run with kiln importable, no sys.path edit)
-from kiln.build.layers import audit_record, patched_contents
 from kiln.cache import cache_root
 from kiln.errors import KilnError
+from kiln.image.layers import audit_record, patched_contents
 from kiln.oci.digest import sha256_text
 from kiln.paths import RepoFiles
 from kiln.source.wheel import choose_wheel, list_release_files

@@ -4,7 +4,7 @@
     python3 ci/junit_folders.py JUNIT.xml [--markdown]
 
 Each test's time (setup, call and teardown, as pytest writes it in the XML) is added to its
-folder (``tests/build``; ``tests`` for a file at the top). Prints one line per folder, the
+folder (``tests/image``; ``tests`` for a file at the top). Prints one line per folder, the
 slowest first, and the total; ``--markdown`` prints a table instead. Standard library only.
 """
 

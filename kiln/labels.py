@@ -1,6 +1,6 @@
 """The config labels (and manifest annotations) every kiln image carries, by key.
 
-The daemonless build sets them (``kiln.build.prepare``), the Dockerfile context passes them as
+The daemonless build sets them (``kiln.image.prepare``), the Dockerfile context passes them as
 build args (``kiln.publish.context``), ``build.py values`` checks them on a pushed image.
 """
 

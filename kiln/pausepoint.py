@@ -1,6 +1,6 @@
 """Named points in a build where a crash test can freeze it to kill it: ``KILN_TEST_PAUSE_AT``.
 
-``tests/build/test_crash_recovery.py`` and ``tests/build/test_killed_builds.py`` run ``build.py
+``tests/image/test_crash_recovery.py`` and ``tests/image/test_killed_builds.py`` run ``build.py
 build`` with ``KILN_TEST_PAUSE_AT=<phase>``; when the build reaches that point it prints ``kiln:
 paused at <phase>`` on stderr and sleeps until killed, so the signal lands at a known point
 instead of after a timing guess. With the variable unset (always, outside those tests) a pause
@@ -15,7 +15,7 @@ Phases, in build order:
     push      every blob is in the registry; no manifest PUT yet (no tag)
     commit    the local outputs are committed; the manifest PUT (the tag) not sent yet
 
-With ``KILN_TEST_RESUME=FILE`` the build goes on once FILE exists (``tests/build/test_no_space.py``
+With ``KILN_TEST_RESUME=FILE`` the build goes on once FILE exists (``tests/image/test_no_space.py``
 fills the disk while the build waits, so the next stage meets a full disk).
 
 A paused build still stops on SIGTERM/SIGINT (``kiln.lifeline``): the pause raises

@@ -12,7 +12,7 @@ no verdicts in the record is built with a warning (its verdicts land in the audi
 the patching and the bake happen once; then every publisher writes the one ``BuiltImage``
 (``kiln.publish.publish``: staged, committed together, the push last).
 
-Registry build caches (``kiln.build.regcache``): ``cache_from`` is tried before the pull (a
+Registry build caches (``kiln.image.regcache``): ``cache_from`` is tried before the pull (a
 verified patched entry replaces the patching, a kernel entry the compiling, both the pull);
 after the outputs are committed, the build's entries are written to every ``cache_to`` (a failure there is a warning:
 the image is already out), signed with ``sign_key`` when given; ``cache_key`` (a public key)
@@ -28,19 +28,19 @@ from pathlib import Path
 
 from kiln.attest.dsse import SigningKey, envelope, open_envelope, verify_envelope
 from kiln.attest.referrers import attestations
-from kiln.build.image import BuiltIndex, bake
-from kiln.build.inputs import BuildInputs
-from kiln.build.layers import AUDIT_PATH
-from kiln.build.prepare import prepare_build
-from kiln.build.regcache import (
+from kiln.cache import cache_root
+from kiln.errors import KilnError
+from kiln.image.image import BuiltIndex, bake
+from kiln.image.inputs import BuildInputs
+from kiln.image.layers import AUDIT_PATH
+from kiln.image.prepare import prepare_build
+from kiln.image.regcache import (
     RECORD_MEDIA_TYPE,
     SIGNED_RECORD_MEDIA_TYPE,
     entry_record,
     write_entry,
 )
-from kiln.build.wheelcache import write_wheel_entry
-from kiln.cache import cache_root
-from kiln.errors import KilnError
+from kiln.image.wheelcache import write_wheel_entry
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.layer import write_layer
 from kiln.oci.limits import Budget

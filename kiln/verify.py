@@ -29,9 +29,9 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from kiln.build.inputs import BuildInputs, load_build_inputs
 from kiln.definitions import ImageDefinition, load_definition
 from kiln.errors import KilnError
+from kiln.image.inputs import BuildInputs, load_build_inputs
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.reference import parse_reference
 from kiln.patch.catalog import Catalogue, current_id, load_catalogue

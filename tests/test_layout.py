@@ -22,7 +22,7 @@ MAX_FUNCTION_LINES = 80  # a function longer than a screen hides the steps it sh
 # docs/ARCHITECTURE.md's layers, top to bottom: a module imports its own layer or one below. The
 # page's table says which layer each module is in, in this order, and its chain line is this list
 # (test_the_architecture_table_matches_the_tree), so the page and this test cannot drift.
-LAYERS = ("commands", "tools", "pipeline", "warm", "publish", "attest", "build", "loaders", "patch", "triton",
+LAYERS = ("commands", "tools", "pipeline", "warm", "publish", "attest", "image", "loaders", "patch", "triton",
           "source", "oci", "shared")
 ARCHITECTURE = paths.REPO / "docs" / "ARCHITECTURE.md"
 # A test hook, not output: with KILN_TEST_PAUSE_AT set, it announces the pause the crash tests wait for.
@@ -215,10 +215,10 @@ def test_imports_go_down_the_layers():
 
 
 def test_the_direction_check_catches_an_upward_import():
-    layer_of = {"kiln.oci.registry": "oci", "kiln.build.prepare": "build", "kiln.errors": "shared"}
-    graph = {"kiln.oci.registry": {"kiln.errors", "kiln.build.prepare"}, "kiln.build.prepare": {"kiln.oci.registry"},
+    layer_of = {"kiln.oci.registry": "oci", "kiln.image.prepare": "image", "kiln.errors": "shared"}
+    graph = {"kiln.oci.registry": {"kiln.errors", "kiln.image.prepare"}, "kiln.image.prepare": {"kiln.oci.registry"},
              "kiln.errors": set()}
-    assert _upward(graph, layer_of) == ["kiln.oci.registry (oci) imports kiln.build.prepare (build)"]
+    assert _upward(graph, layer_of) == ["kiln.oci.registry (oci) imports kiln.image.prepare (image)"]
 
 
 # kiln runs from its package alone (an installed kiln has no ci/: tests/test_installed.py). The one

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kiln import paths
-from kiln.build.prepare import patched_selection
 from kiln.definitions import load_definition
 from kiln.errors import KilnError
+from kiln.image.prepare import patched_selection
 from kiln.paths import RepoFiles
 from kiln.pins import load_pins
 from kiln.verify import patched_source

@@ -100,7 +100,7 @@ def project(tmp_path) -> tuple[Project, str]:
     root.mkdir()
     (root / "pins.toml").write_text(PINS)
     shutil.copytree(paths.PATCHSETS, root / "patchsets", ignore=shutil.ignore_patterns("__pycache__"))
-    for rel in (f"images/{QWEN}.toml", "images/files/chat-templates/qwen3.6.jinja", "build.py", "pyproject.toml", "kiln/build/layers.py", "README.md",
+    for rel in (f"images/{QWEN}.toml", "images/files/chat-templates/qwen3.6.jinja", "build.py", "pyproject.toml", "kiln/image/layers.py", "README.md",
                 "docs/BUILDING.md", "ci/test"):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(paths.REPO / rel, root / rel)
@@ -226,7 +226,7 @@ def test_a_baked_file_change_rebuilds_the_images_baking_it(project, capsys):
 
 
 @pytest.mark.parametrize("rel", [
-    "kiln/build/layers.py", "build.py", "pyproject.toml",
+    "kiln/image/layers.py", "build.py", "pyproject.toml",
     "patchsets/attention_gdn/_shared.py",  # a helper a patch module may import
     "tools/new_top_level.py",  # unknown to kiln: may feed the build
 ])
@@ -268,8 +268,8 @@ def test_worktree_changes_count_only_when_asked(project, capsys):
     assert project.rebuilds(capsys, base, "--include-worktree") == qwen() + [("untracked", "v0.20.1", 89, "v0.20.1-sm89")]
 
     # HEAD's own files, not the work tree's, decide the builds: the untracked image is not one
-    project.append("kiln/build/layers.py", "\n# engine\n")
-    project.repo.git.add("kiln/build/layers.py")
+    project.append("kiln/image/layers.py", "\n# engine\n")
+    project.repo.git.add("kiln/image/layers.py")
     project.repo.git.commit(m="engine")
     assert project.rebuilds(capsys, base) == ALL
     assert ("untracked", "v0.20.1", 89, "v0.20.1-sm89") in project.rebuilds(capsys, base, "--include-worktree")

@@ -47,13 +47,13 @@ from kiln.attest.referrers import (
 )
 from kiln.attest.slsa import RecordedBuild, read_statement
 from kiln.attest.treediff import describe_difference
-from kiln.build.image import BuiltIndex, bake
-from kiln.build.inputs import BuildInputs
-from kiln.build.prepare import prepare_build
-from kiln.build.provenance import kiln_revision
 from kiln.cache import cache_root
 from kiln.definitions import image_path, load_definition
 from kiln.errors import KilnError
+from kiln.image.image import BuiltIndex, bake
+from kiln.image.inputs import BuildInputs
+from kiln.image.prepare import prepare_build
+from kiln.image.provenance import kiln_revision
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.manifest import Manifest
 from kiln.oci.reference import parse_reference

@@ -35,8 +35,8 @@ from cyclonedx.output.json import JsonV1Dot6
 from packageurl import PackageURL
 
 from kiln import __version__
-from kiln.build.provenance import kiln_revision
 from kiln.errors import KilnError
+from kiln.image.provenance import kiln_revision
 from kiln.oci.mutate import canonical_json
 from kiln.patch.outcome import Verdict
 

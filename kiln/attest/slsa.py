@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from kiln import __version__
 from kiln.attest import Refused
 from kiln.attest.sbom import SBOM_MEDIA_TYPE, build_time, triton_purl
-from kiln.build.provenance import kiln_revision, kiln_source_url
+from kiln.image.provenance import kiln_revision, kiln_source_url
 from kiln.oci.mutate import canonical_json
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"

@@ -48,7 +48,7 @@ class _Version(argparse.Action):
                          help="print kiln's version and git commit, then exit")
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from kiln.build.provenance import kiln_revision, kiln_version
+        from kiln.image.provenance import kiln_revision, kiln_version
 
         commit, dirty = kiln_revision()
         where = f"commit {commit}{', dirty' if dirty else ''}" if commit else "not a git checkout: commit unknown"

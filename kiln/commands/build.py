@@ -8,11 +8,11 @@ from pathlib import Path
 from rich.markup import escape
 
 from kiln.attest.dsse import load_public_key, load_signing_key
-from kiln.build.cachelookup import cached_catalogue
-from kiln.build.inputs import destination, load_build_inputs
-from kiln.build.regcache import parse_cache_location
 from kiln.commands import options
 from kiln.errors import KilnError
+from kiln.image.cachelookup import cached_catalogue
+from kiln.image.inputs import destination, load_build_inputs
+from kiln.image.regcache import parse_cache_location
 from kiln.pipeline import record_opener, run_build
 from kiln.publish import Publisher
 from kiln.publish.archive import ArchivePublisher

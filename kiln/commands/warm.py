@@ -16,9 +16,9 @@ import json
 import socket
 from pathlib import Path
 
-from kiln.build.inputs import load_build_inputs
 from kiln.commands import options
 from kiln.errors import KilnError
+from kiln.image.inputs import load_build_inputs
 from kiln.warm.boot import send_requests
 from kiln.warm.run import warm_rootfs
 

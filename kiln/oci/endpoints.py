@@ -72,7 +72,7 @@ class RegistryConfig:
     path: Path | None = None  # the config file read (or looked for): an input no output may replace
     containers_files: list[Path] = field(default_factory=list)  # the registries.conf files read
     cache_from: list[str] = field(default_factory=list)  # [cache] from: REGISTRY/REPO build caches read
-    cache_to: list[str] = field(default_factory=list)  # [cache] to: written (checked by ``kiln.build.regcache``)
+    cache_to: list[str] = field(default_factory=list)  # [cache] to: written (checked by ``kiln.image.regcache``)
     cache_require_signed: bool = False  # [cache] require_signed: reading a cache needs --cache-key
 
     def endpoint(self, registry: str, push: bool = False) -> Endpoint:

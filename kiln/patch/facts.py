@@ -1,5 +1,5 @@
 """The catalogue's facts without its code: what a build takes from each patch module short of
-running its codemods, as data a registry build cache carries (``kiln.build.regcache``).
+running its codemods, as data a registry build cache carries (``kiln.image.regcache``).
 
 Public API:
     FIELDS                                   what is kept of each patch
@@ -14,11 +14,11 @@ version ranges and gates (what the target decides), targets (the kernels' key) a
 families, modules and upstream references (the SBOM and the provenance). Loading the catalogue
 imports every patch module, hence libcst (0.3 s of a 1 s cache hit). So a build with
 ``--cache-to`` also writes these facts as an entry keyed by the raw bytes of every file under
-``patchsets/`` (``source_files``) and kiln's own code (``kiln.build.cachekeys``), and a build
+``patchsets/`` (``source_files``) and kiln's own code (``kiln.image.cachekeys``), and a build
 with ``--cache-from`` reads them before it loads anything: the same bytes give the same facts,
 so a ``Catalogue`` of ``PatchFacts`` answers as the real one would. Where anything must be
 patched after all (a miss), the build loads the real catalogue and checks the facts it used
-against it (``kiln.build.prepare``).
+against it (``kiln.image.prepare``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Public API:
     context_build_args(base, labels, env=None, platform="linux/amd64") -> dict[str, str]
 
 The context is another output of the same ``LayerContents`` the daemonless build bakes into
-tar layers (``kiln.build.prepare`` decides them once); nothing here patches anything.
+tar layers (``kiln.image.prepare`` decides them once); nothing here patches anything.
 Layers are merged bottom first with the semantics of image layers: a removal hides what an
 earlier layer (or the base) put at that path, a file replaces what was there. What is written:
 

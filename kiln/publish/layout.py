@@ -41,8 +41,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kiln.attest.referrers import SUBJECT_ANNOTATION
-from kiln.build.image import parts
 from kiln.errors import KilnError, writing
+from kiln.image.image import parts
 from kiln.labels import REF_NAME
 from kiln.oci.limits import Budget
 from kiln.oci.manifest import Descriptor

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kiln.attest.referrers import merged_index, referrers_tag
-from kiln.build.image import BuiltIndex, parts
 from kiln.errors import KilnError
+from kiln.image.image import BuiltIndex, parts
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.mediatypes import OCI_INDEX
 from kiln.oci.pushcheck import check_push

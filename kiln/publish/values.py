@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kiln import labels as L
-from kiln.build.inputs import BuildInputs, destination
 from kiln.definitions import ImageDefinition
 from kiln.errors import KilnError
+from kiln.image.inputs import BuildInputs, destination
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.mediatypes import INDEX_TYPES
 from kiln.oci.reference import ImageReference

@@ -9,7 +9,7 @@ Public API:
     image_env(config) -> dict       a base config's Env as a dict
     kernel_created_by(image_name, sm, kernels) -> str   the layer's history line
 
-Called by ``kiln.build.prepare`` for images whose ``[model]`` declares ``kernels``:
+Called by ``kiln.image.prepare`` for images whose ``[model]`` declares ``kernels``:
 checks that every declared launcher exists in the patched source, picks the toolchain for
 the Triton the base carries, compiles and self-checks the SM's cache (reused from the kiln
 cache when nothing changed) keyed as the image's own Triton keys them (``imagekey.py``: kiln may

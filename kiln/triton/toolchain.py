@@ -4,7 +4,7 @@ Public API:
     Toolchain(version, site, fingerprint, wheel, wheel_sha256)   ``.record`` its wheel's RECORD text,
                               ``.libtriton_sha256``, ``.wheel_python`` ("3.11", from the wheel's tags)
     toolchain_for(version, image, cache, reporter=SILENT, wheels=None) -> Toolchain
-                              ``wheels``: where else the wheel may come from (``kiln.build.wheelcache``)
+                              ``wheels``: where else the wheel may come from (``kiln.image.wheelcache``)
     toolchains_dir(cache) -> Path     where toolchains live (``$KILN_TRITON_TOOLCHAINS`` to share one)
     STAGE                     the fixed directory the worker sees sources and Triton under
     SOURCE_MTIME              the mtime of every file the compile reads (toolchain and sources)

@@ -13,8 +13,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from kiln.build.layers import AUDIT_PATH
-from kiln.build.prepare import PreparedBuild
+from kiln.image.layers import AUDIT_PATH
+from kiln.image.prepare import PreparedBuild
 from kiln.triton.cachelayer import image_env
 from kiln.warm.capture import RECORD, read_bundle, warm_contents
 from kiln.warm.key import check_bundle, warm_env

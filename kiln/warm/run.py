@@ -16,8 +16,8 @@ import re
 import socket
 from pathlib import Path
 
-from kiln.build.layers import AUDIT_PATH
 from kiln.errors import KilnError
+from kiln.image.layers import AUDIT_PATH
 from kiln.warm.boot import boot_chroot, send_requests, stop, wait_healthy
 from kiln.warm.capture import capture, write_bundle
 from kiln.warm.key import MACHINE_PLATFORMS, WARM_ROOT, key_factors, warm_env, warm_key

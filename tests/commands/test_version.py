@@ -7,7 +7,7 @@ import sys
 from importlib.metadata import version
 
 from kiln import paths
-from kiln.build.provenance import kiln_revision
+from kiln.image.provenance import kiln_revision
 
 
 def test_version_prints_the_package_version_and_the_commit():

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from kiln import paths
-from kiln.build.cachekeys import _selection, catalogue_key, kernels_key
-from kiln.build.inputs import load_build_inputs
 from kiln.definitions import load_definitions
 from kiln.errors import KilnError
+from kiln.image.cachekeys import _selection, catalogue_key, kernels_key
+from kiln.image.inputs import load_build_inputs
 from kiln.patch.catalog import load_catalogue
 from kiln.patch.facts import FIELDS, catalogue_facts, facts_catalogue, source_files
 from kiln.paths import RepoFiles

@@ -84,12 +84,12 @@ def test_replacing_a_tag_removes_the_replaced_images_referrers(tmp_path, registr
     """Two real builds of one tag into one layout, the second as by another kiln commit (its
     revision label differs, so its digest does): the first image's SBOM and provenance leave
     index.json with it, said in one warning; the layout lists only artifacts of images it lists."""
-    import kiln.build.prepare
+    import kiln.image.prepare
 
     layout = tmp_path / "replaced"
     first = build(tmp_path, registry_plain, 120, "--oci", str(layout)).result
     assert {m["annotations"]["io.kiln.subject"] for m in _artifacts(layout)} == {first["manifest_digest"]}
-    monkeypatch.setattr(kiln.build.prepare, "kiln_revision", lambda: ("0" * 40, False))
+    monkeypatch.setattr(kiln.image.prepare, "kiln_revision", lambda: ("0" * 40, False))
     run = build(tmp_path, registry_plain, 120, "--oci", str(layout))
     assert run.code == 0, run.err
     second = run.result["manifest_digest"]
@@ -107,7 +107,7 @@ def test_replacing_a_tag_removes_the_replaced_images_referrers(tmp_path, registr
     # a third, whose push fails after the layout was merged: the rollback puts the second's
     # entry and its referrers back, index.json as it was
     index_before = json.loads((layout / "index.json").read_bytes())
-    monkeypatch.setattr(kiln.build.prepare, "kiln_revision", lambda: ("1" * 40, False))
+    monkeypatch.setattr(kiln.image.prepare, "kiln_revision", lambda: ("1" * 40, False))
     proxy = FaultProxy(registry_plain.host)
     try:
         proxy.add(Fault("PUT", r"/manifests/", "status", status=503, times=None))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.build.test_build_e2e import TAG, Project, _tag_exists
+from tests.image.test_build_e2e import TAG, Project, _tag_exists
 from tests.support.cli import one_line_error
 from tests.support.registry import VLLM_VERSION, free_port
 

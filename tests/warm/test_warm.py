@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from kiln.build.layers import AUDIT_PATH
-from kiln.build.prepare import PreparedBuild
 from kiln.errors import KilnError
+from kiln.image.layers import AUDIT_PATH
+from kiln.image.prepare import PreparedBuild
 from kiln.oci.layer import LayerContents, write_layer
 from kiln.warm.bake import with_warm
 from kiln.warm.capture import capture, read_bundle, warm_contents, write_bundle

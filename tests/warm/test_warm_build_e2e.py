@@ -14,11 +14,11 @@ import pytest
 from cyclonedx.schema import SchemaVersion
 from cyclonedx.validation.json import JsonStrictValidator
 
-from kiln.build.inputs import load_build_inputs
+from kiln.image.inputs import load_build_inputs
 from kiln.paths import RepoFiles
 from kiln.warm.capture import write_bundle
 from kiln.warm.key import WARM_ROOT, key_factors, warm_key
-from tests.build.test_build_e2e import IMAGE, IMAGES, SM, Project
+from tests.image.test_build_e2e import IMAGE, IMAGES, SM, Project
 from tests.support.registry import VLLM_VERSION
 
 pytestmark = pytest.mark.registry

@@ -1,4 +1,4 @@
-"""The registry build cache's keys and options, without a registry (``kiln.build.cachekeys``, ``regcache``)."""
+"""The registry build cache's keys and options, without a registry (``kiln.image.cachekeys``, ``regcache``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from dataclasses import replace
 import pytest
 
 from kiln import commands
-from kiln.build.cachekeys import (
+from kiln.errors import KilnError
+from kiln.image.cachekeys import (
     KERNELS,
     PATCHED,
     entry_tag,
@@ -21,9 +22,8 @@ from kiln.build.cachekeys import (
     vllm_layers,
     walk_read,
 )
-from kiln.build.inputs import load_build_inputs
-from kiln.build.regcache import CachedEntry, parse_cache_location, patched_agrees
-from kiln.errors import KilnError
+from kiln.image.inputs import load_build_inputs
+from kiln.image.regcache import CachedEntry, parse_cache_location, patched_agrees
 from kiln.oci.digest import sha256_text
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.layer import LayerContents

@@ -30,9 +30,9 @@ import re
 from collections.abc import Collection
 
 from kiln import __version__
-from kiln.build.provenance import kiln_revision
 from kiln.definitions import BakedFile
 from kiln.errors import KilnError
+from kiln.image.provenance import kiln_revision
 from kiln.oci.digest import sha256_text
 from kiln.oci.layer import LayerContents
 from kiln.patch.outcome import Outcome

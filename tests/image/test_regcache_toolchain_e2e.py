@@ -1,4 +1,4 @@
-"""The registry build cache's ``toolchain`` entry (``kiln.build.wheelcache``) with a real registry.
+"""The registry build cache's ``toolchain`` entry (``kiln.image.wheelcache``) with a real registry.
 
 Build A compiles sm 86 with ``--cache-to`` on a fresh toolchain directory: it fetches the Triton
 wheel from the test's package index and writes it as an entry. Build B, on a fresh kiln cache
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from kiln.build.cachekeys import KERNELS, PATCHED
-from kiln.build.wheelcache import TOOLCHAIN
-from tests.build.test_regcache_kinds_e2e import MANIFEST, _build, _entries, images, pins, work  # noqa: F401
+from kiln.image.cachekeys import KERNELS, PATCHED
+from kiln.image.wheelcache import TOOLCHAIN
+from tests.image.test_regcache_kinds_e2e import MANIFEST, _build, _entries, images, pins, work  # noqa: F401
 
 pytestmark = [pytest.mark.registry, pytest.mark.reliability]
 

@@ -13,14 +13,14 @@ Public API:
         -> (Catalogue of facts, where) | (loaded Catalogue, None) | None   the ``catalogue`` entry of these ``patchsets/`` bytes
     facts_difference(local, cached) -> str | None   the first patch field where two catalogues' facts differ
 
-The ``patched`` key names the vLLM layers the walk reads (``kiln.build.cachekeys``), which are
+The ``patched`` key names the vLLM layers the walk reads (``kiln.image.cachekeys``), which are
 known only once read. So the probe computes the key of each depth the walk may have stopped
 at (the top 1, 2, … ``PROBE_DEPTH`` layers, and the whole base read to its bottom:
 ``probe_walks``) and asks every cache for each tag, ``PROBE_THREADS`` requests at a time (a
 HEAD each; a GET only where one is there). A right entry exists at one depth at most: a
 writer's walk stopped at its depth, and a walk over the same layers stops at the same one, so
 an entry at another depth is another base's, whose walk this base's would not repeat. The
-shallowest entry that verifies (``kiln.build.regcache``) is the hit; a cold build pays one
+shallowest entry that verifies (``kiln.image.regcache``) is the hit; a cold build pays one
 round of requests per ``PROBE_THREADS`` depths and reads nothing more. A base whose vLLM lies
 deeper than ``PROBE_DEPTH`` layers is never probed that deep: its ``patched`` entry is not
 written (its ``kernels`` entries still are: they are looked up after the walk).
@@ -28,7 +28,7 @@ written (its ``kernels`` entries still are: they are looked up after the walk).
 The ``kernels`` key is known once the layers read are: from the ``patched`` hit's key, or from
 the walk (the build pulls, then asks, before it compiles).
 
-``look_up_entries`` is the whole of "is it cached" for a build (``kiln.build.prepare`` is "how
+``look_up_entries`` is the whole of "is it cached" for a build (``kiln.image.prepare`` is "how
 to build", as ko keeps its layer cache apart from its builder): it probes, and only when an
 entry misses does it call the build's ``pull`` (the base's pristine vLLM, read from its top
 layers), checks a hit against what the walk read, and keys what the build will write.
@@ -48,7 +48,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from kiln.build.cachekeys import (
+from kiln.cache import cache_root
+from kiln.errors import KilnError
+from kiln.image.cachekeys import (
     CATALOGUE,
     KERNELS,
     PATCHED,
@@ -59,8 +61,8 @@ from kiln.build.cachekeys import (
     probe_walks,
     walk_read,
 )
-from kiln.build.inputs import BuildInputs
-from kiln.build.regcache import (
+from kiln.image.inputs import BuildInputs
+from kiln.image.regcache import (
     CachedEntry,
     CacheUse,
     base_platform,
@@ -69,8 +71,6 @@ from kiln.build.regcache import (
     read_entry,
     verify_entry,
 )
-from kiln.cache import cache_root
-from kiln.errors import KilnError
 from kiln.lifeline import uninterrupted
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.image import RemoteImage

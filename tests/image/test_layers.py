@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln.build.layers import AUDIT_PATH, patched_contents, pyc_whiteouts
 from kiln.errors import KilnError
+from kiln.image.layers import AUDIT_PATH, patched_contents, pyc_whiteouts
 from kiln.oci.layer import GZIP_LEVEL, LAYER_MTIME, LayerBuilder, diff_id_of, write_layer
 from kiln.oci.manifest import Manifest
 from kiln.oci.mediatypes import DOCKER_LAYER_GZIP, DOCKER_MANIFEST, OCI_LAYER_GZIP, OCI_MANIFEST
@@ -54,7 +54,7 @@ def _sample(builder: LayerBuilder, tmp: Path) -> None:
 def test_layer_is_reproducible_across_processes(tmp_path):
     script = (
         "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[2]);"
-        "from tests.build.test_layers import _sample; from kiln.oci.layer import LayerBuilder;"
+        "from tests.image.test_layers import _sample; from kiln.oci.layer import LayerBuilder;"
         "b = LayerBuilder(); _sample(b, Path(sys.argv[1])); l = b.write(Path(sys.argv[1]) / 'out');"
         "print(l.digest, l.diff_id, l.size)"
     )

@@ -24,13 +24,13 @@ import requests
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from kiln.build.cachekeys import ARTIFACT_TYPES, CATALOGUE, KERNELS, PATCHED, entry_tag
-from kiln.build.regcache import read_entry, write_entry
+from kiln.image.cachekeys import ARTIFACT_TYPES, CATALOGUE, KERNELS, PATCHED, entry_tag
+from kiln.image.regcache import read_entry, write_entry
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.layer import LayerContents, write_layer
 from kiln.oci.registry import RegistryClient
 from kiln.report import Recorder
-from tests.build.test_build_e2e import TAG
+from tests.image.test_build_e2e import TAG
 from tests.support.registry import VLLM_VERSION
 
 pytestmark = [pytest.mark.registry, pytest.mark.reliability]

@@ -277,7 +277,7 @@ def test_rewriting_an_index_tag_in_a_layout_removes_its_platform_manifests_refer
         capsys, work, registry_plain, tmp_path, monkeypatch):
     """Two builds of one multi-platform tag into one OCI layout, the second as by another kiln
     commit: the first index's platform manifests' SBOMs and provenances leave index.json."""
-    import kiln.build.prepare
+    import kiln.image.prepare
 
     layout = tmp_path / "layout"
 
@@ -295,7 +295,7 @@ def test_rewriting_an_index_tag_in_a_layout_removes_its_platform_manifests_refer
     tag = json.loads(out)["tag"]
     first = platform_digests(tag)
     assert len(first) == 2 and sorted(subjects()) == sorted([*first, *first])  # an SBOM and a provenance each
-    monkeypatch.setattr(kiln.build.prepare, "kiln_revision", lambda: ("0" * 40, False))
+    monkeypatch.setattr(kiln.image.prepare, "kiln_revision", lambda: ("0" * 40, False))
     code, out, err = build(capsys, work, registry_plain, 90, "kiln/layout", "--oci", layout)
     assert code == 0, err
     second = platform_digests(tag)

@@ -14,7 +14,7 @@ import tarfile
 import pytest
 
 from kiln import commands
-from tests.build.test_build_e2e import IMAGE, SM, Project
+from tests.image.test_build_e2e import IMAGE, SM, Project
 from tests.support import TEST_IMAGES
 from tests.support.registry import VLLM_VERSION
 

@@ -1,4 +1,4 @@
-"""The registry build cache's two kinds of entry (``kiln.build.regcache``) with real registries.
+"""The registry build cache's two kinds of entry (``kiln.image.regcache``) with real registries.
 
 The base is the fixture image with Triton 3.6.0 (``v0.20.1-triton36``), the image definition
 one with a kernel preset. A second image on the same base and selection, with other SMs,
@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import requests
 
-import kiln.build.prepare as prepare_module
+import kiln.image.prepare as prepare_module
 from kiln import commands
-from kiln.build.cachekeys import CATALOGUE, KERNELS, PATCHED, entry_tag, patched_key, vllm_layers
-from kiln.build.inputs import load_build_inputs
+from kiln.image.cachekeys import CATALOGUE, KERNELS, PATCHED, entry_tag, patched_key, vllm_layers
+from kiln.image.inputs import load_build_inputs
 from kiln.oci.manifest import Descriptor
 from kiln.paths import RepoFiles
 from kiln.source.image import ImageSource

@@ -9,18 +9,18 @@ Public API:
 
 Steps: resolve the pin's base reference to a digest (one manifest HEAD) and check it against
 the pin's lock (``resolve_base``); ask the registry build caches what they hold
-(``kiln.build.cachelookup.look_up_entries``, "is it cached", kept apart from "how to build"
+(``kiln.image.cachelookup.look_up_entries``, "is it cached", kept apart from "how to build"
 as ko keeps its layer cache), which reads the pristine ``vllm/`` from only the top layers that
 hold it (``ImageSource``) when an entry misses; run the image's patch selection on it, or
 reuse what ``kiln.patch.memo`` remembers of it (a patch whose verdict blocks a build stops it
 here, naming the patch: ``patch_source``); decide the patched-source layer, the audit file
 (``audit_layer``) and, when the definition declares kernels, the Triton cache layer (compiled
 beside the patching when no selected patch touches the files the kernels are compiled from:
-``kernels_of``); decide the labels. With ``cache_from`` (``kiln.build.regcache``), a verified
+``kernels_of``); decide the labels. With ``cache_from`` (``kiln.image.regcache``), a verified
 ``patched`` entry replaces the patching and a ``kernels`` entry the compiling; when both hit,
 the base's manifest and config are read, none of its layers. The patched-source layer is
 assembled the same way from the patching or the entry. Baking the layers into an image
-(``kiln.build.image``) and the Dockerfile context (``kiln.publish.context``) both start from
+(``kiln.image.image``) and the Dockerfile context (``kiln.publish.context``) both start from
 this one value, so they cannot drift apart.
 """
 
@@ -32,15 +32,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kiln import labels as L
-from kiln.build.cachelookup import CacheLookup, CacheReader, look_up_entries, unsigned_use
-from kiln.build.inputs import BuildInputs
-from kiln.build.layers import audit_record, source_contents, with_audit
-from kiln.build.platform import check_base_platform, check_base_triton
-from kiln.build.provenance import kiln_revision, kiln_source_url
-from kiln.build.regcache import base_platform, plain_record
-from kiln.build.wheelcache import RegistryWheels
 from kiln.cache import cache_root
 from kiln.errors import KilnError
+from kiln.image.cachelookup import CacheLookup, CacheReader, look_up_entries, unsigned_use
+from kiln.image.inputs import BuildInputs
+from kiln.image.layers import audit_record, source_contents, with_audit
+from kiln.image.platform import check_base_platform, check_base_triton
+from kiln.image.provenance import kiln_revision, kiln_source_url
+from kiln.image.regcache import base_platform, plain_record
+from kiln.image.wheelcache import RegistryWheels
 from kiln.lifeline import uninterrupted
 from kiln.oci.blobcache import BlobCache
 from kiln.oci.digest import sha256_text

@@ -62,7 +62,7 @@ def load_build_inputs(files: RepoFiles, image: str, pin: str, sm: int | str,
 
     ``cached``: the catalogue's facts read from a registry build cache, and where from (instead
     of loading the catalogue: ``kiln.patch.facts``); or the catalogue already loaded, and None
-    (``kiln.build.cachelookup.cached_catalogue`` of an unsigned entry)."""
+    (``kiln.image.cachelookup.cached_catalogue`` of an unsigned entry)."""
     catalogue, catalogue_hit = cached or (load_catalogue(files.patchsets), None)
     pins = load_pins(files.pins)
     definition = load_definition(files.images, image, catalogue, pins)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.build.provenance import public_url
+from kiln.image.provenance import public_url
 
 
 @pytest.mark.parametrize(("origin", "label"), [

@@ -30,9 +30,9 @@ import os
 import shutil
 from pathlib import Path
 
-from kiln.build.cachekeys import entry_tag
-from kiln.build.regcache import RECORD_MEDIA_TYPE
 from kiln.errors import KilnError
+from kiln.image.cachekeys import entry_tag
+from kiln.image.regcache import RECORD_MEDIA_TYPE
 from kiln.oci.digest import sha256_digest
 from kiln.oci.manifest import Descriptor
 from kiln.oci.mediatypes import OCI_MANIFEST

@@ -16,9 +16,9 @@ Public API:
     write_entry(client, repository, kind, key, record, layers, seal=None) -> str (the entry's manifest digest)
 
 What a build computes from the base's layers is cached by a key of the inputs each part
-depends on (``kiln.build.cachekeys``: the vLLM layers the walk reads, not the base's digest,
+depends on (``kiln.image.cachekeys``: the vLLM layers the walk reads, not the base's digest,
 so a base rebuilt below them shares its entries). Three kinds of entry (and the Triton wheel's,
-``kiln.build.wheelcache``):
+``kiln.image.wheelcache``):
 
 * ``patched``: the patching's result: every verdict, the changed modules and the whiteouts of
   their stale bytecode (one layer), vLLM's version and site dir, each changed file's pristine
@@ -29,7 +29,7 @@ so a base rebuilt below them shares its entries). Three kinds of entry (and the 
   whose other entries all hit takes from the catalogue without importing a patch module.
 
 How a build finds them (the ``patched`` entry by probing the depths the vLLM layers may
-have, before any is read): ``kiln.build.cachelookup``. An entry is an OCI artifact manifest
+have, before any is read): ``kiln.image.cachelookup``. An entry is an OCI artifact manifest
 (``artifactType`` per kind) tagged by its kind and key in the cache repository: its config is
 the record (the kind, the key and the inputs it hashes, the kind's fields, its layers'
 digests, removals and history), its layers are the blobs. Written with a signing key
@@ -70,8 +70,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln.build.cachekeys import ARTIFACT_TYPES, CATALOGUE, KERNELS, PATCHED, canonical, entry_tag
 from kiln.errors import KilnError
+from kiln.image.cachekeys import ARTIFACT_TYPES, CATALOGUE, KERNELS, PATCHED, canonical, entry_tag
 from kiln.oci.digest import sha256_digest, sha256_text
 from kiln.oci.layer import WHITEOUT_PREFIX, Layer, LayerContents, write_layer
 from kiln.oci.manifest import Descriptor, Manifest
@@ -112,7 +112,7 @@ class CacheUse:
     inputs: dict
     sm: int | None = None
     hit: str | None = None  # registry/repository:tag of the entry used
-    writable: bool = True  # False: no lookup would find it (``kiln.build.cachelookup``), so none is written
+    writable: bool = True  # False: no lookup would find it (``kiln.image.cachelookup``), so none is written
     location: ImageReference | None = None  # the cache repository it was read from
     fields: dict = field(default_factory=dict)
     contents: list[LayerContents] = field(default_factory=list)
@@ -317,7 +317,7 @@ def base_platform(config: dict) -> dict:
 
 def patched_agrees(key_inputs: dict, platform: dict) -> Callable[[CachedEntry], None]:
     """The check of a verified ``patched`` entry against what the build knows without it: the
-    selection its key covers (``key_inputs``: ``kiln.build.cachekeys.patched_key``'s, this build's
+    selection its key covers (``key_inputs``: ``kiln.image.cachekeys.patched_key``'s, this build's
     own) and the base's ``platform`` (``base_platform``). Raises KilnError naming the field."""
 
     def check(entry: CachedEntry) -> None:

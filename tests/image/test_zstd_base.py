@@ -26,7 +26,7 @@ except ImportError:
     from backports import zstd
 
 from kiln import commands
-from tests.build.test_build_e2e import (  # noqa: F401  (podman_store: a fixture)
+from tests.image.test_build_e2e import (  # noqa: F401  (podman_store: a fixture)
     IMAGES,
     TAG,
     Project,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln import __version__
-from kiln.build.prepare import PreparedBuild
+from kiln.image.prepare import PreparedBuild
 from kiln.oci.blobstore import BlobStore
 from kiln.oci.digest import sha256_digest
 from kiln.oci.layer import Layer, write_layer

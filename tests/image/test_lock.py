@@ -6,8 +6,8 @@ import pytest
 from packaging.version import Version
 
 from kiln import commands
-from kiln.build.prepare import check_lock
 from kiln.errors import KilnError
+from kiln.image.prepare import check_lock
 from kiln.pins import Pin
 from tests.support import TEST_IMAGES
 

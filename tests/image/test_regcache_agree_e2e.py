@@ -2,7 +2,7 @@
 
 An unsigned entry's record and layer are whatever whoever can push to the cache repository
 made them; kiln re-derives the layer from its contents and compares the record's kind, key and
-inputs, and then every fact it knows without the entry (``kiln.build.regcache.patched_agrees``).
+inputs, and then every fact it knows without the entry (``kiln.image.regcache.patched_agrees``).
 Each hostile entry here is one a hostile run found used (exit 0, no warning, another digest);
 each is now a miss with one warning naming the entry and the field, and the build gives the
 digest its cache-less build gives. ``[cache] require_signed`` refuses reading a cache without
@@ -19,10 +19,10 @@ import tarfile
 import pytest
 
 from kiln import commands
-from kiln.build.cachekeys import PATCHED, entry_tag
+from kiln.image.cachekeys import PATCHED, entry_tag
 from kiln.oci.layer import LayerContents, write_layer
-from tests.build.test_build_e2e import IMAGE, IMAGES, SM
-from tests.build.test_regcache_e2e import (
+from tests.image.test_build_e2e import IMAGE, IMAGES, SM
+from tests.image.test_regcache_e2e import (
     _blob,
     _entry,
     _fresh_runner,
@@ -217,7 +217,7 @@ def test_an_unsigned_entry_whose_patched_bytes_were_rewritten_is_used_and_the_bu
     added, the layer rebuilt and the record's sha256 of it rewritten to match, is consistent with
     everything kiln can know without the entry. It is used; the build says it used an unsigned
     entry, in one line. (Signed and read with ``--cache-key``, such an entry is a miss:
-    ``tests/build/test_regcache_e2e.py::test_cache_key_takes_only_entries_its_key_signed``.)"""
+    ``tests/image/test_regcache_e2e.py::test_cache_key_takes_only_entries_its_key_signed``.)"""
     cache = start_registry("plain")
     repo = f"{project.dest}-cache"
     _fresh_runner(monkeypatch, tmp_path, "writer")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.build.test_killed_builds import KillWorkspace
+from tests.image.test_killed_builds import KillWorkspace
 from tests.support.build_processes import Workspace, finish, wait_for_pause
 
 pytestmark = [pytest.mark.registry, pytest.mark.reliability]

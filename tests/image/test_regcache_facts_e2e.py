@@ -19,9 +19,9 @@ import sys
 import pytest
 
 from kiln import paths
-from kiln.build.cachekeys import CATALOGUE, PATCHED, entry_tag
-from tests.build.test_build_e2e import IMAGE, IMAGES, SM
-from tests.build.test_regcache_e2e import (
+from kiln.image.cachekeys import CATALOGUE, PATCHED, entry_tag
+from tests.image.test_build_e2e import IMAGE, IMAGES, SM
+from tests.image.test_regcache_e2e import (
     _blob,
     _entry,
     _fresh_runner,
@@ -68,7 +68,7 @@ def test_a_signed_hit_reads_the_catalogues_facts_and_imports_no_patch_module(pro
     assert second["cache"]["hit"] == [f"{cache_repo}:{entry_tag(PATCHED, _key(first))}", f"{cache_repo}:{facts_tag}"]
     # (-X importtime logs what ``import`` statements load: not the modules that importlib loads
     # by hand, the command modules and the patch modules, but everything those import)
-    assert "kiln.build.cachelookup" in imported and "kiln.pipeline" in imported
+    assert "kiln.image.cachelookup" in imported and "kiln.pipeline" in imported
     assert not [m for m in imported if m.split(".")[0] == "libcst" or m in ("kiln.patch.model", "kiln.patch.engine")]
 
     # without the cache the same command line imports them all (the probe can tell)

@@ -1,4 +1,4 @@
-"""The registry build cache's keys: what each entry depends on (``kiln.build.regcache``).
+"""The registry build cache's keys: what each entry depends on (``kiln.image.regcache``).
 
 Public API:
     PATCHED, KERNELS, CATALOGUE      the entry kinds; ARTIFACT_TYPES: kind -> artifactType
@@ -50,7 +50,7 @@ platforms may share their vLLM layers' blobs, and a kernel layer is keyed for it
 
 The ``patched`` key needs the layers read before any is read (a hit reads no vLLM layer), and
 which they are is known only by reading them; so a build with ``--cache-from`` probes
-(``probe_walks``, ``kiln.build.cachelookup``): the key of the top 1, 2, … ``depth`` layers,
+(``probe_walks``, ``kiln.image.cachelookup``): the key of the top 1, 2, … ``depth`` layers,
 and of all of them read to the bottom; a hit's key names exactly the layers its walk read, so
 at most one depth can hold a right entry for a base. The ``kernels`` key is known once the
 layers read are: from the walk, or from the ``patched`` hit's key (the walk with
@@ -67,8 +67,8 @@ from pathlib import Path
 
 import kiln
 from kiln import __version__
-from kiln.build.inputs import BuildInputs
 from kiln.errors import KilnError
+from kiln.image.inputs import BuildInputs
 from kiln.oci.manifest import Descriptor
 from kiln.oci.mediatypes import tar_mode
 from kiln.patch.facts import source_files

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-import kiln.build.prepare as prepare_module
-from tests.build.test_build_e2e import Project
+import kiln.image.prepare as prepare_module
+from tests.image.test_build_e2e import Project
 from tests.support.registry import VLLM_VERSION
 
 
