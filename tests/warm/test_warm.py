@@ -15,10 +15,17 @@ import pytest
 from kiln.errors import KilnError
 from kiln.image.layers import AUDIT_PATH
 from kiln.image.prepare import PreparedBuild
+from kiln.image.warmlayer import (
+    WARM_ROOT,
+    check_bundle,
+    key_factors,
+    warm_contents,
+    warm_env,
+    warm_key,
+)
 from kiln.oci.layer import LayerContents, write_layer
 from kiln.warm.bake import with_warm
-from kiln.warm.capture import capture, read_bundle, warm_contents, write_bundle
-from kiln.warm.key import WARM_ROOT, check_bundle, key_factors, warm_env, warm_key
+from kiln.warm.capture import capture, read_bundle, write_bundle
 
 AUDIT = {"image": "qwen3.6-tiny-cpu", "base": {"digest": "sha256:" + "b" * 64},
          "pin": {"name": "cpu-v0.32.0", "vllm": "0.32.0", "cuda": "cpu"}, "sm": 90,
