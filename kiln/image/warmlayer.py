@@ -5,7 +5,7 @@ Public API:
     WARM_ROOT, CACHE_DIRS, warm_env(image_env)   the layer's place in the image, the env pointing vLLM there
     key_factors(audit, definition, os_arch) -> dict; warm_key(factors) -> str
     check_bundle(record, audit, definition, os_arch, where)   the one-line refusal of another build's cache
-    warm_contents(files, key) -> LayerContents
+    warm_contents(files, key) -> LayerContents; bundle_summary(record, record_bytes) -> dict
     bake_warm(prepared, summary, files, where) -> PreparedBuild   the warm layer on top, env and audit set
 
 It lives with the image, not in ``kiln.warm`` (the step that makes a cache by booting vLLM), because
@@ -93,6 +93,12 @@ def check_bundle(record: dict, audit: dict, definition, os_arch: str, where: str
 
 # what a build records of the bundle (``PreparedBuild.warm``, the audit file's ``warm``, the SBOM, the provenance)
 SUMMARY = ("key", "factors", "booted", "hardware", "versions", "vllm_cache_dirs", "bytes")
+
+
+def bundle_summary(record: dict, record_bytes: bytes) -> dict:
+    """What ``bake_warm`` takes of a bundle: its record's summary fields, the record's sha256, its files."""
+    return {**{name: record.get(name) for name in SUMMARY},
+            "record_sha256": hashlib.sha256(record_bytes).hexdigest(), "files": record.get("files") or {}}
 
 
 def warm_contents(files: dict[str, bytes], key: str) -> LayerContents:
