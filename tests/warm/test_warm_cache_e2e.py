@@ -10,8 +10,9 @@ import json
 import tarfile
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from tests.attest.test_trust_e2e import Registry
+from tests.attest.test_trust_e2e import Registry, _pem_pair
 from tests.warm.test_warm_build_e2e import _bundle, _layout
 
 pytestmark = pytest.mark.registry
@@ -66,3 +67,23 @@ def test_a_warm_bundle_written_to_the_cache_is_baked_from_it_and_a_tampered_entr
     code, _, err = project.build(capsys, "--warm-from-cache", "--oci", str(tmp_path / "never"))
     [line] = err.strip().splitlines()
     assert code == 2 and "--warm-from-cache: no --cache-from" in line and not (tmp_path / "never").exists()
+
+
+def test_a_signed_warm_entry_is_taken_with_its_key_and_missed_with_another(project, capsys, tmp_path):
+    key, pub = _pem_pair(ed25519.Ed25519PrivateKey.generate(), tmp_path, "signer")
+    _, other = _pem_pair(ed25519.Ed25519PrivateKey.generate(), tmp_path, "other")
+    code, cold, err = project.build(capsys, "--oci", str(tmp_path / "cold"))
+    assert code == 0, err
+    manifest, _, _, blob = _layout(tmp_path / "cold")
+    with tarfile.open(fileobj=io.BytesIO(blob(manifest["layers"][-1]["digest"])), mode="r:gz") as tar:
+        audit = json.loads(tar.extractfile("opt/kiln/manifest.json").read())
+    cache = f"{project.registry.host}/{project.dest}-signed"
+    code, warm, err = project.build(capsys, "--warm", str(_bundle(project, tmp_path, audit, "bundle")),
+                                    "--cache-to", cache, "--sign-key", str(key))
+    assert code == 0, err
+    code, again, err = project.build(capsys, "--warm-from-cache", "--cache-from", cache, "--cache-key", str(pub))
+    assert code == 0 and again["manifest_digest"] == warm["manifest_digest"], err
+    assert not [w for w in again["warnings"] if "warm entry" in w or "--warm" in w], again["warnings"]
+    code, missed, err = project.build(capsys, "--warm-from-cache", "--cache-from", cache, "--cache-key", str(other))
+    assert code == 0 and missed["manifest_digest"] == cold["manifest_digest"] and not missed["warm"], err
+    assert [w for w in missed["warnings"] if w.startswith("--warm-from-cache: no warm entry")], missed["warnings"]
