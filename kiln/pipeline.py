@@ -111,7 +111,8 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
     its SBOM and provenance (signed with ``sign_key`` when given), which the registry and layout
     publishers attach as referrers of its manifest."""
     if (warm is not None or warm_from_cache) and len(platforms or (inputs.platform,)) > 1:
-        raise KilnError(f"{f'--warm {warm}' if warm else '--warm-from-cache'}: a warm cache is made on one platform's hardware, and this tag has "
+        option = f"--warm {warm}" if warm is not None else "--warm-from-cache"
+        raise KilnError(f"{option}: a warm cache is made on one platform's hardware, and this tag has "
                         f"{len(platforms)} ({', '.join(platforms)}): build one (--platform OS/ARCH)")
     config = registry_config or RegistryConfig.load()
     budget = Budget(config.limits)  # the deadline runs from here: it bounds the whole command
