@@ -40,6 +40,7 @@ from kiln.image.regcache import (
     entry_record,
     write_entry,
 )
+from kiln.image.warmcache import cached_warm
 from kiln.image.wheelcache import write_wheel_entry
 from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.layer import write_layer
@@ -100,7 +101,8 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
               leave_out_unusable_kernels: bool = False, sign_key: SigningKey | None = None,
               cache_from: tuple[ImageReference, ...] | list = (),
               cache_to: tuple[ImageReference, ...] | list = (), cache_key=None,
-              platforms: tuple[str, ...] | list | None = None, warm: Path | None = None) -> BuildResult:
+              platforms: tuple[str, ...] | list | None = None, warm: Path | None = None,
+              warm_from_cache: bool = False) -> BuildResult:
     """Build ``inputs`` and hand the image to every publisher; ``repository`` names it in the result.
 
     ``platforms`` (default: ``inputs.platform`` alone): the tag's platforms, each prepared and baked
@@ -108,8 +110,9 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
     (``BuiltIndex``), published only once every platform is baked. Every platform's image gets
     its SBOM and provenance (signed with ``sign_key`` when given), which the registry and layout
     publishers attach as referrers of its manifest."""
-    if warm is not None and len(platforms or (inputs.platform,)) > 1:
-        raise KilnError(f"--warm {warm}: a warm cache is made on one platform's hardware, and this tag has "
+    if (warm is not None or warm_from_cache) and len(platforms or (inputs.platform,)) > 1:
+        option = f"--warm {warm}" if warm is not None else "--warm-from-cache"
+        raise KilnError(f"{option}: a warm cache is made on one platform's hardware, and this tag has "
                         f"{len(platforms)} ({', '.join(platforms)}): build one (--platform OS/ARCH)")
     config = registry_config or RegistryConfig.load()
     budget = Budget(config.limits)  # the deadline runs from here: it bounds the whole command
@@ -127,7 +130,7 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
     try:
         images = [_bake_platform(replace(inputs, platform=platform), config, allow_unlocked, cache, reporter, budget,
                                  leave_out_unusable_kernels, cache_from, cache_key, sign_key, cache_to,
-                                 workdir / platform.replace("/", "-"), warm)
+                                 workdir / platform.replace("/", "-"), warm, warm_from_cache)
                   for platform in (platforms or (inputs.platform,))]
         image = images[0] if len(images) == 1 else BuiltIndex(images)
         clock = images[0].prepared.clock
@@ -146,7 +149,8 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
 
 def _bake_platform(inputs: BuildInputs, config: RegistryConfig, allow_unlocked: bool, cache: Path,
                    reporter: Reporter, budget: Budget, leave_out_unusable_kernels: bool, cache_from, cache_key,
-                   sign_key: SigningKey | None, cache_to, workdir: Path, warm: Path | None = None):
+                   sign_key: SigningKey | None, cache_to, workdir: Path, warm: Path | None = None,
+                   warm_from_cache: bool = False):
     """One platform's image: prepared on its own manifest of the base, baked, attested."""
     workdir.mkdir(parents=True)
     prepared = prepare_build(inputs, config, allow_unlocked, cache, reporter, budget,
@@ -155,6 +159,8 @@ def _bake_platform(inputs: BuildInputs, config: RegistryConfig, allow_unlocked: 
                              keep_wheels=workdir / "wheels" if cache_to else None)
     if warm is not None:  # the warm bundle's key against this build's inputs, then its layer
         prepared = with_warm(prepared, warm)
+    elif warm_from_cache:  # the registry build cache's entry of this build's warm key, if one verifies
+        prepared = cached_warm(prepared, cache_from, config, budget, cache, reporter, record_opener(cache_key))
     budget.check_deadline("patch")  # and between the steps after it
     image = bake(prepared, workdir, reporter)
     image.attestations = attestations(image, sign_key)

@@ -57,10 +57,15 @@ def test_triggers_jobs_and_needs(workflow):
     triggers = workflow.get("on", workflow.get(True))  # YAML 1.1 reads a bare `on` as true
     assert {"push", "pull_request", "workflow_dispatch"} <= set(triggers)
     jobs = workflow["jobs"]
-    assert set(jobs) == {"test", "plan", "build", "release-train"}
+    assert set(jobs) == {"test", "plan", "build", "release-train", "warm"}
     # the whole release train, against the record (a difference or a crash fails the run)
     assert ".venv/bin/python build.py verify --vllm 0.20.1..0.33.0" in [s.get("run") for s in jobs["release-train"]["steps"]]
     assert set(jobs["build"]["needs"]) == {"plan", "test"}  # nothing is built from a red tree
+    # the optional warm job: only on a runner the repository names (a GPU's), only after the push
+    warm = jobs["warm"]
+    assert set(warm["needs"]) == {"plan", "build"} and warm["runs-on"] == (
+        "${{ fromJSON(vars.KILN_WARM_RUNNER || '[\"self-hosted\", \"gpu\"]') }}")
+    assert warm["if"].startswith("vars.KILN_WARM_RUNNER != '' && github.event_name != 'pull_request'")
     assert "needs" not in jobs["plan"] and "needs" not in jobs["test"]
     assert [s.get("run") for s in jobs["test"]["steps"] if "run" in s] == ["ci/test"]
     for path, key, _ in _walk(workflow):
@@ -101,7 +106,8 @@ def test_secrets_reach_only_the_login_step(workflow):
             if "secrets." in json.dumps(step.get("env", {})) or "secrets." in json.dumps(step.get("with", {})):
                 logins.append(step)
         assert "secrets." not in json.dumps(job.get("env", {}))
-    assert len(logins) == 1
+    assert len(logins) == 2  # the build job's and the optional warm job's, the same step
+    assert logins[0] == logins[1]
     login = logins[0]
     assert login["run"] == '.venv/bin/python ci/registry_login.py "$REPOSITORY"'
     assert login["if"] == "github.event_name != 'pull_request'"  # a pull request gets no credentials
@@ -211,8 +217,16 @@ def test_every_build_py_command_parses(workflow, matrix_entry):
                 seen.setdefault(args.command, []).append((job_name, step.get("if", ""), args))
     assert {job for job, _, _ in seen["plan"]} == {"plan"}
     assert {bool(a.all) for _, _, a in seen["plan"]} == {True, False}
-    builds = seen["build"]
+    warm_builds = [args for job, _, args in seen["build"] if job == "warm"]
+    builds = [entry for entry in seen["build"] if entry[0] != "warm"]
     assert {job for job, _, _ in builds} == {"build"}
+    # the warm job: the bundle of the pushed image's boot, baked and written to the shared cache
+    [warmed] = [args for job, _, args in seen["warm"] if job == "warm"]
+    [warm_build] = warm_builds
+    assert (warmed.image, warmed.pin, warmed.sm) == (warm_build.image, warm_build.pin, warm_build.sm) == (
+        matrix_entry["image"], matrix_entry["pin"], matrix_entry["sm"])
+    assert warm_build.warm == warmed.out and warm_build.platform and warm_build.push
+    assert warm_build.cache_from == warm_build.cache_to == ["EXPR"]
     for _, condition, args in builds:
         assert (args.image, args.pin, args.sm) == (matrix_entry["image"], matrix_entry["pin"], matrix_entry["sm"])
         assert args.values and args.json and args.repository

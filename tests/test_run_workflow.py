@@ -84,7 +84,12 @@ def test_the_workflow_goes_green_on_a_clean_clone(tmp_path, start_registry, regi
     assert result.returncode == 0, log[-6000:]
     summary = result.stdout[result.stdout.rindex("summary:"):].splitlines()[1:]  # the runner's last lines
     assert [line.strip() for line in summary] == [
-        "test: skipped on request", "release-train: skipped on request", "plan: success", "build: success"], log[-3000:]
+        "test: skipped on request", "release-train: skipped on request", "plan: success", "build: success",
+        "warm: skipped"], log[-3000:]
+    # no GPU runner named (vars.KILN_WARM_RUNNER): the optional warm job is skipped, in one line
+    assert [line for line in log.splitlines() if "job warm" in line] == [
+        "== job warm: skipped (if: vars.KILN_WARM_RUNNER != '' && github.event_name != 'pull_request' && "
+        "needs.plan.outputs.count != '0')"], log[-3000:]
     # the pin was locked by the workflow's own step, which said so
     assert "::warning::pin v0.20.1 is unlocked in pins.toml" in log
     assert f"logged in to {registry_basic.host} for {registry_basic.host}/ci/ci-fixture" in log

@@ -21,7 +21,10 @@ statement's subject is this digest; a tag in the reference is the tag the proven
 image definition, patch modules and kiln commit are the recorded ones. Then the image is
 rebuilt from the recorded pin (its locked base digest), SM and definition in a temporary
 cache (sharing only the user's Triton toolchains), and compared: the same manifest digest (and the same SBOM and statement bytes) is
-``identical``; otherwise the difference names the first differing annotation, layer and file,
+``identical``. An image with a warm layer (its provenance records a ``warm cache``) is re-derived
+with the image's own warm layer baked on top (``kiln.attest.warmcheck``): compile output is not
+bit-reproducible, so that one layer is verified by the digest the provenance fixes, not re-made
+(``CheckResult.warm``). Otherwise the difference names the first differing annotation, layer and file,
 or config field (``kiln.attest.treediff``).
 """
 
@@ -47,6 +50,7 @@ from kiln.attest.referrers import (
 )
 from kiln.attest.slsa import RecordedBuild, read_statement
 from kiln.attest.treediff import describe_difference
+from kiln.attest.warmcheck import rewarm
 from kiln.cache import cache_root
 from kiln.definitions import image_path, load_definition
 from kiln.errors import KilnError
@@ -77,6 +81,7 @@ class CheckResult:
     tag: str = ""  # the tag the provenance records
     platform: str = ""  # "linux/amd64 sm_120": the image config's os/architecture (an index: each) and the SM
     sm: int = 0  # the recorded SM
+    warm: str = ""  # the warm layer's digest: verified by the recorded digest (and signature), not re-derived
 
 
 def _attached(client: RegistryClient, repo: str, digest: str) -> dict[str, list[tuple[Manifest, bytes]]]:
@@ -259,6 +264,9 @@ def _check_one(reference: str, ref, client: RegistryClient, config: RegistryConf
         # an image built from an unlocked pin re-resolves its base tag (a moved tag shows as a base layer)
         prepared = prepare_build(inputs, config, allow_unlocked=not inputs.pin.digest, cache=cache,
                                  reporter=reporter)
+        if recorded.warm:  # compile output is not re-derivable: the image's own warm layer, checked, on top
+            prepared = rewarm(client, repo, manifest, prepared, recorded.warm, what, cache)
+            result["warm"] = manifest.layers[-1].digest
         (cache / "work").mkdir()
         image = bake(prepared, cache / "work", reporter)
         if image.manifest.digest != digest:

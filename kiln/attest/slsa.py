@@ -118,6 +118,7 @@ class RecordedBuild:
     patches: dict[str, str]
     commit: str
     sbom_sha256: str
+    warm: dict | None = None  # the ``warm cache`` dependency (kiln.image.warmlayer): the bundle's record sha256, key
 
 
 def read_statement(payload: bytes, what: str) -> RecordedBuild:
@@ -133,11 +134,13 @@ def read_statement(payload: bytes, what: str) -> RecordedBuild:
         params = definition["externalParameters"]
         [subject] = statement["subject"]
         sbom = [b for b in predicate["runDetails"].get("byproducts", []) if b.get("name") == "sbom"]
+        warm = [{"record_sha256": d["digest"]["sha256"], "key": d["uri"].removeprefix("kiln-warm:")}
+                for d in definition.get("resolvedDependencies", []) if d.get("name") == "warm cache"]
         return RecordedBuild(
             subject="sha256:" + subject["digest"]["sha256"], image=params["image"]["name"],
             definition_sha256=params["image"]["sha256"], pin=dict(params["pin"]), sm=int(params["sm"]),
             tag=params["tag"], patches=dict(params["patches"]),
             commit=predicate["runDetails"]["builder"]["version"]["commit"],
-            sbom_sha256=sbom[0]["digest"]["sha256"] if sbom else "")
+            sbom_sha256=sbom[0]["digest"]["sha256"] if sbom else "", warm=warm[0] if warm else None)
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise Refused(f"{what}: provenance statement is malformed ({type(err).__name__}: {err})") from None

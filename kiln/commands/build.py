@@ -34,6 +34,9 @@ def register(sub) -> None:
     p.add_argument("--warm", type=Path, metavar="DIR",
                    help="bake the warm bundle `build.py warm` wrote in DIR as the top layer (refused when it "
                         "was made for other inputs; docs/WARM.md)")
+    p.add_argument("--warm-from-cache", action="store_true",
+                   help="bake the --cache-from build cache's warm entry of this build's warm key (written by a "
+                        "build with --warm DIR --cache-to); none verifies: a warning, built without a warm layer")
     p.add_argument("--force", action="store_true", help="replace an existing --docker-archive file")
     p.add_argument("--sign-key", type=Path, metavar="PEM",
                    help="sign the provenance (DSSE) with this ECDSA P-256 or Ed25519 private key")
@@ -85,6 +88,9 @@ def run_build_command(args, out) -> int:
     config = options.registry_config(args)
     cache_from, cache_to = _cache_locations(args, config)
     cache_key = load_public_key(args.cache_key) if args.cache_key else None
+    if args.warm_from_cache and (args.warm or not cache_from):
+        raise KilnError("--warm-from-cache: " + ("and --warm DIR name two warm caches: give one" if args.warm else
+                        "no --cache-from REGISTRY/REPO (nor the registries file's [cache] from) to read it from"))
     if cache_from and cache_key is None and config.cache_require_signed:
         raise KilnError(f"{config.path}: cache.require_signed: reading the build cache "
                         f"({', '.join(loc.name for loc in cache_from)}) needs --cache-key PUB: "
@@ -110,7 +116,7 @@ def run_build_command(args, out) -> int:
                        leave_out_unusable_kernels=args.without_unusable_kernels, sign_key=sign_key,
                        cache_from=cache_from, cache_to=cache_to, cache_key=cache_key,
                        platforms=build_platforms(inputs, args.platform, args.docker_archive is not None),
-                       warm=args.warm)
+                       warm=args.warm, warm_from_cache=args.warm_from_cache)
     result.warnings = list(reporter.warnings)
     if args.json:
         out.json(result.to_json())

@@ -42,11 +42,23 @@ def run_check(args, out) -> int:
     if args.json:
         out.json({"reference": result.reference, "digest": result.digest, "tag": result.tag,
                   "platform": result.platform, "signed_by": result.signed_by,
-                  "identical": result.identical, "difference": result.difference})
+                  "identical": result.identical, "difference": result.difference, "warm": result.warm or None})
     elif result.identical:
         signer = f"signed by key {result.signed_by}" if result.signed_by else "signature not verified"
         out.stdout.print(escape(f"identical: {result.reference} ({result.digest}), tag {result.tag}, "
                                 f"{result.platform}, {signer}"), soft_wrap=True)
+        if result.warm:
+            out.stdout.print(escape(_warm_line(result)), soft_wrap=True)
     else:
         out.stderr.print(f"[red]refused:[/] {escape(scrub(f'{result.digest} {result.difference}'))}", soft_wrap=True)
     return 0 if result.identical else 1
+
+
+def _warm_line(result) -> str:
+    """What ``check`` did with the warm layer: not re-derived, verified by digest (and by signature with --key)."""
+    why = "not re-derived: compile output is not bit-reproducible across hosts"
+    if result.signed_by:
+        return (f"warm layer {result.warm}: verified by the digest the provenance records and its signature "
+                f"(key {result.signed_by}); {why}")
+    return (f"warm layer {result.warm}: the digest the provenance records, but its signature is not verified "
+            f"(no --key), so neither is the warm layer; {why}")

@@ -1,7 +1,7 @@
 """The registry build cache's keys: what each entry depends on (``kiln.image.regcache``).
 
 Public API:
-    PATCHED, KERNELS, CATALOGUE      the entry kinds; ARTIFACT_TYPES: kind -> artifactType
+    PATCHED, KERNELS, CATALOGUE, WARM   the entry kinds; ARTIFACT_TYPES: kind -> artifactType
     entry_tag(kind, key) -> str      ``kiln-cache-<kind>-v2-<key>`` (the toolchain's: ``-v1-``)
     canonical(value) -> bytes        the JSON a key hashes and a record is written as
     vllm_layers(layers, count, to_bottom=False) -> dict   the top ``count`` layers, as the walk reads them
@@ -74,10 +74,11 @@ from kiln.oci.mediatypes import tar_mode
 from kiln.patch.facts import source_files
 from kiln.triton.aot import reads_source
 
-PATCHED, KERNELS, CATALOGUE = "patched", "kernels", "catalogue"
+PATCHED, KERNELS, CATALOGUE, WARM = "patched", "kernels", "catalogue", "warm"
 ARTIFACT_TYPES = {PATCHED: "application/vnd.kiln.cache.patched.v1",
                   KERNELS: "application/vnd.kiln.cache.kernels.v1",
-                  CATALOGUE: "application/vnd.kiln.cache.catalogue.v1"}
+                  CATALOGUE: "application/vnd.kiln.cache.catalogue.v1",
+                  WARM: "application/vnd.kiln.cache.warm.v1"}  # keyed by the warm key: ``kiln.image.warmcache``
 
 
 @cache

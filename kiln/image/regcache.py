@@ -18,7 +18,7 @@ Public API:
 What a build computes from the base's layers is cached by a key of the inputs each part
 depends on (``kiln.image.cachekeys``: the vLLM layers the walk reads, not the base's digest,
 so a base rebuilt below them shares its entries). Three kinds of entry (and the Triton wheel's,
-``kiln.image.wheelcache``):
+``kiln.image.wheelcache``, and the warm layer's, ``kiln.image.warmcache``):
 
 * ``patched``: the patching's result: every verdict, the changed modules and the whiteouts of
   their stale bytecode (one layer), vLLM's version and site dir, each changed file's pristine
@@ -71,7 +71,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.errors import KilnError
-from kiln.image.cachekeys import ARTIFACT_TYPES, CATALOGUE, KERNELS, PATCHED, canonical, entry_tag
+from kiln.image.cachekeys import (
+    ARTIFACT_TYPES,
+    CATALOGUE,
+    KERNELS,
+    PATCHED,
+    WARM,
+    canonical,
+    entry_tag,
+)
 from kiln.oci.digest import sha256_digest, sha256_text
 from kiln.oci.layer import WHITEOUT_PREFIX, Layer, LayerContents, write_layer
 from kiln.oci.manifest import Descriptor, Manifest
@@ -275,11 +283,11 @@ def _verified(client: RegistryClient, repository: str, manifest: Manifest, kind:
 
 
 # how many layers an entry of each kind has: a patched entry its changed modules; a kernels
-# entry one SM's kernel layer, or none when it was left out; a catalogue entry none
-_LAYER_COUNTS = {PATCHED: (1,), KERNELS: (0, 1), CATALOGUE: (0,)}
+# entry one SM's kernel layer, or none when it was left out; a catalogue entry none; a warm entry its layer
+_LAYER_COUNTS = {PATCHED: (1,), KERNELS: (0, 1), CATALOGUE: (0,), WARM: (1,)}
 _FIELDS = {PATCHED: {"outcomes": list, "applied": list, "vllm_version": str, "site_dir": str, "before": dict,
                      "modules": dict, "platform": dict},
-           KERNELS: {"env": dict, "triton": dict}, CATALOGUE: {"facts": dict}}
+           KERNELS: {"env": dict, "triton": dict}, CATALOGUE: {"facts": dict}, WARM: {"bundle": str}}
 
 
 def _check_fields(kind: str, entry: CachedEntry) -> None:
@@ -288,7 +296,7 @@ def _check_fields(kind: str, entry: CachedEntry) -> None:
     for name, expected in _FIELDS[kind].items():
         if not isinstance(record.get(name), expected):
             raise KilnError(f"its record's {name!r} is not a {expected.__name__}")
-    if kind == CATALOGUE:  # its facts are parsed where they are used (``kiln.patch.facts``)
+    if kind in (CATALOGUE, WARM):  # parsed where they are used (``kiln.patch.facts``, ``kiln.image.warmcache``)
         return
     if kind == KERNELS:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in record["env"].items()):

@@ -1,11 +1,9 @@
 """The warm layer: vLLM's compile caches, made by booting the built image once, baked as one more layer.
 
 Public API (``kiln.warm``):
-    WARM_ROOT, warm_env(image_env)          the layer's place in the image and the env pointing vLLM there
-    key_factors(audit, definition) -> dict  what invalidates a warm cache; ``warm_key(factors)``
-    check_bundle(bundle, audit, definition) the one-line refusal of a bundle made for other inputs
+    (the key, the one-line refusal of a cache made for other inputs, the layer: ``kiln.image.warmlayer``)
     capture(rootfs, host_paths) -> dict     the files vLLM and its compilers wrote, path trap checked
-    write_bundle / read_bundle / warm_contents   the captured caches on disk, and as ``LayerContents``
+    write_bundle / read_bundle              the captured caches on disk
     with_warm(prepared, bundle) -> PreparedBuild the build with the warm layer, env and records
     REQUESTS, send_requests(url, model)     the fixed request set (greedy; batch shapes 1, 2, 4)
     boot_chroot(...), stop(process)         the image's own vLLM from its files, in a chroot

@@ -21,8 +21,7 @@ import shutil
 from pathlib import Path
 
 from kiln.errors import KilnError
-from kiln.oci.layer import LayerContents
-from kiln.warm.key import WARM_ROOT
+from kiln.image.warmlayer import WARM_ROOT
 
 RECORD = "warm.json"
 # Left out: locks and half-written temporaries of the compilers (no reader needs them)
@@ -94,7 +93,3 @@ def read_bundle(folder: Path) -> tuple[dict, dict[str, bytes]]:
         files[rel] = data
     return record, files
 
-
-def warm_contents(files: dict[str, bytes], key: str) -> LayerContents:
-    """The warm layer: the captured files at their image paths (kiln's tar: sorted, fixed times, root-owned)."""
-    return LayerContents(dict(sorted(files.items())), (), f"kiln warm {key[:19]}: vLLM compile caches")

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 from kiln.image.layers import AUDIT_PATH
+from kiln.image.warmlayer import MACHINE_PLATFORMS, WARM_ROOT, key_factors, warm_env, warm_key
 from kiln.warm.boot import boot_chroot, send_requests, stop, wait_healthy
 from kiln.warm.capture import capture, write_bundle
-from kiln.warm.key import MACHINE_PLATFORMS, WARM_ROOT, key_factors, warm_env, warm_key
 
 # vLLM's lines when it compiles and when it loads what it compiled (on CPU, DYNAMO_TRACE_ONCE: only the AOT ones)
 COMPILED = re.compile(r"torch\.compile took|Starting torch\.compile|Compiling a graph|Dynamo bytecode transform time|"

@@ -15,10 +15,17 @@ import pytest
 from kiln.errors import KilnError
 from kiln.image.layers import AUDIT_PATH
 from kiln.image.prepare import PreparedBuild
+from kiln.image.warmlayer import (
+    WARM_ROOT,
+    check_bundle,
+    key_factors,
+    warm_contents,
+    warm_env,
+    warm_key,
+)
 from kiln.oci.layer import LayerContents, write_layer
 from kiln.warm.bake import with_warm
-from kiln.warm.capture import capture, read_bundle, warm_contents, write_bundle
-from kiln.warm.key import WARM_ROOT, check_bundle, key_factors, warm_env, warm_key
+from kiln.warm.capture import capture, read_bundle, write_bundle
 
 AUDIT = {"image": "qwen3.6-tiny-cpu", "base": {"digest": "sha256:" + "b" * 64},
          "pin": {"name": "cpu-v0.32.0", "vllm": "0.32.0", "cuda": "cpu"}, "sm": 90,
@@ -147,7 +154,7 @@ def prepared_with(audit: dict, env: dict | None = None) -> PreparedBuild:
     fields = {name: None for name in PreparedBuild.__dataclass_fields__}
     fields.update(inputs=SimpleNamespace(definition=Definition(), platform="linux/amd64"), layers=[LayerContents({AUDIT_PATH: audit_bytes})],
                   base_model=SimpleNamespace(config={"config": {"Env": [f"{k}={v}" for k, v in (env or {}).items()]}}),
-                  env={}, warm={})
+                  env={}, warm={}, cache=[])
     return PreparedBuild(**fields)
 
 
@@ -162,6 +169,10 @@ def test_with_warm_bakes_the_layer_sets_the_env_and_records_it_in_the_audit(tmp_
     audit = json.loads(warmed.layers[0].files[AUDIT_PATH])
     assert audit["warm"]["key"] == record_for()["key"] and audit["warm"]["files"] == read_bundle(tmp_path / "bundle")[0]["files"]
     assert warmed.warm["record_sha256"] and warmed.warm["files"] == 2
+    # the registry build cache's warm entry, for --cache-to: the layer baked, the record the bundle's bytes
+    [use] = warmed.cache
+    assert (use.kind, use.key) == ("warm", record_for()["key"].removeprefix("sha256:"))
+    assert use.fields == {"bundle": (tmp_path / "bundle" / "warm.json").read_text()} and use.contents == [warmed.layers[-1]]
     # an image whose kernel layer set TRITON_CACHE_DIR keeps it
     kept = with_warm(prepared_with(AUDIT, {"TRITON_CACHE_DIR": "/opt/kiln/triton/sm120"}), tmp_path / "bundle")
     assert "TRITON_CACHE_DIR" not in kept.env

@@ -15,21 +15,15 @@ from cyclonedx.schema import SchemaVersion
 from cyclonedx.validation.json import JsonStrictValidator
 
 from kiln.image.inputs import load_build_inputs
+from kiln.image.warmlayer import WARM_ROOT, key_factors, warm_key
 from kiln.paths import RepoFiles
 from kiln.warm.capture import write_bundle
-from kiln.warm.key import WARM_ROOT, key_factors, warm_key
-from tests.image.test_build_e2e import IMAGE, IMAGES, SM, Project
-from tests.support.registry import VLLM_VERSION
+from tests.image.test_build_e2e import IMAGE, IMAGES, SM
 
 pytestmark = pytest.mark.registry
 
 CACHE = {f"{WARM_ROOT}/vllm/torch_compile_cache/torch_aot_compile/abc/rank_0_0/model": b"aot artifact",
          f"{WARM_ROOT}/inductor/fxgraph/xy/entry": b"fx graph"}
-
-
-@pytest.fixture
-def project(tmp_path, registry_plain) -> Project:
-    return Project(tmp_path, registry_plain, registry_plain.digest_of(f"vllm/vllm-openai:v{VLLM_VERSION}"))
 
 
 def _layout(path):
