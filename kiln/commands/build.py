@@ -36,7 +36,7 @@ def register(sub) -> None:
                         "was made for other inputs; docs/WARM.md)")
     p.add_argument("--warm-from-cache", action="store_true",
                    help="bake the --cache-from build cache's warm entry of this build's warm key (written by a "
-                        "build with --warm DIR --cache-to); none verifies: a warning, built without a warm layer")
+                        "build with --warm DIR --cache-to); none verifies: the build fails, nothing written")
     p.add_argument("--force", action="store_true", help="replace an existing --docker-archive file")
     p.add_argument("--sign-key", type=Path, metavar="PEM",
                    help="sign the provenance (DSSE) with this ECDSA P-256 or Ed25519 private key")

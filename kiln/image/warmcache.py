@@ -76,18 +76,18 @@ def _agrees(key: str, factors: dict):
 def cached_warm(prepared: PreparedBuild, cache_from, config: RegistryConfig, budget: Budget, cache: Path,
                 reporter: Reporter = SILENT, open_record=plain_record) -> PreparedBuild:
     """``prepared`` with the ``warm`` entry of its own warm key (from its audit record) baked on top,
-    from the first ``cache_from`` whose entry verifies; unchanged, with one warning, when none does."""
+    from the first ``cache_from`` whose entry verifies; a ``KilnError`` when none does (the build
+    asked for a warm image and publishes nothing)."""
     factors = key_factors(json.loads(prepared.layers[0].files[AUDIT_PATH]), prepared.inputs.definition,
                           prepared.inputs.platform)
     key = warm_key(factors)
     use = _use(key, factors)
     entry = CacheReader(cache_from, config, prepared.stats, budget, cache, reporter, open_record).read(
         use, _agrees(key, factors))
-    if entry is None:
-        reporter.warn(f"--warm-from-cache: no warm entry of this build's warm key {key} verifies in "
-                      f"{', '.join(location.name for location in cache_from)}: built without a warm layer "
-                      "(warm it once: build.py warm, then build --warm DIR --cache-to; docs/WARM.md)")
-        return prepared
+    if entry is None:  # asked for a warm image: a cold one under that name would be a silent step back
+        raise KilnError(f"--warm-from-cache: no warm entry of this build's warm key {key} verifies in "
+                        f"{', '.join(location.name for location in cache_from)}: nothing built (warm it once: "
+                        "build.py warm, then build --warm DIR --cache-to; docs/WARM.md)")
     if not entry.signed:  # the layer is compiled code the image loads: say who could have written it
         reporter.warn(f"build cache: using unsigned warm entry from {entry.where}: whoever can push there can "
                       "change its compiled code undetected; --cache-key PUB takes signed entries only")
