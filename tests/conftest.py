@@ -54,7 +54,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # wheels from PyPI on a machine whose kiln cache lacks them: it is marked `network` at collection.
 # A test that reaches any other host without the marker fails (the audit hook below), so
 # `-m "not network and not registry"` is an offline lane by construction, not by convention.
-NETWORK_FIXTURES = frozenset({"trees", "vllm_wheel"})  # every tree, session and registry fixture uses one
+# every tree, session and registry fixture uses trees or vllm_wheel; every `toolchain` fixture (and
+# test_imagekey's `pinned`) makes a Triton toolchain from PyPI's wheel (kiln/triton/toolchain.py)
+NETWORK_FIXTURES = frozenset({"trees", "vllm_wheel", "toolchain", "pinned"})
 _unmarked: dict = {"test": None, "reached": []}  # the running test when it is not marked network
 # Every Python process a test starts loads the guard too (tests/support/netguard.py says how): its
 # folder is on PYTHONPATH for the whole session, the guard armed only while an unmarked test runs.
