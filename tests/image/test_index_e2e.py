@@ -45,10 +45,6 @@ def build_cli(capsys, *argv) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-def _process(capsys, *argv) -> tuple[int, str, str]:
-    return run_kiln(*argv)
-
-
 def one_line(code: int, err: str) -> str:
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
@@ -79,10 +75,10 @@ def work(tmp_path, capsys, registry_plain):
 def build(capsys, work, registry, sm: int, repo: str, *extra, in_process: bool = False):
     """A build in a process of its own (tests/support/kiln_process.py), or in this one for a test
     that replaces a function of kiln's."""
-    return (build_cli if in_process else _process)(capsys, "--pins", work / "pins.toml", "--images", work / "images", "build", "--image",
-                     "e2e-triton", "--pin", "v0.20.1", "--sm", sm, "--mirror", registry.mirror, "--push",
-                     "--repository", f"{registry.host}/{repo}", "--json",
-                     *extra)
+    argv = ("--pins", work / "pins.toml", "--images", work / "images", "build", "--image", "e2e-triton",
+            "--pin", "v0.20.1", "--sm", sm, "--mirror", registry.mirror, "--push",
+            "--repository", f"{registry.host}/{repo}", "--json", *extra)
+    return build_cli(capsys, *argv) if in_process else run_kiln(*argv)
 
 
 def kernels_audit(registry, tmp_path, ref: str, arch: str) -> tuple[dict, dict]:
@@ -217,8 +213,8 @@ def _reattach(registry, repo: str, old: str, new: bytes) -> None:
 
 
 def check_cli(capsys, work, registry, ref: str):
-    return _process(capsys, "--pins", work / "pins.toml", "--images", work / "images", "check", ref,
-                     "--mirror", registry.mirror)
+    return run_kiln("--pins", work / "pins.toml", "--images", work / "images", "check", ref,
+                    "--mirror", registry.mirror)
 
 
 def test_check_re_derives_every_platform_and_names_the_one_that_differs(capsys, work, start_registry,
