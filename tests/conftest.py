@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import pytest
 from packaging.version import Version
@@ -21,6 +22,7 @@ from kiln.patch.catalog import load_catalogue
 from kiln.patch.engine import Session
 from kiln.pins import load_pins
 from kiln.source.wheel import WheelSource
+from tests.support import netguard
 from tests.support.registry import (  # noqa: F401  (fixtures, shared by every test package)
     TOOLCHAIN_CACHE,
     base_layout,
@@ -52,11 +54,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # wheels from PyPI on a machine whose kiln cache lacks them: it is marked `network` at collection.
 # A test that reaches any other host without the marker fails (the audit hook below), so
 # `-m "not network and not registry"` is an offline lane by construction, not by convention.
-NETWORK_FIXTURES = frozenset({"trees", "vllm_wheel"})  # every tree, session and registry fixture uses one
-_LOOPBACK = ("127.", "::1", "localhost", "0.0.0.0")
-# names reserved never to resolve (RFC 2606, RFC 6761): tests of a DNS failure use them
-_RESERVED = (".invalid", ".test", ".example", ".localhost")
+# every tree, session and registry fixture uses trees or vllm_wheel; every `toolchain` fixture (and
+# test_imagekey's `pinned`) makes a Triton toolchain from PyPI's wheel (kiln/triton/toolchain.py)
+NETWORK_FIXTURES = frozenset({"trees", "vllm_wheel", "toolchain", "pinned"})
 _unmarked: dict = {"test": None, "reached": []}  # the running test when it is not marked network
+# Every Python process a test starts loads the guard too (tests/support/netguard.py says how): its
+# folder is on PYTHONPATH for the whole session, the guard armed only while an unmarked test runs.
+os.environ["PYTHONPATH"] = os.pathsep.join([str(netguard.SITE), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by markers
@@ -66,23 +70,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.network)
 
 
-def _host(event: str, args: tuple) -> str | None:
-    if event == "socket.getaddrinfo":
-        host = args[0]
-    elif event == "socket.connect" and isinstance(args[1], tuple):
-        host = args[1][0]
-    else:
-        return None
-    return host.decode() if isinstance(host, bytes) else str(host or "")
-
-
 def _audit(event: str, args: tuple) -> None:
     if _unmarked["test"] is None or not event.startswith("socket."):
         return
-    host = _host(event, args)
-    if host and not host.startswith(_LOOPBACK) and not host.rstrip(".").endswith(_RESERVED):  # "": this host
+    host = netguard.host_of(event, args)
+    if netguard.outside(host):
         _unmarked["reached"].append(host)
-        raise OSError(f"{_unmarked['test']} reached {host} but is not marked network (tests/conftest.py)")
+        raise netguard.refusal(_unmarked["test"], host)
 
 
 sys.addaudithook(_audit)
@@ -93,16 +87,23 @@ def pytest_runtest_protocol(item, nextitem):
     """From the test's first fixture to its last teardown (a module fixture set up for it counts)."""
     marked = item.get_closest_marker("network") is not None
     _unmarked.update(test=None if marked else item.nodeid, reached=[])
+    if not marked:  # the file its children record refused hosts in
+        fd, record = tempfile.mkstemp(prefix="pytest-offline-reached-")
+        os.close(fd)
+        os.environ[netguard.ENV] = f"{item.nodeid}\n{record}"
     try:
         yield
     finally:
         _unmarked["test"] = None
+        os.environ.pop(netguard.ENV, None)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A test that swallowed the refused connection still fails: the marker is what is wrong."""
     report = (yield).get_result()
+    if call.when == "teardown":
+        _unmarked["reached"] += netguard.reached_by_children(os.environ.get(netguard.ENV))
     if call.when == "teardown" and _unmarked["reached"] and report.passed:
         report.outcome = "failed"
         report.longrepr = (f"reached {sorted(set(_unmarked['reached']))} without the network marker: "

@@ -22,8 +22,8 @@ import requests
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
-from kiln import commands
 from tests.support import TEST_IMAGES
+from tests.support.kiln_process import run_kiln
 from tests.support.registry import VLLM_VERSION
 
 pytestmark = pytest.mark.registry
@@ -111,10 +111,7 @@ class Registry:
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    code = commands.main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_kiln(*argv)
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +132,8 @@ def signed(tmp_path_factory, registry_plain):
         argv = ["--pins", str(pins), "--images", str(TEST_IMAGES), "build", "--image", IMAGE, "--pin", "v0.20.1",
                 "--sm", str(SM), "--mirror", registry_plain.mirror, "--json", "--push", "--repository",
                 f"{registry_plain.host}/{repo}", "--oci", str(root / "layout"), "--sign-key", str(key)]
-        code = commands.main(argv)
-        assert code == 0
+        code, _, err = run_kiln(*argv)
+        assert code == 0, err
     return {"root": root, "key": key, "pub": pub, "pins": pins, "repo": repo, "registry": registry_plain,
             "raw": Registry(registry_plain), "argv": argv}
 

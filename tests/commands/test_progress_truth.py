@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from kiln import commands
 from tests.support import TEST_IMAGES
+from tests.support.kiln_process import run_kiln
 from tests.support.registry import VLLM_VERSION
 
 pytestmark = pytest.mark.registry
@@ -27,13 +27,11 @@ def _pins(tmp_path, registry, variant: str = "") -> str:
 
 
 def _build(capsys, pins: str, registry, image: str, *extra: str) -> tuple[dict, list[str]]:
-    capsys.readouterr()
-    code = commands.main(["--pins", pins, "--images", str(TEST_IMAGES), "build", "--image", image,
+    code, out, err = run_kiln("--pins", pins, "--images", TEST_IMAGES, "build", "--image", image,
                           "--pin", "v0.20.1", "--sm", "120", "--mirror", registry.mirror, "--json",
-                          "--progress", "plain", *extra])
-    out = capsys.readouterr()
-    assert code == 0, out.err
-    return json.loads(out.out), out.err.splitlines()
+                          "--progress", "plain", *extra)
+    assert code == 0, err
+    return json.loads(out), err.splitlines()
 
 
 def _push_line(lines: list[str], repository: str) -> re.Match:

@@ -16,8 +16,10 @@ def project(tmp_path, registry_plain) -> Project:
 
 
 @pytest.fixture
-def patch_runs(monkeypatch) -> list[int]:
-    """How many times a build ran the patch selection (a cache hit runs none)."""
+def patch_runs(monkeypatch, project) -> list[int]:
+    """How many times a build ran the patch selection (a cache hit runs none): counted in this
+    process, so the project's builds run in it."""
+    project.in_process = True
     calls: list[int] = []
     real = prepare_module.patched_selection
 

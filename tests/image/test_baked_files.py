@@ -13,9 +13,9 @@ import tarfile
 
 import pytest
 
-from kiln import commands
 from tests.image.test_build_e2e import IMAGE, SM, Project
 from tests.support import TEST_IMAGES
+from tests.support.kiln_process import run_kiln
 from tests.support.registry import VLLM_VERSION
 
 pytestmark = pytest.mark.registry
@@ -45,11 +45,9 @@ def images(tmp_path):
 def _build(project: Project, capsys, images, *extra: str, command: str = "build") -> dict:
     argv = ["--pins", str(project.pins()), "--images", str(images), command, "--image", IMAGE, "--pin", "v0.20.1",
             "--sm", str(SM), "--mirror", project.registry.mirror, "--json", *extra]
-    capsys.readouterr()
-    code = commands.main(argv)
-    out = capsys.readouterr()
-    assert code == 0, out.err
-    return json.loads(out.out)
+    code, out, err = run_kiln(*argv)
+    assert code == 0, err
+    return json.loads(out)
 
 
 def test_baked_file_is_in_the_layer_recorded_and_reproducible(project, capsys, tmp_path, images, base_layout):

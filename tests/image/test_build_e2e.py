@@ -23,6 +23,7 @@ import requests
 
 from kiln import commands
 from tests.support import TEST_IMAGES
+from tests.support.kiln_process import run_kiln
 from tests.support.registry import SITE, VLLM_VERSION
 
 pytestmark = pytest.mark.registry
@@ -41,6 +42,9 @@ class Project:
     root: Path
     registry: object  # RegistryServer holding the base
     base_digest: str
+    # a build runs as its own process (tests/support/kiln_process.py) unless a test counts what
+    # it does in this one (the patch_runs fixture, tests/image/conftest.py)
+    in_process: bool = False
 
     @property
     def dest(self) -> str:
@@ -60,10 +64,13 @@ class Project:
     def build(self, capsys, *extra: str, pins: Path | None = None, mirror: str | None = None) -> tuple[int, dict | None, str]:
         argv = ["--pins", str(pins or self.pins()), "--images", str(IMAGES), "build", "--image", IMAGE,
                 "--pin", "v0.20.1", "--sm", str(SM), "--mirror", mirror or self.registry.mirror, "--json", *extra]
-        capsys.readouterr()
-        code = commands.main(argv)
-        out = capsys.readouterr()
-        return code, (json.loads(out.out) if code == 0 else None), out.err
+        if self.in_process:
+            capsys.readouterr()
+            code = commands.main(argv)
+            out, err = capsys.readouterr()
+        else:
+            code, out, err = run_kiln(*argv)
+        return code, (json.loads(out) if code == 0 else None), err
 
 
 def _skopeo_inspect(target: str, *flags: str) -> dict:

@@ -19,10 +19,10 @@ import pytest
 from cyclonedx.schema import SchemaVersion
 from cyclonedx.validation.json import JsonStrictValidator
 
-from kiln import commands
 from kiln.triton.imagekey import LIBTRITON, record_hashes
 from kiln.triton.toolchain import _choose_wheel
 from tests.support import TEST_IMAGES
+from tests.support.kiln_process import run_kiln
 from tests.support.registry import TRITON_CP312_RECORD, TRITON_CP312_RECORDS, VLLM_VERSION
 
 pytestmark = pytest.mark.registry
@@ -41,11 +41,9 @@ def _pins(root: Path, registry, variant: str) -> Path:
 
 
 def _build(capsys, pins: Path, registry, sm: int, *extra: str):
-    capsys.readouterr()
-    code = commands.main(["--pins", str(pins), "--images", str(IMAGES), "build", "--image", IMAGE, "--pin", "v0.20.1",
-                     "--sm", str(sm), "--mirror", registry.mirror, "--json", *extra])
-    out = capsys.readouterr()
-    return code, (json.loads(out.out) if code == 0 else None), out.err
+    code, out, err = run_kiln("--pins", pins, "--images", IMAGES, "build", "--image", IMAGE, "--pin", "v0.20.1",
+                          "--sm", sm, "--mirror", registry.mirror, "--json", *extra)
+    return code, (json.loads(out) if code == 0 else None), err
 
 
 def _blob(layout: Path, digest: str) -> bytes:
@@ -235,13 +233,11 @@ def test_kernels_compile_beside_the_patching_only_when_no_patch_touches_their_so
     images.mkdir()
     (images / f"{IMAGE}.toml").write_text((IMAGES / f"{IMAGE}.toml").read_text().replace(
         'patches = ["P65"]', 'patches = ["P65", "P999"]'))
-    capsys.readouterr()
-    code = commands.main(["--pins", str(pins), "--images", str(images), "--patchsets", str(patchsets),
+    code, out, err = run_kiln("--pins", pins, "--images", images, "--patchsets", patchsets,
                           "build", "--image", IMAGE, "--pin", "v0.20.1", "--sm", "120", "--mirror",
-                          registry_plain.mirror, "--json", "--oci", str(tmp_path / "shifted")])
-    out = capsys.readouterr()
-    assert code == 0, out.err
-    shifted = json.loads(out.out)
+                          registry_plain.mirror, "--json", "--oci", tmp_path / "shifted")
+    assert code == 0, err
+    shifted = json.loads(out)
     assert shifted["triton"]["beside_patching"] is False  # compiled after, from the patched file
     assert shifted["triton"]["key"] != plain["triton"]["key"]
     assert shifted["triton"]["compiled"] > 0  # the shifted decode kernels are new kernels
@@ -253,9 +249,7 @@ def test_an_image_with_a_kernel_layer_is_re_derived_identical_by_check(tmp_path,
     repo = f"{registry_plain.host}/test/trust-triton"
     code, built, err = _build(capsys, pins, registry_plain, 120, "--push", "--repository", repo)
     assert code == 0, err
-    capsys.readouterr()
-    code = commands.main(["--pins", str(pins), "--images", str(IMAGES), "check", f"{repo}:{built['tag']}",
-                          "--mirror", registry_plain.mirror])
-    out = capsys.readouterr()
-    assert code == 0, out.err
-    assert out.out.startswith("identical:") and built["manifest_digest"] in out.out
+    code, out, err = run_kiln("--pins", pins, "--images", IMAGES, "check", f"{repo}:{built['tag']}",
+                          "--mirror", registry_plain.mirror)
+    assert code == 0, err
+    assert out.startswith("identical:") and built["manifest_digest"] in out

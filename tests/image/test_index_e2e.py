@@ -20,6 +20,7 @@ import requests
 from kiln import commands
 from kiln.triton.imagekey import LIBTRITON, record_hashes
 from tests.support import TEST_IMAGES
+from tests.support.kiln_process import run_kiln
 from tests.support.registry import TRITON_CP312_AARCH64_RECORD, TRITON_CP312_RECORD, VLLM_VERSION
 
 pytestmark = pytest.mark.registry
@@ -71,11 +72,13 @@ def work(tmp_path, capsys, registry_plain):
     return tmp_path
 
 
-def build(capsys, work, registry, sm: int, repo: str, *extra):
-    return build_cli(capsys, "--pins", work / "pins.toml", "--images", work / "images", "build", "--image",
-                     "e2e-triton", "--pin", "v0.20.1", "--sm", sm, "--mirror", registry.mirror, "--push",
-                     "--repository", f"{registry.host}/{repo}", "--json",
-                     *extra)
+def build(capsys, work, registry, sm: int, repo: str, *extra, in_process: bool = False):
+    """A build in a process of its own (tests/support/kiln_process.py), or in this one for a test
+    that replaces a function of kiln's."""
+    argv = ("--pins", work / "pins.toml", "--images", work / "images", "build", "--image", "e2e-triton",
+            "--pin", "v0.20.1", "--sm", sm, "--mirror", registry.mirror, "--push",
+            "--repository", f"{registry.host}/{repo}", "--json", *extra)
+    return build_cli(capsys, *argv) if in_process else run_kiln(*argv)
 
 
 def kernels_audit(registry, tmp_path, ref: str, arch: str) -> tuple[dict, dict]:
@@ -210,8 +213,8 @@ def _reattach(registry, repo: str, old: str, new: bytes) -> None:
 
 
 def check_cli(capsys, work, registry, ref: str):
-    return build_cli(capsys, "--pins", work / "pins.toml", "--images", work / "images", "check", ref,
-                     "--mirror", registry.mirror)
+    return run_kiln("--pins", work / "pins.toml", "--images", work / "images", "check", ref,
+                    "--mirror", registry.mirror)
 
 
 def test_check_re_derives_every_platform_and_names_the_one_that_differs(capsys, work, start_registry,
@@ -290,13 +293,13 @@ def test_rewriting_an_index_tag_in_a_layout_removes_its_platform_manifests_refer
         entries = json.loads((layout / "index.json").read_text())["manifests"]
         return [m["annotations"]["io.kiln.subject"] for m in entries if "artifactType" in m]
 
-    code, out, err = build(capsys, work, registry_plain, 90, "kiln/layout", "--oci", layout)
+    code, out, err = build(capsys, work, registry_plain, 90, "kiln/layout", "--oci", layout, in_process=True)
     assert code == 0, err
     tag = json.loads(out)["tag"]
     first = platform_digests(tag)
     assert len(first) == 2 and sorted(subjects()) == sorted([*first, *first])  # an SBOM and a provenance each
     monkeypatch.setattr(kiln.image.prepare, "kiln_revision", lambda: ("0" * 40, False))
-    code, out, err = build(capsys, work, registry_plain, 90, "kiln/layout", "--oci", layout)
+    code, out, err = build(capsys, work, registry_plain, 90, "kiln/layout", "--oci", layout, in_process=True)
     assert code == 0, err
     second = platform_digests(tag)
     assert second.isdisjoint(first)

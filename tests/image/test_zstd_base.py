@@ -25,7 +25,6 @@ try:
 except ImportError:
     from backports import zstd
 
-from kiln import commands
 from tests.image.test_build_e2e import (  # noqa: F401  (podman_store: a fixture)
     IMAGES,
     TAG,
@@ -38,6 +37,7 @@ from tests.image.test_build_e2e import (  # noqa: F401  (podman_store: a fixture
     podman_store,
 )
 from tests.support.hostile import HandPusher
+from tests.support.kiln_process import run_kiln
 from tests.support.registry import REPO, SITE, VLLM_VERSION, run
 
 pytestmark = pytest.mark.registry
@@ -124,13 +124,11 @@ def test_a_build_on_a_zstd_base_gives_the_gzip_bases_files_over_its_untouched_la
     assert _skopeo_inspect(target, "--tls-verify=false")["Digest"] == built["manifest_digest"]
     assert _skopeo_inspect(target, "--tls-verify=false", "--raw")["layers"] == manifest["layers"]
     # and ``check`` re-derives it from the zstd base: the same image
-    capsys.readouterr()
     pins = project.pins(digest=zstd_base["digest"], image=f"docker.io/{REPO}:{ZSTD_TAG}")
-    code = commands.main(["--pins", str(pins), "--images", str(IMAGES), "check",
-                          f"{project.registry.host}/{project.dest}:{TAG}", "--mirror", project.registry.mirror])
-    out = capsys.readouterr()
-    assert code == 0, out.err
-    assert out.out.startswith("identical:") and built["manifest_digest"] in out.out
+    code, out, err = run_kiln("--pins", pins, "--images", IMAGES, "check",
+                          f"{project.registry.host}/{project.dest}:{TAG}", "--mirror", project.registry.mirror)
+    assert code == 0, err
+    assert out.startswith("identical:") and built["manifest_digest"] in out
 
 
 def test_the_image_on_a_zstd_base_runs_with_podman(project, capsys, zstd_base, podman_store, base_layout):  # noqa: F811

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import requests
 
-from kiln import commands
 from kiln.errors import KilnError
 from kiln.oci.image import OciLayoutImage
 from kiln.source.image import read_vllm
@@ -35,6 +34,7 @@ from tests.support.hostile import (
     tar_layer,
     truncated_layer,
 )
+from tests.support.kiln_process import run_kiln
 from tests.support.registry import REPO, SITE, VLLM_VERSION
 
 pytestmark = [pytest.mark.registry, pytest.mark.reliability]
@@ -72,10 +72,8 @@ def build(capsys, tmp_path: Path, registry, tag: str, digest: str, dest: str) ->
     argv = ["--pins", str(pins), "--images", str(IMAGES), "build", "--image", "e2e-p65", "--pin", "v0.20.1",
             "--sm", "120", "--mirror", registry.mirror, "--json", "--oci", str(tmp_path / "out"),
             "--push", "--repository", f"{registry.host}/{dest}"]
-    capsys.readouterr()
-    code = commands.main(argv)
-    out = capsys.readouterr()
-    return Outcome(code, out.err, json.loads(out.out) if code == 0 else None)
+    code, out, err = run_kiln(*argv)
+    return Outcome(code, err, json.loads(out) if code == 0 else None)
 
 
 def tag_exists(registry, repository: str, tag: str) -> bool:

@@ -22,7 +22,7 @@ from tests.support.reliability_checks import (
     CliRun,
     assert_cache_verified,
     assert_one_line_error,
-    run_cli,
+    run_build,
     tag_state,
 )
 
@@ -60,7 +60,7 @@ class Build:
         pins = self.root / "pins.toml"
         pins.write_text(f'[pins."v0.20.1"]\nrole = "current"\nimage = "docker.io/vllm/vllm-openai:{tag}"\n'
                         f'vllm = "{VLLM_VERSION}"\ncuda = "cu130"\ndigest = "{digest}"\n')
-        return run_cli(["--pins", str(pins), "--images", str(TEST_IMAGES), "build", "--image", "e2e-p65",
+        return run_build(["--pins", str(pins), "--images", str(TEST_IMAGES), "build", "--image", "e2e-p65",
                         "--pin", "v0.20.1", "--sm", "120", "--mirror", self.proxy.mirror, "--json",
                         *(["--oci", str(self.root / "out")] if oci else []),
                         "--push", "--repository", f"{self.proxy.host}/{self.dest}",

@@ -24,7 +24,7 @@ from tests.support.reliability_checks import (
     CliRun,
     assert_cache_verified,
     assert_one_line_error,
-    run_cli,
+    run_build,
     tag_state,
 )
 
@@ -65,7 +65,7 @@ def clean_digest(registry_plain, tmp_path_factory) -> str:
         env.setenv("KILN_REGISTRIES", str(root / "registries.toml"))
         env.setenv("KILN_CACHE_DIR", str(root / "cache"))
         pins = _pins(root, registry_plain.digest_of(f"vllm/vllm-openai:v{VLLM_VERSION}"))
-        return run_cli(_argv(pins, registry_plain.mirror)).result["manifest_digest"]
+        return run_build(_argv(pins, registry_plain.mirror)).result["manifest_digest"]
 
 
 @dataclass
@@ -93,7 +93,7 @@ class Rig:
     def build(self, *extra: str, push_via: FaultProxy | None = None) -> CliRun:
         target = push_via or self.proxy
         pins = _pins(self.root, self.registry.digest_of(f"vllm/vllm-openai:v{VLLM_VERSION}"))
-        return run_cli(_argv(pins, self.proxy.mirror, "--oci", str(self.out), "--push",
+        return run_build(_argv(pins, self.proxy.mirror, "--oci", str(self.out), "--push",
                              "--repository", f"{target.host}/{self.dest}", "--insecure-registry", target.host,
                              *extra))
 

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from kiln import commands
 from kiln.oci.endpoints import RegistryConfig
 from kiln.paths import RepoFiles
 from kiln.pins import Pin
 from kiln.source.image import ImageSource
 from kiln.source.wheel import WheelSource
 from kiln.verify import BuiltSource, choose_source, provider_for_pin
+from tests.support.kiln_process import run_kiln
 from tests.support.registry import (
     NIGHTLY_MARK,
     NIGHTLY_TAG,
@@ -56,11 +56,9 @@ num_speculative_tokens = 3
 
 
 def kiln(capsys, files: Path, *argv) -> tuple[int, str, str]:
-    capsys.readouterr()
-    code = commands.main([str(a) for a in ("--pins", files / "pins.toml", "--record", files / "verdicts.toml",
-                                           "--images", files / "images", *argv)])
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    # bumps, verifies and builds from a registry: a process of its own (tests/support/kiln_process.py)
+    return run_kiln("--pins", files / "pins.toml", "--record", files / "verdicts.toml", "--images", files / "images",
+                    *argv)
 
 
 def pins_text(digest: str) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln import commands, paths
+from kiln import paths
 from kiln.errors import KilnError
 from kiln.oci.layer import LayerContents
 from kiln.publish.context import (
@@ -33,6 +33,7 @@ from kiln.publish.context import (
 )
 from kiln.staging import commit_all
 from tests.support import TEST_IMAGES
+from tests.support.kiln_process import run_kiln
 from tests.support.registry import SITE, VLLM_VERSION, run
 
 pytestmark = pytest.mark.registry
@@ -69,11 +70,9 @@ def stale_pyc_base(tmp_path_factory, base_layout, registry_plain) -> str:
 
 
 def _cli(capsys, pins: Path, registry, *argv: str, image: str = IMAGE) -> tuple[int, dict | None, str]:
-    capsys.readouterr()
-    code = commands.main(["--pins", str(pins), "--images", str(IMAGES), *argv, "--image", image, "--pin", "v0.20.1",
-                     "--sm", str(SM), "--mirror", registry.mirror, "--json"])
-    out = capsys.readouterr()
-    return code, (json.loads(out.out) if code == 0 else None), out.err
+    code, out, err = run_kiln("--pins", pins, "--images", IMAGES, *argv, "--image", image, "--pin", "v0.20.1",
+                              "--sm", SM, "--mirror", registry.mirror, "--json")
+    return code, (json.loads(out) if code == 0 else None), err
 
 
 def _pins(tmp_path: Path, digest: str, base_name: str = BASE_NAME) -> Path:
@@ -261,12 +260,12 @@ def test_context_command_replaces_its_output_and_says_how_to_build(capsys, tmp_p
     (tmp_path / "ctx/rootfs/leftover").write_text("from an earlier run")
     argv = ["--pins", str(pins), "--images", str(IMAGES), "context", "--image", IMAGE, "--pin", "v0.20.1",
             "--sm", str(SM), "--mirror", registry_plain.mirror, "--out", str(tmp_path / "ctx")]
-    capsys.readouterr()
-    assert commands.main(argv) == 2  # an existing context is replaced only when asked
-    assert "already holds a build context (use --force" in capsys.readouterr().err
+    code, _, err = run_kiln(*argv)
+    assert code == 2  # an existing context is replaced only when asked
+    assert "already holds a build context (use --force" in err
     assert (tmp_path / "ctx/rootfs/leftover").exists()
-    code = commands.main([*argv, "--force"])
-    out = " ".join(capsys.readouterr().out.split())
+    code, out, _ = run_kiln(*argv, "--force")
+    out = " ".join(out.split())
     assert code == 0
     assert f"podman build $(sed 's/^/--build-arg=/' {tmp_path / 'ctx'}/build-args)" in out
     assert f"{IMAGE}:{TAG} {tmp_path / 'ctx'}" in out
@@ -378,11 +377,10 @@ def test_context_for_a_platform_builds_on_that_platform_of_the_base(capsys, tmp_
     for platform in ("linux/amd64", "linux/arm64"):
         arch = platform.split("/")[1]
         context = tmp_path / f"ctx-{arch}"
-        capsys.readouterr()
-        code = commands.main(["--pins", str(pins), "--images", str(images), "context", "--out", str(context),
-                              "--image", IMAGE, "--pin", "v0.20.1", "--sm", "90", "--platform", platform,
-                              "--mirror", registry_plain.mirror, "--json"])
-        assert code == 0, capsys.readouterr().err
+        code, _, err = run_kiln("--pins", pins, "--images", images, "context", "--out", context,
+                                "--image", IMAGE, "--pin", "v0.20.1", "--sm", "90", "--platform", platform,
+                                "--mirror", registry_plain.mirror, "--json")
+        assert code == 0, err
         assert f"KILN_PLATFORM={platform}" in (context / "build-args").read_text().splitlines()
         assert json.loads((context / CONTEXT_MARKER).read_text())["platform"] == platform
         podman.ok("build", "--identity-label=false", *_build_args(context), "--target", "kiln-env-none",

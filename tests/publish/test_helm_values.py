@@ -11,8 +11,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from kiln import commands
 from kiln.publish.values import VALUES_SCHEMA
+from tests.support.kiln_process import run_kiln
 from tests.support.registry import VLLM_VERSION
 
 pytestmark = pytest.mark.registry
@@ -58,10 +58,7 @@ class Project:
         argv = ["--pins", str(pins or self.pins), "--images", str(self.root / "images"), command,
                 "--image", IMAGE, "--pin", "v0.20.1", "--sm", str(sm), "--mirror", self.registry.mirror,
                 "--repository", f"{self.registry.host}/{self.dest}", *extra]
-        capsys.readouterr()
-        code = commands.main(argv)
-        out = capsys.readouterr()
-        return code, out.out, out.err
+        return run_kiln(*argv)  # builds and pushes: a process of its own (tests/support/kiln_process.py)
 
 
 @pytest.fixture

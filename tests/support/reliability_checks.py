@@ -1,6 +1,9 @@
 """What every reliability test checks after a build, with tools independent of kiln's OCI code.
 
-    run_cli(argv) -> CliRun                 kiln's CLI in-process; stdout/stderr captured
+    run_cli(argv) -> CliRun                 kiln's CLI in-process; stdout/stderr captured (fast
+                                            command-line checks, a test that replaces a function)
+    run_build(argv) -> CliRun               the same in a process of its own (an end-to-end build:
+                                            tests/support/kiln_process.py says why)
     tag_state(host, repository, tag, creds=None) -> "absent" | "complete"
         skopeo: no manifest -> "absent"; otherwise ``skopeo copy`` of the whole image must
         succeed (every blob present and matching its digest) -> "complete"; else AssertionError
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln import commands
+from tests.support.kiln_process import run_kiln
 
 REF_NAME = "org.opencontainers.image.ref.name"
 
@@ -50,6 +54,10 @@ def run_cli(argv: list[str]) -> CliRun:
         except SystemExit as usage:  # argparse: a usage error exits 2
             code = usage.code
     return CliRun(code, out.getvalue(), err.getvalue())
+
+
+def run_build(argv: list[str]) -> CliRun:
+    return CliRun(*run_kiln(*argv))
 
 
 def tag_state(host: str, repository: str, tag: str, creds: str | None = None) -> str:

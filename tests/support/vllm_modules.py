@@ -244,7 +244,13 @@ def _run_in_child(call: dict) -> None:
 
     from packaging.version import Version
 
+    from kiln.schema import skip_format_grammars
     from kiln.source.wheel import WheelSource
+
+    # The child is the test's process alone, as build.py's is kiln's: jsonschema (which
+    # tests.conftest's pins load imports) without the format grammars no test here checks
+    # (kiln/schema.py; compiling them took most of a child's ~5 s start).
+    skip_format_grammars()
     from tests.conftest import SOURCES
 
     kwargs = dict(call["kwargs"])

@@ -149,6 +149,7 @@ def test_shared_directory_wins_over_the_cache(tmp_path, monkeypatch):
     assert tc.toolchains_dir(tmp_path / "cache") == tmp_path / "cache/triton/toolchains"
 
 
+@pytest.mark.network  # PyPI answers that it has no such wheel
 def test_a_version_the_index_lacks_is_named(tmp_path, monkeypatch):
     monkeypatch.delenv("KILN_TRITON_TOOLCHAINS", raising=False)
     with pytest.raises(KilnError, match=r"img: no triton==0\.0\.1 wheel for this Python"):
