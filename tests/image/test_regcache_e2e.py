@@ -107,7 +107,7 @@ def test_second_runner_reads_the_entry_and_no_vllm_layer(project, capsys, tmp_pa
                                                           base_layout):
     registry = project.registry
     cache_repo, first = written_by_a_first_runner(project, capsys, tmp_path, monkeypatch)
-    assert patch_runs == [1] and first["cache"]["hit"] is None and len(first["cache"]["written"]) == 2
+    assert patch_runs == [1] and first["cache"]["hit"] is None and len(first["cache"]["written"]) == 3  # patched twice (layers, source), catalogue
     assert [e["kind"] for e in first["cache"]["entries"]] == [PATCHED, CATALOGUE]  # no kernels
     facts = _entry(registry, f"{project.dest}-cache", _key(first, CATALOGUE), CATALOGUE)
     assert facts["artifactType"] == ARTIFACT_TYPES[CATALOGUE] and facts["layers"] == []
