@@ -2,7 +2,7 @@
 
 Public API:
     PATCHED, KERNELS, CATALOGUE      the entry kinds; ARTIFACT_TYPES: kind -> artifactType
-    entry_tag(kind, key) -> str      ``kiln-cache-<kind>-v2-<key>`` (the toolchain's: ``-v1-``)
+    entry_tag(kind, key) -> str      ``kiln-cache-<kind>-v2-<key>`` (patched: ``-v3-``; the toolchain's: ``-v1-``)
     canonical(value) -> bytes        the JSON a key hashes and a record is written as
     vllm_layers(layers, count, to_bottom=False) -> dict   the top ``count`` layers, as the walk reads them
     walk_read(layers, layers_read) -> dict                 the same, of a walk that has read ``layers_read``

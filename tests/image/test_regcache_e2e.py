@@ -56,6 +56,17 @@ def _entry(registry, repository: str, key: str, kind: str = PATCHED) -> dict:
     return resp.json()
 
 
+def without_source_entry(registry, repository: str, result: dict) -> None:
+    """The build's patched entry left under the key a probe finds it by only: its copy under its
+    source's key (``cachekeys.source_key``) deleted, so that what a test does to the first is all
+    a reader finds (a reader that refuses it would otherwise find the copy, rightly)."""
+    [source_key] = [e["source_key"] for e in result["cache"]["entries"] if e["kind"] == PATCHED]
+    url = f"{registry.url}/v2/{repository}/manifests/"
+    head = requests.head(url + entry_tag(PATCHED, source_key), headers={"Accept": MANIFEST}, timeout=10)
+    assert head.status_code == 200, head.status_code
+    assert requests.delete(url + head.headers["Docker-Content-Digest"], timeout=10).status_code == 202
+
+
 def _blob(registry, repository: str, digest: str) -> bytes:
     resp = requests.get(f"{registry.url}/v2/{repository}/blobs/{digest}", timeout=10)
     assert resp.status_code == 200
@@ -100,6 +111,7 @@ def written_by_a_first_runner(project, capsys, tmp_path, monkeypatch) -> tuple[s
     code, first, err = project.build(capsys, "--push", "--repository", f"{project.registry.host}/{project.dest}-a",
                                      "--cache-to", cache_repo)
     assert code == 0, err
+    without_source_entry(project.registry, f"{project.dest}-cache", first)
     return cache_repo, first
 
 
@@ -156,6 +168,7 @@ def test_poisoned_entries_fall_back_to_building(project, capsys, tmp_path, monke
     _fresh_runner(monkeypatch, tmp_path, "writer")
     code, first, err = project.build(capsys, "--cache-to", f"{cache.host}/{repo}", "--insecure-registry", cache.host)
     assert code == 0, err
+    without_source_entry(cache, repo, first)
     key = _key(first)
     entry = _entry(cache, repo, key)
     record_bytes = _blob(cache, repo, entry["config"]["digest"])
@@ -358,12 +371,13 @@ def _base_variant(registry, repository: str, tag: str, bottom: bytes | None = No
     return registry.digest_of(f"{repository}:{tag}")
 
 
-def test_a_base_rebuilt_below_the_vllm_layers_hits_and_one_with_another_top_layer_misses(
+def test_a_base_rebuilt_below_the_vllm_layers_hits_and_one_with_another_top_layer_hits_by_source(
         project, capsys, tmp_path, monkeypatch, patch_runs, base_layout):
     """The patched entry is keyed by the layers the walk reads (the top two here: app and vllm),
     not the base: a base with a filler layer added at the bottom reads the entry (no vLLM layer,
     no patching) and gives the digest its build without cache gives; one whose top layer is
-    another misses."""
+    another misses the probe, reads its layers, and finds the entry by its source (the same vLLM
+    files): no patching."""
     registry = project.registry
     cache_repo, bases = f"{registry.host}/{project.dest}-cache", f"{project.dest}-bases"
     _fresh_runner(monkeypatch, tmp_path, "writer")
@@ -395,7 +409,9 @@ def test_a_base_rebuilt_below_the_vllm_layers_hits_and_one_with_another_top_laye
     log_mark = len(registry.log())
     code, miss, err = project.build(capsys, "--cache-from", cache_repo, pins=other_top)
     assert code == 0, err
-    assert miss["cache"]["hit"] is None and _key(miss) != _key(first) and patch_runs == [1, 1, 1]
+    source_tag = entry_tag(PATCHED, next(e["source_key"] for e in first["cache"]["entries"] if e["kind"] == PATCHED))
+    assert _key(miss) != _key(first) and patch_runs == [1, 1]
+    assert miss["cache"]["hit"] == [f"{cache_repo}:{source_tag}"]
     # the probe's cost on a miss: the catalogue's facts (its manifest and record: the same
     # catalogue), then one HEAD per depth of the base's 5 layers, and one for all 5 read to the
     # bottom, nothing else of the cache
@@ -404,7 +420,11 @@ def test_a_base_rebuilt_below_the_vllm_layers_hits_and_one_with_another_top_laye
     assert [method for method, path in requests_sent[:2]] == ["HEAD", "GET"], requests_sent
     assert all(path == f"manifests/{facts_tag}" for _, path in requests_sent[:2]), requests_sent
     assert requests_sent[2][0] == "GET" and requests_sent[2][1].startswith("blobs/sha256:"), requests_sent
-    probes = requests_sent[3:]
-    assert len(probes) == 6, requests_sent
-    assert all(method == "HEAD" and path.startswith("manifests/kiln-cache-patched-v2-")
+    probes = requests_sent[3:9]
+    assert all(method == "HEAD" and path.startswith("manifests/kiln-cache-patched-v3-")
                for method, path in probes), requests_sent
+    assert f"manifests/{source_tag}" not in [path for _, path in probes]  # unknown before the layers are read
+    # then, the layers read, the entry by its source: its manifest, record and layer, nothing else
+    assert [path for _, path in requests_sent[9:]][:1] == [f"manifests/{source_tag}"], requests_sent
+    assert all(path == f"manifests/{source_tag}" or path.startswith("blobs/sha256:")
+               for _, path in requests_sent[9:]), requests_sent
