@@ -164,12 +164,11 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
                   keep_wheels: Path | None = None, shared: dict | None = None) -> PreparedBuild:
     """Resolve and check the base, read its pristine vLLM, patch it, and decide kiln's layers.
 
-    ``budget``: the command's limits (its deadline already running); a new one when None.
-    ``cache_from``: registry build caches (``ImageReference`` without tag) tried in order;
+    ``budget``: the command's limits (its deadline running; None: a new one); ``cache_from``:
+    registry build caches (``ImageReference`` without tag) tried in order;
     ``open_record``: how an entry's record is opened (and its signature checked: the pipeline's);
     ``keep_wheels``: where a Triton wheel fetched from the index is kept (for ``--cache-to``);
-    ``shared``: the patch runs of the tag's platforms built before this one, by source key (one
-    whose source is this one's is reused: the platforms of a tag patch once)."""
+    ``shared``: the patch runs of the tag's platforms before this one (``patch_source``)."""
     definition, sm, kernels = inputs.definition, inputs.sm, inputs.definition.model.kernels
     config = registry_config or RegistryConfig.load()
     cache = cache or cache_root()
@@ -180,8 +179,7 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     base_ref, resolved, source, base = resolve_base(inputs, config, cache, stats, reporter, budget, allow_unlocked)
     clock.lap("resolve")
 
-    # 2. what the registry build cache holds; the pristine vLLM, from the top layers of the base
-    # only, read when an entry missed
+    # 2. what the registry build cache holds; the pristine vLLM (top layers only) when an entry missed
     def pull() -> ImageVllm:
         found = source.pull()
         check_base_triton(sm, found, inputs.pin)
@@ -220,8 +218,7 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
         cached.patched.fields = {
             "vllm_version": patching.vllm_version, "site_dir": patching.site_dir,
             "outcomes": [o.to_json() for o in patching.outcomes.values()], "applied": patching.applied,
-            "before": patching.before, "platform": base_platform(base.config()),
-            "source": cached.patched.source[1]["source"],
+            "before": patching.before, "platform": base_platform(base.config()), "source": cached.patched.source[1]["source"],
             "modules": {p["id"]: p["sha256"] for p in cached.patched.inputs["patches"]}}
         cached.patched.contents = [patching.layer]
 
