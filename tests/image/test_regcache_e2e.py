@@ -180,7 +180,7 @@ def test_poisoned_entries_fall_back_to_building(project, capsys, tmp_path, monke
         code, again, err = project.build(capsys, *where)
         assert code == 0, err
         assert again["cache"]["hit"] is None and len(patch_runs) == runs + 1, f"{name}: not built"
-        assert again["manifest_digest"] == first["manifest_digest"], name
+        assert again["manifest_digest"] == first["manifest_digest"], (name, again["warnings"], again["cache"])
         assert any("build cache entry" in w and refused in w for w in again["warnings"]), (name, again["warnings"])
 
     # 1. the layer's bytes are not its digest (same length: only the hash can tell)
@@ -249,7 +249,9 @@ def test_cache_key_takes_only_entries_its_key_signed(project, capsys, tmp_path, 
     assert any("no signature verifies" in w for w in stranger["warnings"]), stranger["warnings"]
     signed = read("signed", signer_pub)
     assert signed["cache"]["hit"] and len(patch_runs) == runs + 1  # a hit: nothing patched
-    # the same record, unsigned, under the key: refused by a reader that wants signatures
+    # the same record, unsigned, under the key: refused by a reader that wants signatures (and
+    # the signed copy under its source's key gone: else that one is rightly found)
+    without_source_entry(registry, repo, first)
     envelope = json.loads(_blob(registry, repo, entry["config"]["digest"]))
     plain = _put_blob(registry, repo, base64.b64decode(envelope["payload"]))
     _put_entry(registry, repo, entry_tag(PATCHED, _key(first)),
@@ -306,7 +308,7 @@ SITE = "usr/lib/python3/site-packages"
 @pytest.mark.parametrize(("kind", "field", "value"), [
     (KERNELS, "env", ["TRITON_CACHE_DIR"]), (PATCHED, "outcomes", [{"patch": "P65"}]),
     (PATCHED, "before", {"other.py": "0" * 64}), (PATCHED, "applied", [65]),
-    (PATCHED, "modules", ["P65"]), (PATCHED, "platform", "linux/amd64"),
+    (PATCHED, "modules", ["P65"]), (PATCHED, "platform", "linux/amd64"), (PATCHED, "source", "pristine"),
     (PATCHED, "site_dir", "usr/lib/python3.12/site-packages")])  # its layer's files are not under it
 def test_a_record_of_the_wrong_shape_is_a_miss(registry_plain, tmp_path, kind, field, value):
     key, key_inputs = "cd" * 32, {"format": ARTIFACT_TYPES[kind], "test": tmp_path.name}
@@ -317,7 +319,9 @@ def test_a_record_of_the_wrong_shape_is_a_miss(registry_plain, tmp_path, kind, f
     fields = {PATCHED: {"vllm_version": "0.20.1", "site_dir": SITE,
                         "outcomes": [{"patch": "P65", "verdict": "APPLIES"}], "applied": ["P65"],
                         "before": {"envs.py": "1" * 64}, "modules": {"P65": "2" * 64},
-                        "platform": {"os": "linux", "architecture": "amd64", "variant": None}},
+                        "platform": {"os": "linux", "architecture": "amd64", "variant": None},
+                        "source": {"site_dir": SITE, "python": "3" * 64, "bytecode": "4" * 64,
+                                   "files": {"envs.py": "1" * 64}}},
               KERNELS: {"env": {"TRITON_CACHE_DIR": "/opt/kiln/triton-cache"}, "triton": {"sm": 120}}}[kind]
     record = {"kind": kind, "key": key, "inputs": key_inputs, **fields,
               "layers": [{"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size,
