@@ -33,7 +33,7 @@ def files(tmp_path, registry_plain):
     images = tmp_path / "images"
     shutil.copytree(TEST_IMAGES, images)
     definition = images / "e2e-triton.toml"
-    definition.write_text(definition.read_text().replace("sms = [86, 120]", "sms = [86, 90, 120]"))
+    definition.write_text(definition.read_text().replace("sms = [86, 120]", "sms = [86, 90, 121]"))
     pins = tmp_path / "pins.toml"
     pins.write_text(f'[pins."v0.20.1"]\nrole = "current"\nimage = "docker.io/{BASE}"\nvllm = "{VLLM_VERSION}"\n'
                     f'cuda = "cu130"\ndigest = "{registry_plain.digest_of(BASE)}"\n')
@@ -115,7 +115,16 @@ def test_a_pins_matrix_patches_once_and_keys_each_platforms_kernels_apart(
     assert layers["linux/amd64"] == layers["linux/arm64"]  # one patched-source layer on both
     assert len({e["key"] for e in entries if e["kind"] == CATALOGUE}) == 1
 
-    # 3. the same tag on a third runner: every entry hits, nothing is pulled, patched or compiled,
+    # 3. sm_121 ships on linux/arm64 alone: the patched entry sm_90's arm64 half wrote under its
+    # layers' key is found by the probe (nothing pulled before it); only its kernels compile
+    spark = build("four", 121, "--cache-from", *where)
+    assert list(spark["platforms"]) == ["linux/arm64"]
+    [spark_patched] = [e for e in spark["cache"]["entries"] if e["kind"] == PATCHED]
+    assert spark_patched["key"] == arm_patched["key"], spark["warnings"]
+    assert spark_patched["hit"] == f"{cache.host}/kiln-cache:{entry_tag(PATCHED, arm_patched['key'])}"
+    assert work["patched"] == [] and work["compiled"] == [("linux/arm64", 121)]
+
+    # 4. the sm_90 tag on another runner: every entry hits, nothing is pulled, patched or compiled,
     # and the index is the one built from nothing
     third = build("three", 90, "--cache-from", *where)
     assert work == {"compiled": [], "patched": [], "pulled": []}
