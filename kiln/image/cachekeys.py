@@ -164,16 +164,20 @@ def patched_key(inputs: BuildInputs, walk: dict, need_triton: bool) -> tuple[str
 
 def source_identity(tree, site_dir: str, vllm_files, targets) -> dict:
     """What the patching reads of a base and what its layer is made for: the site dir, a digest of
-    every ``.py`` file of vLLM (path and sha256: a patch may read any module), a digest of the
+    every ``.py`` file of vLLM the walk saw (``vllm_files``, vllm-relative; path and sha256: a
+    patch may read any module), a digest of the
     bytecode names the whiteouts are made for, and each of ``targets`` (vllm-relative) by
     sha256 (None: absent), which a hit's recorded pristine hashes are checked against."""
     python = hashlib.sha256()
-    for rel in tree.python_files():
-        python.update(f"{rel}\0{hashlib.sha256(tree.file(rel).read_bytes()).hexdigest()}\n".encode())
+    for rel in sorted(f for f in vllm_files if f.endswith(".py")):  # the walk's list: no directory scan
+        python.update(f"{rel}\0{_file_sha256(tree, rel)}\n".encode())
     bytecode = hashlib.sha256("\n".join(sorted(f for f in vllm_files if f.endswith(".pyc"))).encode())
-    files = {rel: hashlib.sha256(tree.file(rel).read_bytes()).hexdigest() if tree.exists(rel) else None
-             for rel in sorted(targets)}
+    files = {rel: _file_sha256(tree, rel) for rel in sorted(targets)}
     return {"site_dir": site_dir, "python": python.hexdigest(), "bytecode": bytecode.hexdigest(), "files": files}
+
+
+def _file_sha256(tree, rel: str) -> str | None:
+    return hashlib.sha256(tree.file(rel).read_bytes()).hexdigest() if tree.exists(rel) else None
 
 
 def source_key(inputs: BuildInputs, source: dict) -> tuple[str, dict]:
