@@ -136,8 +136,9 @@ def test_shipped_definition_builds_bit_reproducibly(tmp_path, registry_plain, im
     assert one["config_digest"] == two["config_digest"]
     assert one["manifest_digest"] == two["manifest_digest"]
     # each platform's kernels keyed for its own Triton (sm_90: two libtriton.so, two keys)
-    keyed = {p: part["triton"]["keyed_for_libtriton_sha256"] for p, part in one["platforms"].items()}
+    keyed = {p: part["triton"]["libtriton_sha256"] for p, part in one["platforms"].items()}
     assert len(set(keyed.values())) == len(platforms), keyed
+    assert all(part["triton"]["keyed_for_image"] for part in one["platforms"].values())
     # what the registry holds under the tag, read by skopeo: exactly the SM's platforms (sm_121:
     # one arm64 image), at the digest both builds reported
     for run in ("one", "two"):
