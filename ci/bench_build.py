@@ -11,6 +11,9 @@ One run, ``--reps`` interleaved repetitions (each: baseline, cold, warm, edited,
   * verify: ``build.py verify --pin v0.20.1`` with its verdicts memoised, <= 1 s;
 and once: the first-ever build (no toolchain yet: it fetches the Triton wheel), and inflating
 the cached vLLM layer with zlib, isal, zlib-ng and rapidgzip (those installed).
+With ``--platforms`` (issue 35), the base gets an arm64 half, and each repetition also times the
+shipped multi-platform image: one tag with all its platforms, and the pin's whole matrix from
+cold local caches (``ci/bench_matrix.py``).
 With ``--registry-cache`` (issue 24), each repetition also runs:
   * cache-cold: ``cold`` with ``--cache-to`` an empty registry build cache, no slower than cold;
   * cache-hit: a second machine (an empty kiln cache and no Triton toolchain) with
@@ -23,7 +26,7 @@ file, and Triton 3.6.0's dist-info) | app. The build pushes to another repositor
 registry (one per repetition). Everything lives in one temporary directory, removed at the end.
 The machine's load average is recorded before and after every repetition.
 
-    .venv/bin/python ci/bench_build.py [--filler-gib 1.25] [--fillers 2] [--reps 3] [--section build]
+    .venv/bin/python ci/bench_build.py [--filler-gib 1.25] [--fillers 2] [--reps 3] [--platforms] [--section build]
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import zipfile
 from pathlib import Path
 
 import httpread
+from bench_matrix import add_arm64_half, matrix_runs, section
 from benchlib import REPO, Measured, machine, measured, write_section
 from inflate import inflate_rates
 from registry_host import (  # ci/registry_host.py: the registry process and wheel the registry tests use too
@@ -87,13 +91,16 @@ def _filler_tar(path: Path, member: str, size: int, seed: int) -> Path:
     return path
 
 
-def build_base(work: Path, wheel: Path, filler_bytes: int, fillers: int) -> dict[str, tuple[str, int]]:
-    """The OCI layout ``work/layout:base``; returns role -> (layer digest, compressed size)."""
+def build_base(work: Path, wheel: Path, filler_bytes: int, fillers: int, name: str = "base", arch: str = "amd64",
+               record: Path = TRITON_CP312_RECORD, seed: int = 0) -> dict[str, tuple[str, int]]:
+    """The OCI layout ``work/layout:<name>`` (``arch``'s half of a base, its Triton dist-info's
+    RECORD ``record``, its fillers seeded from ``seed``); returns role -> (layer digest, compressed size)."""
     layout, trees = work / "layout", work / "trees"
-    image = f"{layout}:base"
-    run("umoci", "init", "--layout", layout)
+    image = f"{layout}:{name}"
+    if not layout.is_dir():
+        run("umoci", "init", "--layout", layout)
     run("umoci", "new", "--image", image)
-    run("umoci", "config", "--image", image, "--architecture", "amd64", "--os", "linux",
+    run("umoci", "config", "--image", image, "--architecture", arch, "--os", "linux",
         "--config.cmd", "/bin/sh", "--config.env", "CUDA_VERSION=13.0.1")
     roles: list[str] = []
 
@@ -110,7 +117,7 @@ def build_base(work: Path, wheel: Path, filler_bytes: int, fillers: int) -> dict
     filler_paths = ["usr/local/cuda/lib64/libcublasLt.so.13", f"{SITE}/torch/lib/libtorch_cuda.so"]
     for i in range(fillers):
         member = filler_paths[i] if i < len(filler_paths) else f"opt/filler/lib{i}.so"
-        add(f"filler-{i + 1}", _filler_tar(work / f"filler-{i}.tar", member, filler_bytes, seed=i))
+        add(f"filler-{i + 1}", _filler_tar(work / f"filler-{i}.tar", member, filler_bytes, seed=seed + i))
     site = trees / "vllm" / SITE
     site.mkdir(parents=True)
     with zipfile.ZipFile(wheel) as archive:  # every file, as `pip install` lays the wheel out
@@ -118,7 +125,7 @@ def build_base(work: Path, wheel: Path, filler_bytes: int, fillers: int) -> dict
     dist = site / f"triton-{TRITON}.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: triton\nVersion: {TRITON}\n")
-    shutil.copyfile(TRITON_CP312_RECORD, dist / "RECORD")  # the image's Python's wheel, as vLLM installs it
+    shutil.copyfile(record, dist / "RECORD")  # the image's Python's wheel, as vLLM installs it
     add("vllm", _tar(trees / "vllm", work / "vllm.tar"))
     app = trees / "app" / "usr/local/bin"
     app.mkdir(parents=True)
@@ -127,7 +134,7 @@ def build_base(work: Path, wheel: Path, filler_bytes: int, fillers: int) -> dict
     shutil.rmtree(trees)
     run("umoci", "gc", "--layout", layout)
     index = json.loads((layout / "index.json").read_text())
-    [entry] = [m for m in index["manifests"] if m["annotations"]["org.opencontainers.image.ref.name"] == "base"]
+    [entry] = [m for m in index["manifests"] if m["annotations"]["org.opencontainers.image.ref.name"] == name]
     manifest = json.loads((layout / "blobs/sha256" / entry["digest"].split(":")[1]).read_bytes())
     return {role: (layer["digest"], layer["size"]) for role, layer in zip(roles, manifest["layers"], strict=True)}
 
@@ -161,6 +168,9 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the section, do not write BENCHMARKS.md")
     parser.add_argument("--registry-cache", action="store_true",
                         help="also time --cache-to into an empty registry cache and a second machine's --cache-from hit")
+    parser.add_argument("--platforms", action="store_true",
+                        help="also time a two-platform base: one tag with all its platforms, and a whole pin's "
+                             "matrix from cold local caches (ci/bench_matrix.py)")
     args = parser.parse_args()
     missing = missing_tools()
     if missing:
@@ -179,6 +189,9 @@ def main() -> None:
         layers = build_base(work, wheel, int(args.filler_gib * 2**30), args.fillers)
         server = start_registry_server(work / "registry")
         server.push(f"oci:{work / 'layout'}:base", f"{BASE_REPO}:{PIN}")
+        if args.platforms:  # the same base, and an arm64 half beside it, as one index
+            add_arm64_half(work, wheel, int(args.filler_gib * 2**30), args.fillers, build_base)
+            server.push(f"oci:{work / 'layout'}:multi", f"{BASE_REPO}:{PIN}-multi", "--all")
         shutil.rmtree(work / "layout")
         print(f"base ready in {time.perf_counter() - started:.0f} s", flush=True)
         base_bytes = sum(size for _, size in layers.values())
@@ -236,6 +249,7 @@ def main() -> None:
             if rep == 1:
                 vllm_blob = work / cache / "blobs" / "sha256" / layers["vllm"][0].split(":")[1]
                 inflate = inflate_rates(vllm_blob)
+        matrix = matrix_runs(work, server, kiln, env, common, args.reps) if args.platforms else None
         cold_json = runs["cold"][0][1]
         answer, pushed_manifest = httpread.get_json(
             f"{server.url}/v2/bench/kiln-out-1/manifests/{cold_json['manifest_digest']}",
@@ -249,7 +263,8 @@ def main() -> None:
             server.stop()
         shutil.rmtree(work, ignore_errors=True)
     loads.append(f"end {load()}")
-    write(args, layers, base_bytes, must_read, baseline_bytes, first, first_json, runs, inflate, expected_push, loads)
+    write(args, layers, base_bytes, must_read, baseline_bytes, first, first_json, runs, inflate, expected_push, loads,
+          matrix)
 
 
 def registry_cache_runs(work: Path, rep: int, build, env, server, runs: dict, layers: dict) -> None:
@@ -277,7 +292,7 @@ def med(values) -> float:
 
 
 def write(args, layers, base_bytes, must_read, baseline_bytes, first, first_json, runs, inflate, expected_push,
-          loads) -> None:
+          loads, matrix=None) -> None:
     baseline = med(m.wall for m in runs["baseline"])
     wall = {name: med(m.wall for m, _ in runs[name]) for name in ("cold", "warm", "edited", "cache_cold", "cache_hit")
             if runs[name]}
@@ -373,7 +388,8 @@ cache from its entry, and the push finds every blob present. Edited: only P65's 
 The baseline only pulls: a real `docker build` would also unpack every layer and push.
 Peak RSS is each process's own maximum resident set (`wait4`).
 
-Reproduce: `.venv/bin/pip install zlib-ng rapidgzip; .venv/bin/python ci/bench_build.py --filler-gib {args.filler_gib:g} --fillers {args.fillers} --reps {args.reps}{" --registry-cache" if cache_rows else ""} --section {args.section}`
+{section(matrix, verdict) if matrix else ""}
+Reproduce: `.venv/bin/pip install zlib-ng rapidgzip; .venv/bin/python ci/bench_build.py --filler-gib {args.filler_gib:g} --fillers {args.fillers} --reps {args.reps}{" --registry-cache" if cache_rows else ""}{" --platforms" if matrix else ""} --section {args.section}`
 (needs `docker-registry skopeo umoci busybox-static`; about {3 * base_bytes / 2**30:.1f} GiB of temporary disk at its peak).
 """
     if args.dry_run:

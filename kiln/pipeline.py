@@ -127,19 +127,21 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
     work_root = cache / "build"
     work_root.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(dir=work_root, prefix=".tmp-"))
+    shared: dict = {}  # source key -> (platform, its patch run): a tag's platforms of one source patch once
     try:
         images = [_bake_platform(replace(inputs, platform=platform), config, allow_unlocked, cache, reporter, budget,
                                  leave_out_unusable_kernels, cache_from, cache_key, sign_key, cache_to,
-                                 workdir / platform.replace("/", "-"), warm, warm_from_cache)
+                                 workdir / platform.replace("/", "-"), warm, warm_from_cache, shared)
                   for platform in (platforms or (inputs.platform,))]
         image = images[0] if len(images) == 1 else BuiltIndex(images)
         clock = images[0].prepared.clock
         written = publish(image, publishers, budget)
         push = next((p for p in publishers if isinstance(p, RegistryPublisher)), None)
         clock.lap("publish", push.report.bytes_uploaded if push else 0)
+        done: set = set()  # (kind, key) already written: the platforms' shared patched entry once
         written_to = [entry for part in images for entry in _write_cache(
             part.prepared, part, cache_to, config, budget, reporter,
-            workdir / f"cache-{part.prepared.inputs.platform.replace('/', '-')}", sign_key)]
+            workdir / f"cache-{part.prepared.inputs.platform.replace('/', '-')}", sign_key, done)]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     values = next((p.values(image) for p in publishers if isinstance(p, ValuesPublisher)), {})
@@ -150,13 +152,14 @@ def run_build(inputs: BuildInputs, publishers: list[Publisher], repository: str,
 def _bake_platform(inputs: BuildInputs, config: RegistryConfig, allow_unlocked: bool, cache: Path,
                    reporter: Reporter, budget: Budget, leave_out_unusable_kernels: bool, cache_from, cache_key,
                    sign_key: SigningKey | None, cache_to, workdir: Path, warm: Path | None = None,
-                   warm_from_cache: bool = False):
-    """One platform's image: prepared on its own manifest of the base, baked, attested."""
+                   warm_from_cache: bool = False, shared: dict | None = None):
+    """One platform's image: prepared on its own manifest of the base (``shared``: the patch runs
+    of the platforms before it), baked, attested."""
     workdir.mkdir(parents=True)
     prepared = prepare_build(inputs, config, allow_unlocked, cache, reporter, budget,
                              leave_out_unusable_kernels=leave_out_unusable_kernels, cache_from=cache_from,
                              open_record=record_opener(cache_key),
-                             keep_wheels=workdir / "wheels" if cache_to else None)
+                             keep_wheels=workdir / "wheels" if cache_to else None, shared=shared)
     if warm is not None:  # the warm bundle's key against this build's inputs, then its layer
         prepared = with_warm(prepared, warm)
     elif warm_from_cache:  # the registry build cache's entry of this build's warm key, if one verifies
@@ -235,22 +238,30 @@ def record_opener(public_key=None):
 
 
 def _write_cache(prepared, image, cache_to, config: RegistryConfig, budget: Budget, reporter: Reporter,
-                 workdir: Path, sign_key: SigningKey | None = None) -> list[str]:
-    """The build's entries (``prepared.cache``) into every ``cache_to``; what was written."""
+                 workdir: Path, sign_key: SigningKey | None = None, done: set | None = None) -> list[str]:
+    """The build's entries (``prepared.cache``; a patched one also under its source key) into every
+    ``cache_to``, but those in ``done`` (added to it); what was written."""
     if not cache_to:
         return []
+    done = set() if done is None else done
     entries = []
-    for use in (use for use in prepared.cache if use.writable):  # an image layer's blob is that layer's
+    for use in prepared.cache:  # an image layer's blob is that layer's
+        keys = [(use.key, use.inputs)] if use.writable else []
+        keys += [use.source] if use.source is not None else []
+        if not (keys := [(key, inputs) for key, inputs in keys if (use.kind, key) not in done]):
+            continue
+        done.update((use.kind, key) for key, _ in keys)
         baked = {id(contents): layer for contents, layer in zip(prepared.layers, image.layers, strict=True)}
         layers = [baked.get(id(contents)) or write_layer(contents, workdir / use.kind) for contents in use.contents]
-        entries.append((use, entry_record(use, layers), layers))
+        record = entry_record(use, layers)
+        entries += [(use, key, {**record, "key": key, "inputs": inputs}, layers) for key, inputs in keys]
     seal = (lambda data: envelope(data, sign_key, RECORD_MEDIA_TYPE)) if sign_key else None
     written = []
     for location in cache_to:
         client = RegistryClient(config.endpoint(location.registry, push=True), budget=budget)
-        for use, record, layers in entries:
+        for use, key, record, layers in entries:
             try:
-                digest = write_entry(client, location.repository, use.kind, use.key, record, layers, seal=seal)
+                digest = write_entry(client, location.repository, use.kind, key, record, layers, seal=seal)
             except KilnError as err:
                 reporter.warn(f"build cache {location.name}: {use.kind} entry not written: {err}")
                 continue

@@ -22,6 +22,7 @@ import pytest
 import requests
 
 from kiln import paths
+from kiln.image.cachekeys import entry_tag
 from kiln.publish.values import VALUES_SCHEMA
 from kiln.publish.vllm_stack import VLLM_STACK_SCHEMA
 
@@ -108,13 +109,15 @@ def test_the_workflow_goes_green_on_a_clean_clone(tmp_path, start_registry, regi
         "linux/amd64", "linux/arm64"] == list(built["platforms"])
     # the matrix's shared build cache: read (a miss on a fresh registry), then written beside the images
     assert built["cache"]["hit"] is None
-    written = []
-    for cached in built["cache"]["entries"]:  # the patched entry (and one kernel entry per SM, if kernels)
-        entry = requests.get(f"{registry_basic.url}/v2/ci/kiln-cache/manifests/{cached['tag']}",
+    written, tags = [], []
+    for cached in built["cache"]["entries"]:  # each platform's patched entry (and kernel entry, if kernels)
+        tags += [cached["tag"]] + ([entry_tag(cached["kind"], cached["source_key"])] if "source_key" in cached else [])
+    for tag in dict.fromkeys(tags):  # under its layers' key and its source's, which the platforms share: once
+        entry = requests.get(f"{registry_basic.url}/v2/ci/kiln-cache/manifests/{tag}",
                              auth=("testuser", "testpass"),
                              headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}, timeout=30)
         assert entry.status_code == 200, entry.text
-        assert entry.json()["artifactType"] == f"application/vnd.kiln.cache.{cached['kind']}.v1"
+        assert entry.json()["artifactType"] == f"application/vnd.kiln.cache.{tag.split('-')[2]}.v1"
         written.append(f"{registry_basic.host}/ci/kiln-cache@{entry.headers['Docker-Content-Digest']}")
     assert "patched" in [e["kind"] for e in built["cache"]["entries"]] and built["cache"]["written"] == written
     values = json.loads((out / "values-ci-fixture-cu130-sm90-v0.20.1.json").read_text())

@@ -2,12 +2,14 @@
 
 Public API:
     PATCHED, KERNELS, CATALOGUE, WARM   the entry kinds; ARTIFACT_TYPES: kind -> artifactType
-    entry_tag(kind, key) -> str      ``kiln-cache-<kind>-v2-<key>`` (the toolchain's: ``-v1-``)
+    entry_tag(kind, key) -> str      ``kiln-cache-<kind>-v2-<key>`` (patched: ``-v3-``; the toolchain's: ``-v1-``)
     canonical(value) -> bytes        the JSON a key hashes and a record is written as
     vllm_layers(layers, count, to_bottom=False) -> dict   the top ``count`` layers, as the walk reads them
     walk_read(layers, layers_read) -> dict                 the same, of a walk that has read ``layers_read``
     probe_walks(layers, depth) -> list[dict]               what a hit may have been keyed by, shallowest first
-    patched_key(inputs, walk, need_triton) -> (hex key, the inputs it hashes)
+    patched_key(inputs, walk, need_triton) -> (hex key, the inputs it hashes)   probed before any layer is read
+    source_identity(tree, site_dir, vllm_files, targets) -> dict   what the patching reads of a base
+    source_key(inputs, source) -> (hex key, inputs)  the same entry by its pristine files: shared across platforms
     kernels_key(inputs, layers_read, base_env, leave_out_unusable_kernels=False) -> (hex key, inputs)
     catalogue_key(patchsets) -> (hex key, inputs)
 
@@ -34,8 +36,17 @@ build's own.
   gated: the only use the engine makes of the SM and the model preset). No image name, tag,
   SM or baked file: each build assembles its image's patched-source layer (baked files, audit
   file) from the entry, so images on one base and selection share it, whatever their SMs.
-Both the ``patched`` and ``kernels`` keys name the build's platform (``linux/arm64``): an index's
-platforms may share their vLLM layers' blobs, and a kernel layer is keyed for its platform's Triton.
+  It names the build's platform (``linux/arm64``): an index's platforms may share their vLLM
+  layers' blobs, and the key is what a build probes for before it reads any of them.
+* ``patched`` by source (``source_key``): the same entry written again under the key of what the
+  patching depends on, the pristine files and the patch modules: the vLLM version, the
+  selection, the target's decisions, and ``source_identity`` (the site dir, every ``.py`` file
+  of vLLM by sha256, the bytecode files the whiteouts are made for, each targeted file's
+  sha256). No layer digest and no platform: vLLM's x86_64 and aarch64 wheels carry
+  byte-identical ``.py`` files (``tests/source/test_platform_wheels.py``), so every platform of
+  a pin, and every SM, shares it. It is known only once the walk has read the layers: a build
+  whose probe missed reads its base, then asks for it before it patches. (The key changed with
+  this: entries written before are not found.)
 
 * ``kernels``: one SM's kernel layer. The vLLM layers read (they hold Triton's dist-info, hence
   its version and RECORD, the toolchain wheel and the image's Python, and the pristine kernel
@@ -152,6 +163,30 @@ def patched_key(inputs: BuildInputs, walk: dict, need_triton: bool) -> tuple[str
                             **_selection(inputs)})
 
 
+def source_identity(tree, site_dir: str, vllm_files, targets) -> dict:
+    """What the patching reads of a base and what its layer is made for: the site dir, a digest of
+    every ``.py`` file of vLLM the walk saw (``vllm_files``, vllm-relative; path and sha256: a
+    patch may read any module), a digest of the
+    bytecode names the whiteouts are made for, and each of ``targets`` (vllm-relative) by
+    sha256 (None: absent), which a hit's recorded pristine hashes are checked against."""
+    python = hashlib.sha256()
+    for rel in sorted(f for f in vllm_files if f.endswith(".py")):  # the walk's list: no directory scan
+        python.update(f"{rel}\0{_file_sha256(tree, rel)}\n".encode())
+    bytecode = hashlib.sha256("\n".join(sorted(f for f in vllm_files if f.endswith(".pyc"))).encode())
+    files = {rel: _file_sha256(tree, rel) for rel in sorted(targets)}
+    return {"site_dir": site_dir, "python": python.hexdigest(), "bytecode": bytecode.hexdigest(), "files": files}
+
+
+def _file_sha256(tree, rel: str) -> str | None:
+    return hashlib.sha256(tree.file(rel).read_bytes()).hexdigest() if tree.exists(rel) else None
+
+
+def source_key(inputs: BuildInputs, source: dict) -> tuple[str, dict]:
+    """The patched entry's key by what it depends on (``source_identity``, the selection, the
+    target's decisions): no layer, no platform, no SM."""
+    return _keyed(PATCHED, {"source": source, **_selection(inputs)})
+
+
 def kernels_key(inputs: BuildInputs, layers_read: list[dict], base_env: dict[str, str],
                 leave_out_unusable_kernels: bool = False) -> tuple[str, dict]:
     """One SM's kernel entry's key. ``layers_read``: the walk's (``vllm_layers(...)["layers"]``) of
@@ -173,7 +208,7 @@ def catalogue_key(patchsets: Path) -> tuple[str, dict]:
     return _keyed(CATALOGUE, {"patchsets": source_files(patchsets)})
 
 
-_TAG_VERSIONS = {PATCHED: "v2", KERNELS: "v2"}  # v2: keyed by the vLLM layers, not the base
+_TAG_VERSIONS = {PATCHED: "v3", KERNELS: "v2"}  # v2: keyed by the vLLM layers; v3: a patched record names its source
 
 
 def entry_tag(kind: str, key: str) -> str:

@@ -26,7 +26,10 @@ deeper than ``PROBE_DEPTH`` layers is never probed that deep: its ``patched`` en
 written (its ``kernels`` entries still are: they are looked up after the walk).
 
 The ``kernels`` key is known once the layers read are: from the ``patched`` hit's key, or from
-the walk (the build pulls, then asks, before it compiles).
+the walk (the build pulls, then asks, before it compiles). So is the ``patched`` entry's other
+key, by the source the walk read (``cachekeys.source_key``): a probe that missed (another
+platform's layers, a rebuilt base) asks for it before it patches, so every platform and SM of
+a pin patches once.
 
 ``look_up_entries`` is the whole of "is it cached" for a build (``kiln.image.prepare`` is "how
 to build", as ko keeps its layer cache apart from its builder): it probes, and only when an
@@ -59,6 +62,8 @@ from kiln.image.cachekeys import (
     kernels_key,
     patched_key,
     probe_walks,
+    source_identity,
+    source_key,
     walk_read,
 )
 from kiln.image.inputs import BuildInputs
@@ -79,6 +84,7 @@ from kiln.oci.manifest import Descriptor
 from kiln.oci.registry import RegistryClient, TransferStats
 from kiln.patch.catalog import Catalogue, load_catalogue
 from kiln.patch.facts import catalogue_facts, facts_catalogue
+from kiln.patch.platforms import patched_files
 from kiln.report import SILENT, Reporter
 from kiln.source.image import ImageVllm, check_platform
 from kiln.triton.cachelayer import image_env
@@ -189,7 +195,9 @@ def look_up_entries(reader: CacheReader, inputs: BuildInputs, base: RemoteImage,
     ``base``: the resolved base (its manifest and config are read, none of its layers);
     ``pull``: the build's own read of the pristine vLLM, called only when an entry misses (to
     patch or compile with); ``lap``: the build's clock (a ``cache`` step each time it asks).
-    A ``patched`` entry is probed for before any layer is read; a ``catalogue`` hit stands in
+    A ``patched`` entry is probed for before any layer is read, and on a miss asked for by its
+    source once the walk has read it (``source_key``: another platform's or SM's patching of the
+    same files); a ``catalogue`` hit stands in
     for the catalogue only while nothing is patched (one whose facts are not the loaded
     catalogue's refuses every hit); a ``patched`` hit that says the walk stops elsewhere than
     it did is refused; the ``kernels`` entry is asked for once its key is known."""
@@ -206,6 +214,7 @@ def look_up_entries(reader: CacheReader, inputs: BuildInputs, base: RemoteImage,
         reader.budget.check_layers(base.name, len(base.layers()))
         if (found_hit := reader.patched(inputs, base.layers(), need_triton, base_platform(base.config()))) is not None:
             patched_use, patched_hit = found_hit
+            patched_use.source = source_key(inputs, patched_hit.record["source"])
             if kernels:  # the walk that wrote it read down to Triton: the same layers hold it
                 kernels_use = kernels_use_of(patched_use.inputs["vllm_layers"]["layers"])
                 kernels_hit = reader.read(kernels_use)
@@ -227,9 +236,21 @@ def look_up_entries(reader: CacheReader, inputs: BuildInputs, base: RemoteImage,
                           f"walk stops after the top {len(patched_use.inputs['vllm_layers']['layers'])} layers; "
                           f"it read {len(walk['layers'])}")
             patched_use = patched_hit = kernels_use = None
+        targets = patched_files(inputs.catalogue, inputs.definition.patches)
+        source = source_identity(found.tree, found.site_dir, found.vllm_files, targets)
+        if patched_hit is not None and patched_hit.record["source"] != source:
+            reporter.warn(f"build cache entry {patched_use.hit} refused, building without it: the source "
+                          "its record names is not the one the walk read")
+            patched_use = patched_hit = None
         if patched_use is None:
             patched_use = CacheUse(PATCHED, *patched_key(inputs, walk, need_triton))
             patched_use.writable = len(walk["layers"]) <= PROBE_DEPTH  # deeper: no probe would find it
+        patched_use.source = source_key(inputs, source)
+        if patched_hit is None and reader.locations:  # the entry of the same source, any platform's or base's
+            by_source = CacheUse(PATCHED, *patched_use.source)
+            patched_hit = reader.read(by_source, patched_agrees(by_source.inputs, base_platform(base.config())))
+            patched_use.hit, patched_use.location = by_source.hit, by_source.location
+            lap("cache")
         if kernels and kernels_use is None:
             kernels_use = kernels_use_of(walk["layers"])
             if reader.locations:

@@ -4,7 +4,7 @@ Public API:
     PreparedBuild      the resolved base, the verdicts, kiln's layers (``LayerContents``), labels
     prepare_build(inputs, registry_config=None, allow_unlocked=False, cache=None,
                   reporter=SILENT, leave_out_unusable_kernels=False, cache_from=(),
-                  open_record=plain_record) -> PreparedBuild
+                  open_record=plain_record, keep_wheels=None, shared=None) -> PreparedBuild
     Clock              seconds spent per step, for ``--json`` and the benchmarks
 
 Steps: resolve the pin's base reference to a digest (one manifest HEAD) and check it against
@@ -161,13 +161,14 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
                   allow_unlocked: bool = False, cache: Path | None = None,
                   reporter: Reporter = SILENT, budget: Budget | None = None,
                   leave_out_unusable_kernels: bool = False, cache_from=(), open_record=plain_record,
-                  keep_wheels: Path | None = None) -> PreparedBuild:
+                  keep_wheels: Path | None = None, shared: dict | None = None) -> PreparedBuild:
     """Resolve and check the base, read its pristine vLLM, patch it, and decide kiln's layers.
 
-    ``budget``: the command's limits (its deadline already running); a new one when None.
-    ``cache_from``: registry build caches (``ImageReference`` without tag) tried in order;
+    ``budget``: the command's limits (its deadline running; None: a new one); ``cache_from``:
+    registry build caches (``ImageReference`` without tag) tried in order;
     ``open_record``: how an entry's record is opened (and its signature checked: the pipeline's);
-    ``keep_wheels``: where a Triton wheel fetched from the index is kept (for ``--cache-to``)."""
+    ``keep_wheels``: where a Triton wheel fetched from the index is kept (for ``--cache-to``);
+    ``shared``: the patch runs of the tag's platforms before this one (``patch_source``)."""
     definition, sm, kernels = inputs.definition, inputs.sm, inputs.definition.model.kernels
     config = registry_config or RegistryConfig.load()
     cache = cache or cache_root()
@@ -178,8 +179,7 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     base_ref, resolved, source, base = resolve_base(inputs, config, cache, stats, reporter, budget, allow_unlocked)
     clock.lap("resolve")
 
-    # 2. what the registry build cache holds; the pristine vLLM, from the top layers of the base
-    # only, read when an entry missed
+    # 2. what the registry build cache holds; the pristine vLLM (top layers only) when an entry missed
     def pull() -> ImageVllm:
         found = source.pull()
         check_base_triton(sm, found, inputs.pin)
@@ -214,11 +214,11 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
                 early.append(pool.submit(kernel_layer, {}))
 
     with ThreadPoolExecutor(max_workers=1) as pool:
-        patching = patch_source(inputs, cached, base_ref, cache, clock, start_kernels)
+        patching = patch_source(inputs, cached, base_ref, cache, clock, start_kernels, shared)
         cached.patched.fields = {
             "vllm_version": patching.vllm_version, "site_dir": patching.site_dir,
             "outcomes": [o.to_json() for o in patching.outcomes.values()], "applied": patching.applied,
-            "before": patching.before, "platform": base_platform(base.config()),
+            "before": patching.before, "platform": base_platform(base.config()), "source": cached.patched.source[1]["source"],
             "modules": {p["id"]: p["sha256"] for p in cached.patched.inputs["patches"]}}
         cached.patched.contents = [patching.layer]
 
@@ -257,14 +257,28 @@ class Patching:
 
 
 def patch_source(inputs: BuildInputs, cached: CacheLookup, base_ref: ImageReference, cache: Path, clock: Clock,
-                 forked) -> Patching:
+                 forked, shared: dict | None = None) -> Patching:
     """The image's patch selection run on the pristine source (``forked``: called once the patching
-    has forked its processes), or the ``patched`` entry's result; a verdict that blocks a build stops it."""
+    has forked its processes), or the ``patched`` entry's result, or the run of another platform
+    of the tag on the same source (``shared``: source key -> (platform, Patching), this one's
+    added); a verdict that blocks a build stops it."""
     hit = cached.patched_hit
     if hit is not None:  # the entry's: verified, keyed by the layers this base's walk reads and this selection
         record = hit.record
         return Patching(hit.outcomes, hit.changed(), dict(record["before"]), str(record["vllm_version"]),
                         str(record["site_dir"]), hit.layers[0])
+    shared = {} if shared is None else shared
+    source_key = cached.patched.source[0]
+    if source_key in shared:  # the same pristine files, selection and target: the same result, byte for byte
+        cached.patched.shared, patching = shared[source_key]
+        return patching
+    patching = _patched(inputs, cached, base_ref, cache, clock, forked)
+    shared[source_key] = (inputs.platform, patching)
+    return patching
+
+
+def _patched(inputs: BuildInputs, cached: CacheLookup, base_ref: ImageReference, cache: Path, clock: Clock,
+             forked) -> Patching:
     found, pin = cached.found, inputs.pin
     tree = found.tree
     result = patched_selection(inputs.catalogue, tree, inputs.target(), list(inputs.definition.patches),

@@ -11,6 +11,7 @@ Public API:
                  open_record=plain_record, agrees=None) -> CachedEntry | None    the same, of a manifest already found
     plain_record(data, media_type, where) -> bytes   the record of an unsigned entry (a signed one: a miss)
     patched_agrees(key_inputs, platform) -> (CachedEntry -> None)   a patched entry against what the build knows
+                                                     (keyed by source: its source; else the base's platform)
     SITE_DIR                                         the site dirs the layer walk finds vLLM in
     entry_record(use, layers) -> dict
     write_entry(client, repository, kind, key, record, layers, seal=None) -> str (the entry's manifest digest)
@@ -22,7 +23,8 @@ so a base rebuilt below them shares its entries). Three kinds of entry (and the 
 
 * ``patched``: the patching's result: every verdict, the changed modules and the whiteouts of
   their stale bytecode (one layer), vLLM's version and site dir, each changed file's pristine
-  sha256. The image's patched-source layer (with its baked files and audit file) is
+  sha256, the source it was made of; written under two keys (by the layers a probe finds it by,
+  and by its pristine files, which every platform and SM of a pin shares: one layer blob). The image's patched-source layer (with its baked files and audit file) is
   assembled from it by each build.
 * ``kernels``: one SM's Triton kernel layer (or none, left out) and its summary and env.
 * ``catalogue``: the patch catalogue's facts (``kiln.patch.facts``), no layer: what a build
@@ -53,11 +55,8 @@ unsigned entry is trusted to whoever can push to the cache repository: these che
 entry of another build re-keyed, or a record that lies about where the modules go, but not
 patched bytes rewritten together with the sha256 the record gives them (``docs/TRUST.md``).
 Anything wrong is a miss with a warning, never an image; a miss of one entry leaves the other
-usable. Concurrent writers of one key are safe: each uploads every blob its manifest names
-(content-addressed, so they share them) before it PUTs the manifest, and a tag's PUT replaces
-it whole; the last writer's entry wins, and any writer's entry gives the same image (records
-differ only in what the build reports, such as the kernels' compile seconds, or an ECDSA
-signature's nonce).
+usable. Concurrent writers of one key are safe (blobs before the manifest; the last PUT wins,
+and any writer's entry gives the same image: docs/ARCHITECTURE.md, "The registry build cache").
 """
 
 from __future__ import annotations
@@ -124,11 +123,17 @@ class CacheUse:
     location: ImageReference | None = None  # the cache repository it was read from
     fields: dict = field(default_factory=dict)
     contents: list[LayerContents] = field(default_factory=list)
+    source: tuple[str, dict] | None = None  # a patched entry's key by its source (``source_key``): written too
+    shared: str | None = None  # the platform of this tag whose patch run this one reused
 
     def to_json(self) -> dict:
         out = {"kind": self.kind, "key": self.key, "tag": entry_tag(self.kind, self.key), "hit": self.hit}
         if self.sm is not None:
             out["sm"] = self.sm
+        if self.source is not None:
+            out["source_key"] = self.source[0]
+        if self.shared is not None:
+            out["shared"] = self.shared
         return out
 
 
@@ -286,7 +291,7 @@ def _verified(client: RegistryClient, repository: str, manifest: Manifest, kind:
 # entry one SM's kernel layer, or none when it was left out; a catalogue entry none; a warm entry its layer
 _LAYER_COUNTS = {PATCHED: (1,), KERNELS: (0, 1), CATALOGUE: (0,), WARM: (1,)}
 _FIELDS = {PATCHED: {"outcomes": list, "applied": list, "vllm_version": str, "site_dir": str, "before": dict,
-                     "modules": dict, "platform": dict},
+                     "modules": dict, "platform": dict, "source": dict},
            KERNELS: {"env": dict, "triton": dict}, CATALOGUE: {"facts": dict}, WARM: {"bundle": str}}
 
 
@@ -337,8 +342,16 @@ def patched_agrees(key_inputs: dict, platform: dict) -> Callable[[CachedEntry], 
         if record["vllm_version"] != key_inputs["vllm"]:
             raise KilnError(f"its record's vllm_version {record['vllm_version']!r} is not the pin's "
                             f"{key_inputs['vllm']!r}")
-        if record["platform"] != platform:
+        source = record["source"]  # what its writer's walk read (``cachekeys.source_identity``)
+        if "source" in key_inputs:  # keyed by its pristine files: any platform's, this source's
+            if source != key_inputs["source"]:
+                raise KilnError("its record's source is not the one its key names")
+        elif record["platform"] != platform:
             raise KilnError(f"its record's platform {record['platform']} is not the base's {platform}")
+        files = source.get("files")
+        if source.get("site_dir") != record["site_dir"] or not isinstance(files, dict) or any(
+                files.get(rel) != sha for rel, sha in record["before"].items()):
+            raise KilnError("its record's site dir or pristine files are not those its source names")
         outcomes = entry.outcomes
         ids = [p["id"] for p in patches]
         if list(outcomes) != ids:

@@ -126,6 +126,14 @@ def test_a_tag_is_an_index_of_its_platforms_each_on_its_own_base(capsys, work, r
     assert arm["triton"]["keyed_for_ptxas_version"] and "keyed_for_ptxas_version" not in amd["triton"]
     assert {k["hash"] for launch in arm["launches"] for k in launch["kernels"]}.isdisjoint(
         {k["hash"] for launch in amd["launches"] for k in launch["kernels"]})  # keyed apart
+    # the patched files, read from each platform's unpacked rootfs (umoci): the same bytes, the
+    # ones each platform's audit file says the patching made
+    audits = {arch: json.loads((tmp_path / f"bundle-{arch}/rootfs/opt/kiln/manifest.json").read_text())
+              for arch in ("amd64", "arm64")}
+    assert audits["amd64"]["files"] and audits["amd64"]["files"] == audits["arm64"]["files"]
+    for path, sums in audits["amd64"]["files"].items():
+        amd_bytes, arm_bytes = ((tmp_path / f"bundle-{arch}/rootfs{path}").read_bytes() for arch in ("amd64", "arm64"))
+        assert amd_bytes == arm_bytes and hashlib.sha256(amd_bytes).hexdigest() == sums["after"] != sums["before"], path
 
     # the same index digest from empty caches, pushed under another name
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "second-cache"))
@@ -146,15 +154,22 @@ def test_an_arm64_only_sm_pushes_only_arm64(capsys, work, registry_plain):
     assert config["architecture"] == "arm64"
 
 
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
 def test_an_index_missing_a_platforms_manifest_fails_in_one_line_with_nothing_pushed(
-        capsys, work, start_registry, registry_plain):
+        capsys, work, start_registry, registry_plain, damage):
     broken = start_registry("plain", copy_from=registry_plain)
     arm = {m["platform"]["architecture"]: m["digest"] for m in raw(broken, BASE)["manifests"]}["arm64"]
-    subprocess.run(["skopeo", "delete", "--tls-verify=false", f"docker://{broken.host}/{BASE.split(':')[0]}@{arm}"],
-                   check=True, capture_output=True)
+    if damage == "missing":
+        subprocess.run(["skopeo", "delete", "--tls-verify=false",
+                        f"docker://{broken.host}/{BASE.split(':')[0]}@{arm}"], check=True, capture_output=True)
+    else:  # its bytes in the registry's storage changed under its digest: still JSON, another manifest
+        blob = broken.blob_file(arm)
+        blob.write_bytes(blob.read_bytes().replace(b'"schemaVersion"', b'"schemaVersion" ', 1))
     code, _, err = build(capsys, work, broken, 90, "kiln/broken")
     line = one_line(code, err)
     assert arm in line or "linux/arm64" in line, line
+    if damage == "corrupt":
+        assert f"{arm}: manifest digest mismatch" in line, line
     tags = subprocess.run(["skopeo", "list-tags", "--tls-verify=false", f"docker://{broken.host}/kiln/broken"],
                           capture_output=True, text=True)
     assert tags.returncode != 0 or json.loads(tags.stdout)["Tags"] == []

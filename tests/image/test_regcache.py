@@ -19,6 +19,7 @@ from kiln.image.cachekeys import (
     kernels_key,
     patched_key,
     probe_walks,
+    source_key,
     vllm_layers,
     walk_read,
 )
@@ -64,7 +65,7 @@ def test_the_patched_key_is_stable_and_names_what_the_patching_depends_on(files)
     key, hashed = patched_key(inputs, WALK, False)
     assert (key, hashed) == patched_key(load_build_inputs(files, "e2e-p65", "v0.20.1", 120), WALK, False)
     assert len(key) == 64 and len(entry_tag(PATCHED, key)) <= 128
-    assert entry_tag(PATCHED, key) == f"kiln-cache-patched-v2-{key}"
+    assert entry_tag(PATCHED, key) == f"kiln-cache-patched-v3-{key}"
     assert [p["id"] for p in hashed["patches"]] == ["P65"]
     assert [layer["digest"] for layer in hashed["vllm_layers"]["layers"]] == [BASE[4].digest, BASE[3].digest]
     others = {
@@ -181,7 +182,8 @@ def _patched_entry(**fields) -> CachedEntry:
                             "files": {"a.py": {"before": "0" * 64, "after": sha256_text(text)}}},
                            {"patch": "P5", "verdict": "GATED", "detail": "sm"}],
               "applied": ["P65"], "modules": {"P65": "1" * 64, "P5": "2" * 64},
-              "platform": {"os": "linux", "architecture": "amd64", "variant": None}}
+              "platform": {"os": "linux", "architecture": "amd64", "variant": None},
+              "source": {"site_dir": site, "python": "3" * 64, "bytecode": "4" * 64, "files": {"a.py": "0" * 64}}}
     record.update(fields)
     return CachedEntry(record, [LayerContents({f"{record['site_dir']}/vllm/a.py": text.encode()}, ())], "here")
 
@@ -207,6 +209,10 @@ _PLATFORM = {"os": "linux", "architecture": "amd64", "variant": None}
     ({"outcomes": [{"patch": "P65", "verdict": "APPLIES", "detail": ""},
                    {"patch": "P5", "verdict": "APPLIES", "files": {"a.py": {"before": None, "after": "0" * 64}}}],
       "applied": ["P65", "P5"]}, "P5 is APPLIES, but this target gates it off"),
+    ({"source": {"site_dir": "usr/local/lib/python3.12/dist-packages", "python": "3" * 64, "bytecode": "4" * 64,
+                 "files": {"a.py": "5" * 64}}}, "pristine files are not those its source names"),
+    ({"source": {"site_dir": "usr/lib/python3.12/site-packages", "python": "3" * 64, "bytecode": "4" * 64,
+                 "files": {"a.py": "0" * 64}}}, "site dir or pristine files"),
 ])
 def test_a_patched_entry_that_disagrees_with_the_build_names_the_field(fields, named):
     check = patched_agrees(_KEY_INPUTS, _PLATFORM)
@@ -214,3 +220,28 @@ def test_a_patched_entry_that_disagrees_with_the_build_names_the_field(fields, n
     with pytest.raises(KilnError, match=re.escape(named)) as err:
         check(_patched_entry(**fields))
     assert "\n" not in str(err.value)
+
+
+def test_a_patched_entry_keyed_by_its_source_is_any_platforms_but_only_of_that_source():
+    """Keyed by the layers, the writer's platform must be the base's; keyed by the source (the
+    pristine files: ``cachekeys.source_key``), any platform's entry of that very source agrees."""
+    source = _patched_entry().record["source"]
+    arm64 = {"os": "linux", "architecture": "arm64", "variant": None}
+    with pytest.raises(KilnError, match="platform"):
+        patched_agrees(_KEY_INPUTS, arm64)(_patched_entry())
+    patched_agrees({**_KEY_INPUTS, "source": source}, arm64)(_patched_entry())  # an amd64 writer's: agrees
+    with pytest.raises(KilnError, match="its record's source is not the one its key names"):
+        patched_agrees({**_KEY_INPUTS, "source": {**source, "python": "9" * 64}}, arm64)(_patched_entry())
+
+
+def test_the_source_key_names_the_pristine_files_and_selection_not_the_layers_platform_or_sm(files):
+    """One key for every platform and SM of a pin whose vLLM source is the same (``source_key``)."""
+    source = {"site_dir": "usr/local/lib/python3.12/dist-packages", "python": "3" * 64, "bytecode": "4" * 64,
+              "files": {"a.py": "0" * 64}}
+    inputs = load_build_inputs(files, "e2e-p65", "v0.20.1", 120)
+    key, hashed = source_key(inputs, source)
+    assert "vllm_layers" not in hashed and "platform" not in hashed and "sm" not in hashed
+    assert source_key(replace(inputs, platform="linux/arm64"), source)[0] == key
+    assert source_key(load_build_inputs(files, "e2e-p65", "v0.20.1", 86), source)[0] == key
+    for field in source:
+        assert source_key(inputs, {**source, field: "other"})[0] != key, field

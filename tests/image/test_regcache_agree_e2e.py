@@ -30,6 +30,7 @@ from tests.image.test_regcache_e2e import (
     _key_pair,
     _put_blob,
     _put_entry,
+    without_source_entry,
     written_by_a_first_runner,
 )
 from tests.support.kiln_process import run_kiln
@@ -93,6 +94,7 @@ def test_an_entry_of_another_selection_rekeyed_is_a_miss(project, capsys, tmp_pa
     code, one, err = _build(project, capsys, images, IMAGE, "--cache-to", f"{cache.host}/{repo}",
                             "--insecure-registry", cache.host)
     assert code == 0, err
+    without_source_entry(cache, repo, one)
     assert [p["patch"] for p in one["patches"]] == ["P65"]
     _fresh_runner(monkeypatch, tmp_path, "four-no-cache")  # the four-patch build without the cache
     code, four, err = _build(project, capsys, images, FOUR, "--cache-to", f"{cache.host}/{repo}-four",
@@ -140,6 +142,7 @@ def test_a_record_that_puts_the_modules_under_etc_is_a_miss(project, capsys, tmp
     _fresh_runner(monkeypatch, tmp_path, "writer")
     code, first, err = project.build(capsys, "--cache-to", f"{cache.host}/{repo}", "--insecure-registry", cache.host)
     assert code == 0, err
+    without_source_entry(cache, repo, first)
     key = _key(first)
     entry = _entry(cache, repo, key)
     record = json.loads(_blob(cache, repo, entry["config"]["digest"]))
@@ -227,6 +230,7 @@ def test_an_unsigned_entry_whose_patched_bytes_were_rewritten_is_used_and_the_bu
     _fresh_runner(monkeypatch, tmp_path, "writer")
     code, first, err = project.build(capsys, "--cache-to", f"{cache.host}/{repo}", "--insecure-registry", cache.host)
     assert code == 0, err
+    without_source_entry(cache, repo, first)
     key = _key(first)
     entry = _entry(cache, repo, key)
     record = json.loads(_blob(cache, repo, entry["config"]["digest"]))

@@ -56,6 +56,17 @@ def _entry(registry, repository: str, key: str, kind: str = PATCHED) -> dict:
     return resp.json()
 
 
+def without_source_entry(registry, repository: str, result: dict) -> None:
+    """The build's patched entry left under the key a probe finds it by only: its copy under its
+    source's key (``cachekeys.source_key``) deleted, so that what a test does to the first is all
+    a reader finds (a reader that refuses it would otherwise find the copy, rightly)."""
+    [source_key] = [e["source_key"] for e in result["cache"]["entries"] if e["kind"] == PATCHED]
+    url = f"{registry.url}/v2/{repository}/manifests/"
+    head = requests.head(url + entry_tag(PATCHED, source_key), headers={"Accept": MANIFEST}, timeout=10)
+    assert head.status_code == 200, head.status_code
+    assert requests.delete(url + head.headers["Docker-Content-Digest"], timeout=10).status_code == 202
+
+
 def _blob(registry, repository: str, digest: str) -> bytes:
     resp = requests.get(f"{registry.url}/v2/{repository}/blobs/{digest}", timeout=10)
     assert resp.status_code == 200
@@ -100,6 +111,7 @@ def written_by_a_first_runner(project, capsys, tmp_path, monkeypatch) -> tuple[s
     code, first, err = project.build(capsys, "--push", "--repository", f"{project.registry.host}/{project.dest}-a",
                                      "--cache-to", cache_repo)
     assert code == 0, err
+    without_source_entry(project.registry, f"{project.dest}-cache", first)
     return cache_repo, first
 
 
@@ -107,7 +119,7 @@ def test_second_runner_reads_the_entry_and_no_vllm_layer(project, capsys, tmp_pa
                                                           base_layout):
     registry = project.registry
     cache_repo, first = written_by_a_first_runner(project, capsys, tmp_path, monkeypatch)
-    assert patch_runs == [1] and first["cache"]["hit"] is None and len(first["cache"]["written"]) == 2
+    assert patch_runs == [1] and first["cache"]["hit"] is None and len(first["cache"]["written"]) == 3  # patched twice (layers, source), catalogue
     assert [e["kind"] for e in first["cache"]["entries"]] == [PATCHED, CATALOGUE]  # no kernels
     facts = _entry(registry, f"{project.dest}-cache", _key(first, CATALOGUE), CATALOGUE)
     assert facts["artifactType"] == ARTIFACT_TYPES[CATALOGUE] and facts["layers"] == []
@@ -156,6 +168,7 @@ def test_poisoned_entries_fall_back_to_building(project, capsys, tmp_path, monke
     _fresh_runner(monkeypatch, tmp_path, "writer")
     code, first, err = project.build(capsys, "--cache-to", f"{cache.host}/{repo}", "--insecure-registry", cache.host)
     assert code == 0, err
+    without_source_entry(cache, repo, first)
     key = _key(first)
     entry = _entry(cache, repo, key)
     record_bytes = _blob(cache, repo, entry["config"]["digest"])
@@ -167,7 +180,7 @@ def test_poisoned_entries_fall_back_to_building(project, capsys, tmp_path, monke
         code, again, err = project.build(capsys, *where)
         assert code == 0, err
         assert again["cache"]["hit"] is None and len(patch_runs) == runs + 1, f"{name}: not built"
-        assert again["manifest_digest"] == first["manifest_digest"], name
+        assert again["manifest_digest"] == first["manifest_digest"], (name, again["warnings"], again["cache"])
         assert any("build cache entry" in w and refused in w for w in again["warnings"]), (name, again["warnings"])
 
     # 1. the layer's bytes are not its digest (same length: only the hash can tell)
@@ -236,7 +249,9 @@ def test_cache_key_takes_only_entries_its_key_signed(project, capsys, tmp_path, 
     assert any("no signature verifies" in w for w in stranger["warnings"]), stranger["warnings"]
     signed = read("signed", signer_pub)
     assert signed["cache"]["hit"] and len(patch_runs) == runs + 1  # a hit: nothing patched
-    # the same record, unsigned, under the key: refused by a reader that wants signatures
+    # the same record, unsigned, under the key: refused by a reader that wants signatures (and
+    # the signed copy under its source's key gone: else that one is rightly found)
+    without_source_entry(registry, repo, first)
     envelope = json.loads(_blob(registry, repo, entry["config"]["digest"]))
     plain = _put_blob(registry, repo, base64.b64decode(envelope["payload"]))
     _put_entry(registry, repo, entry_tag(PATCHED, _key(first)),
@@ -293,7 +308,7 @@ SITE = "usr/lib/python3/site-packages"
 @pytest.mark.parametrize(("kind", "field", "value"), [
     (KERNELS, "env", ["TRITON_CACHE_DIR"]), (PATCHED, "outcomes", [{"patch": "P65"}]),
     (PATCHED, "before", {"other.py": "0" * 64}), (PATCHED, "applied", [65]),
-    (PATCHED, "modules", ["P65"]), (PATCHED, "platform", "linux/amd64"),
+    (PATCHED, "modules", ["P65"]), (PATCHED, "platform", "linux/amd64"), (PATCHED, "source", "pristine"),
     (PATCHED, "site_dir", "usr/lib/python3.12/site-packages")])  # its layer's files are not under it
 def test_a_record_of_the_wrong_shape_is_a_miss(registry_plain, tmp_path, kind, field, value):
     key, key_inputs = "cd" * 32, {"format": ARTIFACT_TYPES[kind], "test": tmp_path.name}
@@ -304,7 +319,9 @@ def test_a_record_of_the_wrong_shape_is_a_miss(registry_plain, tmp_path, kind, f
     fields = {PATCHED: {"vllm_version": "0.20.1", "site_dir": SITE,
                         "outcomes": [{"patch": "P65", "verdict": "APPLIES"}], "applied": ["P65"],
                         "before": {"envs.py": "1" * 64}, "modules": {"P65": "2" * 64},
-                        "platform": {"os": "linux", "architecture": "amd64", "variant": None}},
+                        "platform": {"os": "linux", "architecture": "amd64", "variant": None},
+                        "source": {"site_dir": SITE, "python": "3" * 64, "bytecode": "4" * 64,
+                                   "files": {"envs.py": "1" * 64}}},
               KERNELS: {"env": {"TRITON_CACHE_DIR": "/opt/kiln/triton-cache"}, "triton": {"sm": 120}}}[kind]
     record = {"kind": kind, "key": key, "inputs": key_inputs, **fields,
               "layers": [{"digest": layer.digest, "diff_id": layer.diff_id, "size": layer.size,
@@ -358,12 +375,13 @@ def _base_variant(registry, repository: str, tag: str, bottom: bytes | None = No
     return registry.digest_of(f"{repository}:{tag}")
 
 
-def test_a_base_rebuilt_below_the_vllm_layers_hits_and_one_with_another_top_layer_misses(
+def test_a_base_rebuilt_below_the_vllm_layers_hits_and_one_with_another_top_layer_hits_by_source(
         project, capsys, tmp_path, monkeypatch, patch_runs, base_layout):
     """The patched entry is keyed by the layers the walk reads (the top two here: app and vllm),
     not the base: a base with a filler layer added at the bottom reads the entry (no vLLM layer,
     no patching) and gives the digest its build without cache gives; one whose top layer is
-    another misses."""
+    another misses the probe, reads its layers, and finds the entry by its source (the same vLLM
+    files): no patching."""
     registry = project.registry
     cache_repo, bases = f"{registry.host}/{project.dest}-cache", f"{project.dest}-bases"
     _fresh_runner(monkeypatch, tmp_path, "writer")
@@ -395,7 +413,9 @@ def test_a_base_rebuilt_below_the_vllm_layers_hits_and_one_with_another_top_laye
     log_mark = len(registry.log())
     code, miss, err = project.build(capsys, "--cache-from", cache_repo, pins=other_top)
     assert code == 0, err
-    assert miss["cache"]["hit"] is None and _key(miss) != _key(first) and patch_runs == [1, 1, 1]
+    source_tag = entry_tag(PATCHED, next(e["source_key"] for e in first["cache"]["entries"] if e["kind"] == PATCHED))
+    assert _key(miss) != _key(first) and patch_runs == [1, 1]
+    assert miss["cache"]["hit"] == [f"{cache_repo}:{source_tag}"]
     # the probe's cost on a miss: the catalogue's facts (its manifest and record: the same
     # catalogue), then one HEAD per depth of the base's 5 layers, and one for all 5 read to the
     # bottom, nothing else of the cache
@@ -404,7 +424,11 @@ def test_a_base_rebuilt_below_the_vllm_layers_hits_and_one_with_another_top_laye
     assert [method for method, path in requests_sent[:2]] == ["HEAD", "GET"], requests_sent
     assert all(path == f"manifests/{facts_tag}" for _, path in requests_sent[:2]), requests_sent
     assert requests_sent[2][0] == "GET" and requests_sent[2][1].startswith("blobs/sha256:"), requests_sent
-    probes = requests_sent[3:]
-    assert len(probes) == 6, requests_sent
-    assert all(method == "HEAD" and path.startswith("manifests/kiln-cache-patched-v2-")
+    probes = requests_sent[3:9]
+    assert all(method == "HEAD" and path.startswith("manifests/kiln-cache-patched-v3-")
                for method, path in probes), requests_sent
+    assert f"manifests/{source_tag}" not in [path for _, path in probes]  # unknown before the layers are read
+    # then, the layers read, the entry by its source: its manifest, record and layer, nothing else
+    assert [path for _, path in requests_sent[9:]][:1] == [f"manifests/{source_tag}"], requests_sent
+    assert all(path == f"manifests/{source_tag}" or path.startswith("blobs/sha256:")
+               for _, path in requests_sent[9:]), requests_sent

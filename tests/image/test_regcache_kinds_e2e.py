@@ -106,7 +106,7 @@ def test_a_second_image_reuses_what_it_shares_and_compiles_only_its_other_sm(
     assert work == {"compiled": [86], "patched": [1], "pulled": [1]}
     assert [(e["kind"], e.get("sm"), e["hit"]) for e in a86["cache"]["entries"]] == [
         (PATCHED, None, None), (KERNELS, 86, None), (CATALOGUE, None, None)]
-    assert len(a86["cache"]["written"]) == 3
+    assert len(a86["cache"]["written"]) == 4  # patched (under its layers' key and its source's), kernels, catalogue
 
     # image B, sm 86: both entries are A's: nothing pulled, patched or compiled
     log_mark = len(cache.log())
@@ -202,6 +202,9 @@ def test_a_patched_entry_keyed_for_fewer_layers_than_the_walk_reads_is_refused(
     again = build("reader", 120, "--cache-from", *where)
     assert any(f"{entry_tag(PATCHED, short_key)} refused" in w and "the walk stops after the top 2 layers; it read 3"
                in w for w in again["warnings"]), again["warnings"]
-    assert _entries(again)[PATCHED]["hit"] is None and _entries(again)[PATCHED]["key"] == key
-    assert work["patched"] == [1, 1] and work["compiled"] == [86, 120]
+    # refused, then found by its source once the walk read it: the writer's entry, as written
+    source_tag = entry_tag(PATCHED, _entries(first)[PATCHED]["source_key"])
+    assert _entries(again)[PATCHED]["hit"] == f"{cache.host}/kiln-cache:{source_tag}"
+    assert _entries(again)[PATCHED]["key"] == key
+    assert work["patched"] == [1] and work["compiled"] == [86, 120]
     assert build("reference", 120)["manifest_digest"] == again["manifest_digest"]

@@ -93,7 +93,7 @@ def test_a_build_that_compiles_takes_the_toolchain_wheel_from_the_cache_not_the_
     assert index.gets[index.wheel_path] == 1
     toolchain = _entries(a)[TOOLCHAIN]
     assert toolchain["key"] == index.sha256 and toolchain["hit"] is None
-    assert len(a["cache"]["written"]) == 4  # patched, kernels, the catalogue's facts, the toolchain
+    assert len(a["cache"]["written"]) == 5  # patched (by layers, by source), kernels, the catalogue's facts, the toolchain
     entry = requests.get(f"{cache.url}/v2/kiln-cache/manifests/{toolchain['tag']}", headers={"Accept": MANIFEST},
                          timeout=10).json()
     assert [layer["digest"] for layer in entry["layers"]] == [f"sha256:{index.sha256}"]

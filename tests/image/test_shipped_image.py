@@ -84,12 +84,25 @@ def _layers(layout: Path) -> dict[str, list[str]]:
     return {digest: [layer["digest"] for layer in blob(digest)["layers"]] for digest in manifests}
 
 
+def _skopeo_platforms(registry, name: str) -> list[str]:
+    """The platforms a pushed tag holds, as skopeo reads them: an index's entries, or an image's config."""
+    def inspect(*flags: str) -> dict:
+        return json.loads(subprocess.run(["skopeo", "inspect", *flags, "--tls-verify=false",
+                                          f"docker://{registry.host}/{name}"], capture_output=True, check=True).stdout)
+
+    top = inspect("--raw")
+    if "manifests" in top:
+        return [f"{m['platform']['os']}/{m['platform']['architecture']}" for m in top["manifests"]]
+    config = inspect("--config", "--raw")
+    return [f"{config['os']}/{config['architecture']}"]
+
+
 # sm_120: one linux/amd64 image; sm_90: an index of amd64 and arm64 on the two-platform base, each
 # platform's kernels keyed for its own Triton; sm_121 (DGX Spark): one linux/arm64 image
 @pytest.mark.parametrize(("image", "sm", "variant", "platforms"), [
     (IMAGE, SM, "triton36", ["linux/amd64"]),
     ("qwen3.6-35b-a3b-fp8", 90, "multi36", ["linux/amd64", "linux/arm64"]),
-    (IMAGE, 121, "multi36", ["linux/arm64"])])
+    ("qwen3.6-35b-a3b-fp8", 121, "multi36", ["linux/arm64"])])
 def test_shipped_definition_builds_bit_reproducibly(tmp_path, registry_plain, image, sm, variant, platforms):
     """Two cold builds: other cache, toolchain location, working and temp directory, interpreter path
     (the second without torch or numpy)."""
@@ -101,8 +114,10 @@ def test_shipped_definition_builds_bit_reproducibly(tmp_path, registry_plain, im
         (work / "tmp").mkdir(parents=True)
         env = {"KILN_CACHE_DIR": str(work / "cache"), "TMPDIR": str(work / "tmp"),
                "KILN_REGISTRIES": str(work / "registries.toml"), "DOCKER_CONFIG": str(work / "docker")}
+        pushed = f"{registry_plain.host}/kiln/shipped-{image}-{run}"  # the push and the layout: one image
         done = _kiln(python, work, env, "--pins", str(pins), "build", "--image", image, "--pin", PIN,
-                     "--sm", str(sm), "--mirror", registry_plain.mirror, "--oci", str(work / "out"), "--json")
+                     "--sm", str(sm), "--mirror", registry_plain.mirror, "--oci", str(work / "out"), "--json",
+                     "--push", "--repository", pushed)
         assert done.returncode == 0, done.stderr[-3000:]
         result = json.loads(done.stdout)
         # a cold build: the toolchain fetched into this cache, every kernel compiled here
@@ -120,6 +135,16 @@ def test_shipped_definition_builds_bit_reproducibly(tmp_path, registry_plain, im
         assert found[-2] == part["layer_digest"] == one["layer_digest"]  # the patched-source layer
     assert one["config_digest"] == two["config_digest"]
     assert one["manifest_digest"] == two["manifest_digest"]
+    # each platform's kernels keyed for its own Triton (sm_90: two libtriton.so, two keys)
+    keyed = {p: part["triton"]["libtriton_sha256"] for p, part in one["platforms"].items()}
+    assert len(set(keyed.values())) == len(platforms), keyed
+    assert all(part["triton"]["keyed_for_image"] for part in one["platforms"].values())
+    # what the registry holds under the tag, read by skopeo: exactly the SM's platforms (sm_121:
+    # one arm64 image), at the digest both builds reported
+    for run in ("one", "two"):
+        name = f"kiln/shipped-{image}-{run}:{one['tag']}"
+        assert registry_plain.digest_of(name) == one["manifest_digest"]
+        assert _skopeo_platforms(registry_plain, name) == platforms
 
 
 def test_push_without_a_repository_asks_for_one_before_any_work(tmp_path, registry_plain):
