@@ -46,11 +46,8 @@ refused; the inputs name the vLLM layers, so an entry is used only on a base who
 exactly them); the layers re-derive: their contents written again by ``kiln.oci.layer`` give
 the recorded digest and diff_id, so what the build bakes from them is byte for byte the entry.
 Then every fact the build knows without the entry is compared with it (``agrees``; for a
-patched entry ``patched_agrees``): its outcomes are of exactly the patches the key's selection
-covers, each module's sha256 is the selection's, the applied patches are those whose verdict
-is APPLIES, no patch the target gates off or puts out of range is applied, each changed
-file's bytes are what an outcome says the patching made; its vLLM version is the pin's, its
-site dir one the walk could find vLLM in (``SITE_DIR``), its platform the base config's. An
+patched entry ``patched_agrees``: outcomes, module hashes, applied patches, gates, changed
+files, vLLM version, site dir (``SITE_DIR``), platform or source; docs/ARCHITECTURE.md). An
 unsigned entry is trusted to whoever can push to the cache repository: these checks catch an
 entry of another build re-keyed, or a record that lies about where the modules go, but not
 patched bytes rewritten together with the sha256 the record gives them (``docs/TRUST.md``).
