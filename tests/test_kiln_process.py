@@ -9,15 +9,9 @@ import sys
 
 from kiln.commands import main
 from tests.support import netguard
+from tests.support.cli import PINS
 from tests.support.kiln_process import run_kiln
 
-PINS = """\
-[pins."v0.20.1"]
-role = "current"
-image = "docker.io/vllm/vllm-openai:v0.20.1"
-vllm = "0.20.1"
-cuda = "cu130"
-"""
 # 203.0.113.0/24 (TEST-NET-3) routes nowhere: only the guard can refuse it at once
 OUTSIDE = "203.0.113.7"
 
