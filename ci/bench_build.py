@@ -189,8 +189,9 @@ def main() -> None:
         layers = build_base(work, wheel, int(args.filler_gib * 2**30), args.fillers)
         server = start_registry_server(work / "registry")
         server.push(f"oci:{work / 'layout'}:base", f"{BASE_REPO}:{PIN}")
-        if args.platforms:  # the same base, and an arm64 half beside it, as one index
-            add_arm64_half(work, wheel, int(args.filler_gib * 2**30), args.fillers, build_base)
+        if args.platforms:  # an arm64 half beside it (vLLM's real aarch64 wheel), as one index
+            arm64_wheel = fetch_vllm_wheel(cache_root() / "test-assets" / "wheels", "aarch64")
+            add_arm64_half(work, arm64_wheel, int(args.filler_gib * 2**30), args.fillers, build_base)
             server.push(f"oci:{work / 'layout'}:multi", f"{BASE_REPO}:{PIN}-multi", "--all")
         shutil.rmtree(work / "layout")
         print(f"base ready in {time.perf_counter() - started:.0f} s", flush=True)

@@ -35,7 +35,8 @@ GOALS = {"tag_ratio": 0.4, "patch_runs": 1}
 
 
 def add_arm64_half(work: Path, wheel: Path, filler_bytes: int, fillers: int, build_base) -> dict:
-    """The arm64 half (``layout:arm``) and the index of both (``layout:multi``); the arm64 layers."""
+    """The arm64 half (``layout:arm``, from ``wheel``: vLLM's aarch64 wheel) and the index of both
+    (``layout:multi``); the arm64 layers."""
     layers = build_base(work, wheel, filler_bytes, fillers, name="arm", arch="arm64", record=AARCH64_RECORD,
                         seed=1000)
     layout = work / "layout"

@@ -31,6 +31,7 @@ from tests.support.registry import (  # noqa: F401  (fixtures, shared by every t
     registry_token,
     start_registry,
     vllm_wheel,
+    vllm_wheel_aarch64,
 )
 
 # Every source the record covers: label -> vLLM release whose wheel holds its pristine source.
@@ -56,7 +57,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # `-m "not network and not registry"` is an offline lane by construction, not by convention.
 # every tree, session and registry fixture uses trees or vllm_wheel; every `toolchain` fixture (and
 # test_imagekey's `pinned`) makes a Triton toolchain from PyPI's wheel (kiln/triton/toolchain.py)
-NETWORK_FIXTURES = frozenset({"trees", "vllm_wheel", "toolchain", "pinned"})
+NETWORK_FIXTURES = frozenset({"trees", "vllm_wheel", "vllm_wheel_aarch64", "toolchain", "pinned"})
 _unmarked: dict = {"test": None, "reached": []}  # the running test when it is not marked network
 # Every Python process a test starts loads the guard too (tests/support/netguard.py says how): its
 # folder is on PYTHONPATH for the whole session, the guard armed only while an unmarked test runs.

@@ -21,7 +21,12 @@ from kiln import commands
 from kiln.triton.imagekey import LIBTRITON, record_hashes
 from tests.support import TEST_IMAGES
 from tests.support.kiln_process import run_kiln
-from tests.support.registry import TRITON_CP312_AARCH64_RECORD, TRITON_CP312_RECORD, VLLM_VERSION
+from tests.support.registry import (
+    SITE,
+    TRITON_CP312_AARCH64_RECORD,
+    TRITON_CP312_RECORD,
+    VLLM_VERSION,
+)
 
 pytestmark = pytest.mark.registry
 
@@ -131,6 +136,11 @@ def test_a_tag_is_an_index_of_its_platforms_each_on_its_own_base(capsys, work, r
     audits = {arch: json.loads((tmp_path / f"bundle-{arch}/rootfs/opt/kiln/manifest.json").read_text())
               for arch in ("amd64", "arm64")}
     assert audits["amd64"]["files"] and audits["amd64"]["files"] == audits["arm64"]["files"]
+    # each half's vLLM is its own platform's real wheel (the dist-info's WHEEL tag says which):
+    # the equal patched files below were read from two wheels, not one copied twice
+    tags = {arch: (tmp_path / f"bundle-{arch}/rootfs/{SITE}/vllm-{VLLM_VERSION}.dist-info/WHEEL").read_text()
+            for arch in ("amd64", "arm64")}
+    assert "_x86_64\n" in tags["amd64"] and "_aarch64\n" in tags["arm64"], tags
     for path, sums in audits["amd64"]["files"].items():
         amd_bytes, arm_bytes = ((tmp_path / f"bundle-{arch}/rootfs{path}").read_bytes() for arch in ("amd64", "arm64"))
         assert amd_bytes == arm_bytes and hashlib.sha256(amd_bytes).hexdigest() == sums["after"] != sums["before"], path

@@ -23,7 +23,8 @@ Images, under the real Docker Hub name so a mirror ``docker.io=<host>`` stands i
     vllm/vllm-openai:v0.20.1-index    OCI index: attestation (unknown/unknown), linux/arm64
                                       (no vLLM), linux/amd64 (= ``base``)
     vllm/vllm-openai:v0.20.1-multi    OCI index: linux/amd64 (= ``base``), linux/arm64 (``base``'s layers
-                                      under an arm64 config, by umoci): a two-platform base
+                                      under an arm64 config, by umoci, but for vLLM's: the real
+                                      aarch64 wheel's files and dist-info): a two-platform base
     vllm/vllm-openai:v0.20.1-triton36 ``base`` + a layer replacing triton 3.5.0's dist-info with
                                       3.6.0's (the Triton the test toolchain runs), whose RECORD
                                       is the real cp312 wheel's (``TRITON_CP312_RECORD``)
@@ -227,10 +228,10 @@ def start_registry_process(root: Path, flavour: str = "plain", copy_from: Regist
 # -- the base image -----------------------------------------------------------------------------
 
 
-def fetch_vllm_wheel() -> Path:
-    """The real wheel, downloaded once with pip into the kiln cache (reused across sessions)."""
+def fetch_vllm_wheel(arch: str = "x86_64") -> Path:
+    """The real wheel of ``arch``, downloaded once with pip into the kiln cache (reused across sessions)."""
     try:
-        return _fetch_vllm_wheel(_ASSETS / "wheels")
+        return _fetch_vllm_wheel(_ASSETS / "wheels", arch)
     except RuntimeError as err:
         pytest.fail(str(err))
 
@@ -288,7 +289,27 @@ def _nightly_layer(dest: Path, release_site: Path) -> None:
     (dest / info / "RECORD").write_text("\n".join(lines) + "\n")
 
 
-def build_base_layout(work: Path, wheel: Path) -> BaseLayout:
+def _vllm_site(site: Path, wheel: Path) -> dict[str, bytes]:
+    """``wheel``'s python files and dist-info under ``site``, as pip installs them, and Triton
+    3.5.0's metadata beside them; returns the ``vllm/*.py`` files read."""
+    wheel_files: dict[str, bytes] = {}
+    with zipfile.ZipFile(wheel) as archive:
+        for name in archive.namelist():
+            keep_py = name.startswith("vllm/") and name.endswith(".py")
+            if keep_py or name.startswith(f"vllm-{VLLM_VERSION}.dist-info/"):
+                data = archive.read(name)
+                (site / name).parent.mkdir(parents=True, exist_ok=True)
+                (site / name).write_bytes(data)
+                if keep_py:
+                    wheel_files[name] = data
+    (site / "triton-3.5.0.dist-info").mkdir()
+    (site / "triton-3.5.0.dist-info/METADATA").write_text("Metadata-Version: 2.1\nName: triton\nVersion: 3.5.0\n")
+    return wheel_files
+
+
+def build_base_layout(work: Path, wheel: Path, arm64_wheel: Path) -> BaseLayout:
+    """Every tag the registry tests push (``BaseLayout.path``); ``wheel`` is vLLM's x86_64 wheel,
+    ``arm64_wheel`` its aarch64 one (the arm64 halves of the two-platform bases)."""
     work.mkdir(parents=True, exist_ok=True)
     rnd = random.Random(20240101)
     trees = {role: work / "trees" / role for role in ("rootfs", "filler-cuda", "filler-torch", "vllm", "app", "overlay")}
@@ -311,19 +332,7 @@ def build_base_layout(work: Path, wheel: Path) -> BaseLayout:
     (torch / "lib/libtorch_cuda.so").write_bytes(rnd.randbytes(3 << 20))
     (torch / "__init__.py").write_text("__version__ = '2.9.0'\n")
     # vllm: the wheel's python files and dist-info, as pip installs them; plus triton's metadata.
-    site = trees["vllm"] / SITE
-    wheel_files: dict[str, bytes] = {}
-    with zipfile.ZipFile(wheel) as archive:
-        for name in archive.namelist():
-            keep_py = name.startswith("vllm/") and name.endswith(".py")
-            if keep_py or name.startswith(f"vllm-{VLLM_VERSION}.dist-info/"):
-                data = archive.read(name)
-                (site / name).parent.mkdir(parents=True, exist_ok=True)
-                (site / name).write_bytes(data)
-                if keep_py:
-                    wheel_files[name] = data
-    (site / "triton-3.5.0.dist-info").mkdir()
-    (site / "triton-3.5.0.dist-info/METADATA").write_text("Metadata-Version: 2.1\nName: triton\nVersion: 3.5.0\n")
+    wheel_files = _vllm_site(trees["vllm"] / SITE, wheel)
     # app: a small top layer that touches no vLLM file (the real image has a few like it).
     (trees["app"] / "usr/local/bin").mkdir(parents=True)
     (trees["app"] / "usr/local/bin/serve.sh").write_text("#!/bin/sh\nexec vllm serve \"$@\"\n")
@@ -383,13 +392,18 @@ def build_base_layout(work: Path, wheel: Path) -> BaseLayout:
     run("umoci", "config", "--image", f"{layout}:arm64", "--architecture", "arm64", "--os", "linux")
     run("umoci", "raw", "add-layer", "--image", f"{layout}:arm64", work / "rootfs.tar")
 
-    # ``base``'s layers under an arm64 config: the arm64 half of a two-platform base (``multi``)
+    # the arm64 half of a two-platform base (``multi``): ``base``'s layers under an arm64 config,
+    # but for vLLM's, made from the real aarch64 wheel as vLLM's arm64 images install it (its own
+    # dist-info RECORD; the same .py files, which kiln must find equal, not assume)
+    _vllm_site(work / "trees" / "vllm-arm64" / SITE, arm64_wheel)
+    _tar(work / "trees" / "vllm-arm64", work / "vllm-arm64.tar")
     run("umoci", "new", "--image", f"{layout}:arm64vllm")
     run("umoci", "config", "--image", f"{layout}:arm64vllm", "--architecture", "arm64", "--os", "linux",
         "--config.cmd", "/bin/sh")
-    for role in ("rootfs", "filler-cuda", "filler-torch", "vllm", "app"):
+    for role, tar in (("rootfs", "rootfs"), ("filler-cuda", "filler-cuda"), ("filler-torch", "filler-torch"),
+                      ("vllm", "vllm-arm64"), ("app", "app")):
         run("umoci", "raw", "add-layer", "--image", f"{layout}:arm64vllm", "--history.created_by",
-            f"fixture {role} (arm64)", work / f"{role}.tar")
+            f"fixture {role} (arm64)", work / f"{tar}.tar")
 
     # its Triton 3.6.0 twin: the aarch64 wheel's real dist-info over it (``multi36``'s arm64 half)
     site = work / "trees" / "triton36-arm64" / SITE
@@ -463,9 +477,14 @@ def vllm_wheel() -> Path:
 
 
 @pytest.fixture(scope="session")
-def base_layout(tmp_path_factory, vllm_wheel) -> BaseLayout:
+def vllm_wheel_aarch64() -> Path:
+    return fetch_vllm_wheel("aarch64")
+
+
+@pytest.fixture(scope="session")
+def base_layout(tmp_path_factory, vllm_wheel, vllm_wheel_aarch64) -> BaseLayout:
     require_tools()
-    return build_base_layout(tmp_path_factory.mktemp("base-image"), vllm_wheel)
+    return build_base_layout(tmp_path_factory.mktemp("base-image"), vllm_wheel, vllm_wheel_aarch64)
 
 
 @pytest.fixture(scope="session")
