@@ -12,7 +12,7 @@ Public API:
     RegistryServer                                  .host .url .mirror .push() .digest_of() .log() .stop()
     dies_with_us() -> preexec_fn                    the child is SIGKILLed when this process dies
     start_registry_server(root, auth="", ...) -> RegistryServer   a docker-registry on a free port
-    fetch_vllm_wheel(wheels, arch) -> Path          the real wheel of ``arch``, pip-downloaded once into ``wheels``
+    fetch_vllm_wheel(wheels, arch, version) -> Path the real wheel, pip-downloaded once into ``wheels``
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ from kiln.lifeline import child_of  # noqa: E402
 VLLM_VERSION = "0.20.1"
 SITE = "usr/local/lib/python3.12/dist-packages"
 BASE_REPO = "vllm/vllm-openai"
-# the manylinux tag of vLLM 0.20.1's wheel for each machine architecture, as PyPI lists them
-WHEEL_PLATFORMS = {"x86_64": "manylinux_2_35_x86_64", "aarch64": "manylinux_2_35_aarch64"}
+# the manylinux tags of vLLM's wheels for each machine architecture, as PyPI lists them (0.20.1's
+# ``manylinux_2_35``, 0.33.0's ``manylinux_2_28``): pip expands no custom --platform to older glibcs
+WHEEL_PLATFORMS = {arch: (f"manylinux_2_35_{arch}", f"manylinux_2_28_{arch}") for arch in ("x86_64", "aarch64")}
 TOOLS = ("docker-registry", "skopeo", "umoci", "openssl", "htpasswd", "busybox", "tar")
 # The RECORD of Triton 3.6.0's cp312 wheel (what vLLM's images install): a data file of the tests'
 # (tests/support/registry.py says where it was copied from), read, not imported.
@@ -179,25 +180,26 @@ def dies_with_us():
     return functools.partial(child_of, os.getpid())
 
 
-def fetch_vllm_wheel(wheels: Path, arch: str = "x86_64") -> Path:
-    """The real wheel for ``arch`` (``x86_64`` or ``aarch64``), downloaded once with pip into
-    ``wheels`` (reused across runs; pip checks it against the index's sha256)."""
+def fetch_vllm_wheel(wheels: Path, arch: str = "x86_64", version: str = VLLM_VERSION) -> Path:
+    """vLLM ``version``'s real wheel for ``arch`` (``x86_64`` or ``aarch64``), downloaded once with
+    pip into ``wheels`` (reused across runs; pip checks it against the index's sha256)."""
     if arch not in WHEEL_PLATFORMS:
         raise ValueError(f"no vLLM wheel platform for {arch!r}: one of {', '.join(WHEEL_PLATFORMS)}")
-    found = sorted(wheels.glob(f"vllm-{VLLM_VERSION}-*_{arch}.whl"))
+    found = sorted(wheels.glob(f"vllm-{version}-*_{arch}.whl"))
     if found:
         return found[0]
     wheels.mkdir(parents=True, exist_ok=True)
-    staging = wheels / f".tmp-{os.getpid()}-{arch}"
+    staging = wheels / f".tmp-{os.getpid()}-{version}-{arch}"
     try:
         # --platform: the aarch64 wheel is fetched on an x86_64 machine (nothing of it runs here)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                        "--platform", WHEEL_PLATFORMS[arch], "--python-version", "3.12",
-                        f"vllm=={VLLM_VERSION}", "-d", str(staging)], check=True, capture_output=True)
-        wheel = next(staging.glob(f"vllm-{VLLM_VERSION}-*_{arch}.whl"))
+        platforms = [flag for tag in WHEEL_PLATFORMS[arch] for flag in ("--platform", tag)]
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *platforms,
+                        "--python-version", "3.12", f"vllm=={version}", "-d", str(staging)],
+                       check=True, capture_output=True)
+        wheel = next(staging.glob(f"vllm-{version}-*_{arch}.whl"))
         os.replace(wheel, wheels / wheel.name)
         return wheels / wheel.name
     except (subprocess.CalledProcessError, StopIteration) as err:
-        raise RuntimeError(f"cannot download vllm=={VLLM_VERSION} ({arch}) with pip: {err}") from None
+        raise RuntimeError(f"cannot download vllm=={version} ({arch}) with pip: {err}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -29,6 +29,7 @@ from tests.support.registry import (  # noqa: F401  (fixtures, shared by every t
     registry_basic,
     registry_plain,
     registry_token,
+    release_multi,
     start_registry,
     vllm_wheel,
     vllm_wheel_aarch64,
@@ -57,7 +58,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # `-m "not network and not registry"` is an offline lane by construction, not by convention.
 # every tree, session and registry fixture uses trees or vllm_wheel; every `toolchain` fixture (and
 # test_imagekey's `pinned`) makes a Triton toolchain from PyPI's wheel (kiln/triton/toolchain.py)
-NETWORK_FIXTURES = frozenset({"trees", "vllm_wheel", "vllm_wheel_aarch64", "toolchain", "pinned"})
+NETWORK_FIXTURES = frozenset({"trees", "vllm_wheel", "vllm_wheel_aarch64", "release_multi", "toolchain", "pinned"})
 _unmarked: dict = {"test": None, "reached": []}  # the running test when it is not marked network
 # Every Python process a test starts loads the guard too (tests/support/netguard.py says how): its
 # folder is on PYTHONPATH for the whole session, the guard armed only while an unmarked test runs.

@@ -29,12 +29,15 @@ IMAGE, PIN, SM = "qwen3.6-27b-tq", f"v{VLLM_VERSION}", 120
 SHIPPED = paths.IMAGES / f"{IMAGE}.toml"
 
 
-def _pins(root: Path, registry, variant: str = "triton36") -> Path:
+def _pins(root: Path, registry, variant: str = "triton36", release: str | None = None) -> Path:
+    """Both shipped pins: PIN on the vLLM-shaped local base ``variant``, locked; v0.33.0 locked on
+    ``release`` (0.33.0's two-platform base made from its real wheels) when given, else unlocked
+    (not built)."""
     name = f"vllm/vllm-openai:v{VLLM_VERSION}-{variant}"
     path = root / "pins.toml"
-    # the definition names both shipped pins; only PIN is built, on the vLLM-shaped local base
+    current = f'digest = "{registry.digest_of(release)}"\n' if release else ""
     path.write_text('[pins."v0.33.0"]\nrole = "current"\nimage = "docker.io/vllm/vllm-openai:v0.33.0"\n'
-                    'vllm = "0.33.0"\ncuda = "cu130"\n\n'
+                    f'vllm = "0.33.0"\ncuda = "cu130"\n{current}\n'
                     f'[pins."{PIN}"]\nrole = "rollback"\nimage = "docker.io/{name}"\nvllm = "{VLLM_VERSION}"\n'
                     f'cuda = "cu130"\ndigest = "{registry.digest_of(name)}"\n')
     return path
@@ -97,17 +100,32 @@ def _skopeo_platforms(registry, name: str) -> list[str]:
     return [f"{config['os']}/{config['architecture']}"]
 
 
-# sm_120: one linux/amd64 image; sm_90: an index of amd64 and arm64 on the two-platform base, each
-# platform's kernels keyed for its own Triton; sm_121 (DGX Spark): one linux/arm64 image
-@pytest.mark.parametrize(("image", "sm", "variant", "platforms"), [
-    (IMAGE, SM, "triton36", ["linux/amd64"]),
-    ("qwen3.6-35b-a3b-fp8", 90, "multi36", ["linux/amd64", "linux/arm64"]),
-    ("qwen3.6-35b-a3b-fp8", 121, "multi36", ["linux/arm64"])])
-def test_shipped_definition_builds_bit_reproducibly(tmp_path, registry_plain, image, sm, variant, platforms):
+def _base_layers(registry, name: str) -> dict[str, list[str]]:
+    """platform -> its manifest's layers, of a two-platform index in ``registry``, read by skopeo."""
+    def raw(ref: str) -> dict:
+        return json.loads(subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false",
+                                          f"docker://{registry.host}/{ref}"], capture_output=True, check=True).stdout)
+
+    repo = name.rsplit(":", 1)[0]
+    return {f"{m['platform']['os']}/{m['platform']['architecture']}":
+            [layer["digest"] for layer in raw(f"{repo}@{m['digest']}")["layers"]] for m in raw(name)["manifests"]}
+
+
+# sm_120 on the rollback pin: one linux/amd64 image. On the current pin, v0.33.0, whose base is
+# an index of amd64 and arm64 made from both of its real wheels: sm_90 an index of both, each
+# platform's kernels keyed for its own Triton (3.8.0's x86_64 and aarch64 builds); sm_121 (DGX
+# Spark) one linux/arm64 image
+@pytest.mark.parametrize(("image", "pin", "sm", "platforms"), [
+    (IMAGE, PIN, SM, ["linux/amd64"]),
+    ("qwen3.6-35b-a3b-fp8", "v0.33.0", 90, ["linux/amd64", "linux/arm64"]),
+    ("qwen3.6-35b-a3b-fp8", "v0.33.0", 121, ["linux/arm64"])])
+def test_shipped_definition_builds_bit_reproducibly(tmp_path, registry_plain, release_multi, image, pin, sm,
+                                                    platforms):
     """Two cold builds: other cache, toolchain location, working and temp directory, interpreter path
     (the second without torch or numpy)."""
     assert "[model.kernels]" in (paths.IMAGES / f"{image}.toml").read_text()  # the Triton layer is compared
-    pins = _pins(tmp_path, registry_plain, variant)
+    pins = _pins(tmp_path, registry_plain, release=release_multi)
+    triton = "3.6.0" if pin == PIN else "3.8.0"
     results, layers = [], []
     for run, python in (("one", sys.executable), ("two", _other_venv(tmp_path / "venv-two"))):
         work = tmp_path / f"work-{run}"
@@ -115,19 +133,19 @@ def test_shipped_definition_builds_bit_reproducibly(tmp_path, registry_plain, im
         env = {"KILN_CACHE_DIR": str(work / "cache"), "TMPDIR": str(work / "tmp"),
                "KILN_REGISTRIES": str(work / "registries.toml"), "DOCKER_CONFIG": str(work / "docker")}
         pushed = f"{registry_plain.host}/kiln/shipped-{image}-{run}"  # the push and the layout: one image
-        done = _kiln(python, work, env, "--pins", str(pins), "build", "--image", image, "--pin", PIN,
+        done = _kiln(python, work, env, "--pins", str(pins), "build", "--image", image, "--pin", pin,
                      "--sm", str(sm), "--mirror", registry_plain.mirror, "--oci", str(work / "out"), "--json",
                      "--push", "--repository", pushed)
         assert done.returncode == 0, done.stderr[-3000:]
         result = json.loads(done.stdout)
         # a cold build: the toolchain fetched into this cache, every kernel compiled here
-        assert (work / "cache/triton/toolchains/triton-3.6.0/triton/__init__.py").is_file()
+        assert (work / f"cache/triton/toolchains/triton-{triton}/triton/__init__.py").is_file()
         for part in result["platforms"].values():
             assert part["triton"]["compiled"] > 0 and not part["triton"]["from_cache"]
         results.append(result)
         layers.append(_layers(work / "out"))
     one, two = results
-    assert one["image"] == image and one["tag"] == f"cu130-sm{sm}-{PIN}"
+    assert one["image"] == image and one["tag"] == f"cu130-sm{sm}-{pin}"
     assert list(one["platforms"]) == platforms
     assert one["triton"]["kernels"] >= 3 and layers[0] == layers[1]  # every layer of every platform
     for part in one["platforms"].values():
@@ -139,6 +157,11 @@ def test_shipped_definition_builds_bit_reproducibly(tmp_path, registry_plain, im
     keyed = {p: part["triton"]["libtriton_sha256"] for p, part in one["platforms"].items()}
     assert len(set(keyed.values())) == len(platforms), keyed
     assert all(part["triton"]["keyed_for_image"] for part in one["platforms"].values())
+    if pin != PIN:  # each platform's image starts with its own half of 0.33.0's base, layer for layer
+        base = _base_layers(registry_plain, release_multi)
+        assert len({tuple(v) for v in base.values()}) == 2  # two halves: two wheels, two Tritons
+        for platform, part in one["platforms"].items():
+            assert layers[0][part["manifest_digest"]][:len(base[platform])] == base[platform], platform
     # what the registry holds under the tag, read by skopeo: exactly the SM's platforms (sm_121:
     # one arm64 image), at the digest both builds reported
     for run in ("one", "two"):

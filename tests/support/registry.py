@@ -228,10 +228,11 @@ def start_registry_process(root: Path, flavour: str = "plain", copy_from: Regist
 # -- the base image -----------------------------------------------------------------------------
 
 
-def fetch_vllm_wheel(arch: str = "x86_64") -> Path:
-    """The real wheel of ``arch``, downloaded once with pip into the kiln cache (reused across sessions)."""
+def fetch_vllm_wheel(arch: str = "x86_64", version: str = VLLM_VERSION) -> Path:
+    """vLLM ``version``'s real wheel of ``arch``, downloaded once with pip into the kiln cache
+    (reused across sessions)."""
     try:
-        return _fetch_vllm_wheel(_ASSETS / "wheels", arch)
+        return _fetch_vllm_wheel(_ASSETS / "wheels", arch, version)
     except RuntimeError as err:
         pytest.fail(str(err))
 
@@ -289,14 +290,14 @@ def _nightly_layer(dest: Path, release_site: Path) -> None:
     (dest / info / "RECORD").write_text("\n".join(lines) + "\n")
 
 
-def _vllm_site(site: Path, wheel: Path) -> dict[str, bytes]:
+def _vllm_site(site: Path, wheel: Path, version: str = VLLM_VERSION) -> dict[str, bytes]:
     """``wheel``'s python files and dist-info under ``site``, as pip installs them, and Triton
     3.5.0's metadata beside them; returns the ``vllm/*.py`` files read."""
     wheel_files: dict[str, bytes] = {}
     with zipfile.ZipFile(wheel) as archive:
         for name in archive.namelist():
             keep_py = name.startswith("vllm/") and name.endswith(".py")
-            if keep_py or name.startswith(f"vllm-{VLLM_VERSION}.dist-info/"):
+            if keep_py or name.startswith(f"vllm-{version}.dist-info/"):
                 data = archive.read(name)
                 (site / name).parent.mkdir(parents=True, exist_ok=True)
                 (site / name).write_bytes(data)
@@ -468,6 +469,60 @@ def build_base_layout(work: Path, wheel: Path, arm64_wheel: Path) -> BaseLayout:
     return BaseLayout(layout, layers, sizes, wheel_files, overridden, override, whited_out, opaque_dir, opaque_files)
 
 
+# -- a release's two-platform base --------------------------------------------------------------
+
+# vLLM 0.33.0's images: torch 2.14.0 requires triton~=3.8.0; each platform's RECORD is its real
+# cp312 wheel's (x86_64: ``TRITON_CP312_RECORDS``; aarch64: copied out of
+# triton-3.8.0-cp312-cp312-manylinux_2_27_aarch64.manylinux_2_28_aarch64.whl from PyPI, sha256
+# a9c404c69ed4a39e8ec632eaf6b9fe058a060bf98979c177f6ef666f06bb8d50)
+RELEASE_TRITON = {"0.33.0": ("3.8.0", {"amd64": TRITON_CP312_RECORDS["3.8.0"],
+                                       "arm64": Path(__file__).with_name("triton-3.8.0-cp312-aarch64.RECORD")})}
+
+
+def build_release_multi(work: Path, version: str) -> Path:
+    """An OCI layout whose tag ``multi`` is vLLM ``version``'s base as its release tags are: an index
+    of linux/amd64 and linux/arm64, each half a small rootfs, a filler standing in for CUDA and
+    torch, and one layer with that platform's real vLLM wheel (``.py`` files and dist-info) and its
+    real Triton cp312 dist-info (``RELEASE_TRITON``). Returns the layout."""
+    triton, records = RELEASE_TRITON[version]
+    layout = work / "layout"
+    run("umoci", "init", "--layout", layout)
+    rootfs = work / "trees" / "rootfs"
+    (rootfs / "bin").mkdir(parents=True)
+    shutil.copy(shutil.which("busybox"), rootfs / "bin/busybox")
+    (rootfs / "bin/sh").symlink_to("busybox")
+    filler = work / "trees" / "filler" / "usr/local/cuda/lib64"
+    filler.mkdir(parents=True)
+    (filler / "libcudart.so.13").write_bytes(random.Random(version).randbytes(1 << 20))
+    entries = []
+    for arch, machine in (("amd64", "x86_64"), ("arm64", "aarch64")):
+        site = work / "trees" / f"vllm-{arch}" / SITE
+        _vllm_site(site, fetch_vllm_wheel(machine, version), version)
+        shutil.rmtree(site / "triton-3.5.0.dist-info")
+        info = site / f"triton-{triton}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: triton\nVersion: {triton}\n")
+        (info / "RECORD").write_bytes(records[arch].read_bytes())
+        image = f"{layout}:{arch}"
+        run("umoci", "new", "--image", image)
+        run("umoci", "config", "--image", image, "--architecture", arch, "--os", "linux", "--config.cmd", "/bin/sh")
+        for role, tree in (("rootfs", rootfs), ("filler", work / "trees" / "filler"),
+                           ("vllm", work / "trees" / f"vllm-{arch}")):
+            run("umoci", "raw", "add-layer", "--image", image, "--history.created_by", f"fixture {role} ({arch})",
+                _tar(tree, work / f"{role}-{arch}.tar"))
+        index = json.loads((layout / "index.json").read_text())
+        [ref] = [m for m in index["manifests"] if m["annotations"]["org.opencontainers.image.ref.name"] == arch]
+        entries.append({"mediaType": ref["mediaType"], "digest": ref["digest"], "size": ref["size"],
+                        "platform": {"architecture": arch, "os": "linux"}})
+    multi = _blob(layout, json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+                                      "manifests": entries}).encode())
+    index = json.loads((layout / "index.json").read_text())
+    index["manifests"].append({"mediaType": "application/vnd.oci.image.index.v1+json", "digest": multi[0],
+                               "size": multi[1], "annotations": {"org.opencontainers.image.ref.name": "multi"}})
+    (layout / "index.json").write_text(json.dumps(index))
+    return layout
+
+
 # -- fixtures -----------------------------------------------------------------------------------
 
 
@@ -522,6 +577,17 @@ def registry_plain(start_registry, base_layout) -> RegistryServer:
     server = start_registry("plain")
     _push_all(server, base_layout, full=True)
     return server
+
+
+@pytest.fixture(scope="session")
+def release_multi(tmp_path_factory, registry_plain) -> str:
+    """``vllm/vllm-openai:v0.33.0`` in ``registry_plain``: vLLM 0.33.0's two-platform base made
+    from both its real wheels (``build_release_multi``); its name under the registry."""
+    require_tools()
+    layout = build_release_multi(tmp_path_factory.mktemp("release-multi"), "0.33.0")
+    name = f"{REPO}:v0.33.0"
+    registry_plain.push(f"oci:{layout}:multi", name, "--all")
+    return name
 
 
 @pytest.fixture(scope="session")
