@@ -92,14 +92,20 @@ def _backend_class(tree, names: Sequence[str], **namespace) -> type:
     return _exec(f"class TurboQuantBackend:\n{body}\n", namespace, TQ)["TurboQuantBackend"]
 
 
-def runtime_kernel_block_size(tree, manager_block_size: int) -> int:
+def runtime_block_size_rule(tree):
+    """vLLM's own ``select_common_block_size`` of ``tree``, bound to the TurboQuant backend: manager
+    block size -> kernel block size (the source is extracted once, then called for each size)."""
     utils = tree.read("v1/worker/utils.py")
     names = [n for n in ("_block_size_is_supported", "select_common_block_size") if f"def {n}(" in utils]
     backend_text = tree.read("v1/attention/backend.py")
     namespace = _exec(extract(backend_text, "MultipleOf"), {"dataclass": dataclass}, "backend.py")
     _exec("\n\n".join(extract_all(utils, names).values()), namespace, "v1/worker/utils.py")
-    return namespace["select_common_block_size"](manager_block_size, [_backend_class(
-        tree, ["get_name", "get_supported_kernel_block_sizes"])])
+    backends = [_backend_class(tree, ["get_name", "get_supported_kernel_block_sizes"])]
+    return lambda manager_block_size: namespace["select_common_block_size"](manager_block_size, backends)
+
+
+def runtime_kernel_block_size(tree, manager_block_size: int) -> int:
+    return runtime_block_size_rule(tree)(manager_block_size)
 
 
 @dataclass(frozen=True)
@@ -296,9 +302,9 @@ def test_kernel_block_sizes_of_the_shipped_presets(trees):
 
 def test_kiln_rule_agrees_with_select_common_block_size_on_every_multiple_of_16(trees):
     for pin in PINS:
-        tree = trees(pin)
+        runtime = runtime_block_size_rule(trees(pin))
         for manager in range(16, 4097, 16):
-            assert kernel_block_size(manager) == runtime_kernel_block_size(tree, manager), (pin, manager)
+            assert kernel_block_size(manager) == runtime(manager), (pin, manager)
     assert kernel_block_size(100) is None
 
 
