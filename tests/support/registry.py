@@ -290,9 +290,11 @@ def _nightly_layer(dest: Path, release_site: Path) -> None:
     (dest / info / "RECORD").write_text("\n".join(lines) + "\n")
 
 
-def _vllm_site(site: Path, wheel: Path, version: str = VLLM_VERSION) -> dict[str, bytes]:
+def _vllm_site(site: Path, wheel: Path, version: str = VLLM_VERSION, triton: str = "3.5.0",
+               triton_record: bytes | None = None) -> dict[str, bytes]:
     """``wheel``'s python files and dist-info under ``site``, as pip installs them, and Triton
-    3.5.0's metadata beside them; returns the ``vllm/*.py`` files read."""
+    ``triton``'s metadata beside them (with ``triton_record`` as its RECORD when given); returns
+    the ``vllm/*.py`` files read."""
     wheel_files: dict[str, bytes] = {}
     with zipfile.ZipFile(wheel) as archive:
         for name in archive.namelist():
@@ -303,8 +305,11 @@ def _vllm_site(site: Path, wheel: Path, version: str = VLLM_VERSION) -> dict[str
                 (site / name).write_bytes(data)
                 if keep_py:
                     wheel_files[name] = data
-    (site / "triton-3.5.0.dist-info").mkdir()
-    (site / "triton-3.5.0.dist-info/METADATA").write_text("Metadata-Version: 2.1\nName: triton\nVersion: 3.5.0\n")
+    info = site / f"triton-{triton}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: triton\nVersion: {triton}\n")
+    if triton_record is not None:
+        (info / "RECORD").write_bytes(triton_record)
     return wheel_files
 
 
@@ -401,8 +406,8 @@ def build_base_layout(work: Path, wheel: Path, arm64_wheel: Path) -> BaseLayout:
     run("umoci", "new", "--image", f"{layout}:arm64vllm")
     run("umoci", "config", "--image", f"{layout}:arm64vllm", "--architecture", "arm64", "--os", "linux",
         "--config.cmd", "/bin/sh")
-    for role, tar in (("rootfs", "rootfs"), ("filler-cuda", "filler-cuda"), ("filler-torch", "filler-torch"),
-                      ("vllm", "vllm-arm64"), ("app", "app")):
+    for role in ("rootfs", "filler-cuda", "filler-torch", "vllm", "app"):
+        tar = "vllm-arm64" if role == "vllm" else role
         run("umoci", "raw", "add-layer", "--image", f"{layout}:arm64vllm", "--history.created_by",
             f"fixture {role} (arm64)", work / f"{tar}.tar")
 
@@ -497,12 +502,7 @@ def build_release_multi(work: Path, version: str) -> Path:
     entries = []
     for arch, machine in (("amd64", "x86_64"), ("arm64", "aarch64")):
         site = work / "trees" / f"vllm-{arch}" / SITE
-        _vllm_site(site, fetch_vllm_wheel(machine, version), version)
-        shutil.rmtree(site / "triton-3.5.0.dist-info")
-        info = site / f"triton-{triton}.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: triton\nVersion: {triton}\n")
-        (info / "RECORD").write_bytes(records[arch].read_bytes())
+        _vllm_site(site, fetch_vllm_wheel(machine, version), version, triton, records[arch].read_bytes())
         image = f"{layout}:{arch}"
         run("umoci", "new", "--image", image)
         run("umoci", "config", "--image", image, "--architecture", arch, "--os", "linux", "--config.cmd", "/bin/sh")
