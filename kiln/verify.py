@@ -10,7 +10,8 @@ Public API:
     verify_source(catalogue, choice, record_path, sm=None, accept=False, memo=None, train_path=None)
         -> SourceVerdicts
     DefinitionVerdicts   .rows (pin, Outcome), .failures
-    verify_definition(definition, pins, catalogue, reporter=SILENT, registry_config=None) -> DefinitionVerdicts
+    verify_definition(definition, pins, catalogue, reporter=SILENT, registry_config=None, memo=None)
+        -> DefinitionVerdicts   (``memo``: a ``SelectionMemo``, as a build patches)
     patch_selection(catalogue, choice, ids, sm=None) -> (tree, RunResult)   for ``diff`` and ``apply``
     selection_ids(catalogue, ids) -> list[str]
     PatchedSource        .inputs, .tree, .outcomes, .changed, .applied
@@ -36,7 +37,7 @@ from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.reference import parse_reference
 from kiln.patch.catalog import Catalogue, current_id, load_catalogue
 from kiln.patch.engine import RunResult, Session, run_isolated, run_selection
-from kiln.patch.memo import VerdictMemo
+from kiln.patch.memo import SelectionMemo, VerdictMemo, patched_selection
 from kiln.patch.outcome import BuildTarget, Outcome, Verdict
 from kiln.patch.record import Difference, accept, compare, load_record
 from kiln.paths import RepoFiles
@@ -183,12 +184,15 @@ def out_of_range_note(outcomes: Iterable[Outcome], label: str, maintainer: bool 
 
 
 def verify_definition(definition: ImageDefinition, pins: dict[str, Pin], catalogue: Catalogue,
-                      reporter: Reporter = SILENT, registry_config: RegistryConfig | None = None) -> DefinitionVerdicts:
-    """The image's selection on each of its pins, cumulatively, as ``build`` runs it."""
+                      reporter: Reporter = SILENT, registry_config: RegistryConfig | None = None,
+                      memo: SelectionMemo | None = None) -> DefinitionVerdicts:
+    """The image's selection on each of its pins, cumulatively, as ``build`` runs it: through
+    ``patched_selection``, so its independent groups run side by side and, with ``memo``, a group
+    whose pristine files, patch modules and engine are unchanged is read back, not run again."""
     result = DefinitionVerdicts(definition, definition.pins_of(pins))
     for pin in result.pins:
         tree = provider_for_pin(pin, registry_config, reporter).fetch()
-        run = run_selection(catalogue, Session(tree), definition.target(pin), list(definition.patches))
+        run = patched_selection(catalogue, tree, definition.target(pin), list(definition.patches), memo)
         result.rows.extend((pin, outcome) for outcome in run.outcomes.values())
     return result
 

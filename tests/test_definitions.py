@@ -105,10 +105,25 @@ def test_verify_image_lists_the_patches_that_block_a_build(capsys, workspace):
 
 
 @pytest.mark.network  # reads releases' wheels (verify)
-def test_repository_image_definitions_load(capsys):
+def test_repository_image_definitions_load(capsys, monkeypatch):
+    said = {}
     for path in sorted(paths.IMAGES.glob("*.toml")):
-        code, _, err = run(capsys, "verify", "--image", path.stem)
+        code, said[path.stem], err = run(capsys, "verify", "--image", path.stem, "--json")
         assert code == 0, err
+    # again: every selection group is read back from the memo (a build's SelectionMemo), none is run
+    import kiln.patch.memo
+
+    def run_groups(catalogue, tree, target, groups, *args):
+        assert not groups, f"verify --image patched {groups} again, which its memo holds"
+        return []
+
+    monkeypatch.setattr(kiln.patch.memo, "_run_groups", run_groups)
+    for name, first in said.items():
+        assert run(capsys, "verify", "--image", name, "--json")[:2] == (0, first)
+    # --no-memo runs the selection whole, with the same verdicts
+    monkeypatch.undo()
+    name = next(iter(said))
+    assert run(capsys, "verify", "--image", name, "--json", "--no-memo")[:2] == (0, said[name])
 
 
 # --- [[files]]: repository files baked into the image ---------------------------------------

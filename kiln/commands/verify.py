@@ -22,7 +22,7 @@ from kiln.commands.output import styled
 from kiln.definitions import load_definition
 from kiln.errors import KilnError
 from kiln.patch.catalog import load_catalogue
-from kiln.patch.memo import VerdictMemo
+from kiln.patch.memo import SelectionMemo, VerdictMemo
 from kiln.patch.outcome import Verdict
 from kiln.patch.output import unified_diff
 from kiln.patch.record import load_record
@@ -79,7 +79,8 @@ def run_verify(args, out) -> int:
             raise KilnError("verify --image takes no --pin/--vllm/--accept: it checks the image's own pins")
         pins = load_pins(files.pins)
         definition = load_definition(files.images, args.image, catalogue, pins)
-        result = checks.verify_definition(definition, pins, catalogue, out.reporter(), registry_config(args))
+        memo = None if args.no_memo else SelectionMemo()
+        result = checks.verify_definition(definition, pins, catalogue, out.reporter(), registry_config(args), memo)
         _show_definition(args, out, result)
         return 1 if result.failures else 0
     if args.vllm and is_release_range(args.vllm):
