@@ -49,11 +49,10 @@ Verdicts across releases (``patchsets/release-train.toml``, reviewed on every re
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import MetadataWrapper, PositionProvider
 
 from kiln.patch.anchor import find
 from kiln.patch.model import Codemod, Patch
-from kiln.patch.shapes import cls, func, kiln_marked, marked, statements, with_marker
+from kiln.patch.shapes import cls, func, kiln_marked, marked, place, statements, with_marker
 
 TARGET = "parser/abstract_parser.py"
 PARSE_DELTA = (cls("DelegatingParser"), func("parse_delta"))
@@ -139,8 +138,7 @@ class K2(Patch):
         ]
         if not saves:
             return None
-        line = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)[saves[0]].start.line
         return (
-            f"{TARGET}:{line}: DelegatingParser.parse_delta keeps the boundary delta's reasoning "
+            f"{place(TARGET, module, saves[0])}: DelegatingParser.parse_delta keeps the boundary delta's reasoning "
             "around the tool parser's answer (vllm#42691)"
         )

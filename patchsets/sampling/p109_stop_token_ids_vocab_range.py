@@ -39,11 +39,19 @@ Verdicts across releases (``patchsets/release-train.toml``, reviewed on every re
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import MetadataWrapper, PositionProvider
 
 from kiln.patch.anchor import find
 from kiln.patch.model import Codemod, Patch
-from kiln.patch.shapes import cls, func, insert_after, marked, statements, unmarked, with_marker
+from kiln.patch.shapes import (
+    cls,
+    func,
+    insert_after,
+    marked,
+    place,
+    statements,
+    unmarked,
+    with_marker,
+)
 
 TARGET = "sampling_params.py"
 PARAMS = cls("SamplingParams")
@@ -113,11 +121,6 @@ class CallStopTokenIdsValidator(Codemod):
         return insert_after(node, with_marker(call, "P109", why), blank_line=False)
 
 
-def _line(module: cst.Module, node: cst.CSTNode) -> int:
-    positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
-    return positions[node].start.line
-
-
 class P109(Patch):
     id = "P109"
     family = "sampling"
@@ -147,6 +150,6 @@ class P109(Patch):
         if not (validators and calls):
             return None
         return (
-            f"{TARGET}:{_line(module, validators[0])}: SamplingParams.{VALIDATOR} (vllm#54196), "
-            f"called from verify at {TARGET}:{_line(module, calls[0])}"
+            f"{place(TARGET, module, validators[0])}: SamplingParams.{VALIDATOR} (vllm#54196), "
+            f"called from verify at {place(TARGET, module, calls[0])}"
         )

@@ -34,11 +34,10 @@ Verdicts across releases (``patchsets/release-train.toml``, reviewed on every re
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import MetadataWrapper, PositionProvider
 
 from kiln.patch.anchor import find
 from kiln.patch.model import Codemod, Patch
-from kiln.patch.shapes import assign_to, func, marked, statements, top_level, with_marker
+from kiln.patch.shapes import assign_to, func, marked, place, statements, top_level, with_marker
 
 TARGET = "renderers/hf.py"
 HELPER = "_developer_messages_as_system"
@@ -110,10 +109,6 @@ class ConvertBeforeRendering(Codemod):
         return cst.FlattenSentinel([convert, node.with_changes(leading_lines=[])])
 
 
-def _line(module: cst.Module, node: cst.CSTNode) -> int:
-    return MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)[node].start.line
-
-
 class PN91(Patch):
     id = "PN91"
     family = "serving"
@@ -140,6 +135,6 @@ class PN91(Patch):
         if not (converters and calls):
             return None
         return (
-            f"{TARGET}:{_line(module, converters[0])}: _convert_developer_to_system, called from "
-            f"safe_apply_chat_template at {TARGET}:{_line(module, calls[0])}"
+            f"{place(TARGET, module, converters[0])}: _convert_developer_to_system, called from "
+            f"safe_apply_chat_template at {place(TARGET, module, calls[0])}"
         )

@@ -45,11 +45,10 @@ Verdicts across releases (``patchsets/release-train.toml``, reviewed on every re
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import MetadataWrapper, PositionProvider
 
 from kiln.patch.anchor import count, find
 from kiln.patch.model import Codemod, Patch
-from kiln.patch.shapes import cls, func, kiln_marked, marked, statements, with_marker
+from kiln.patch.shapes import cls, func, kiln_marked, marked, place, statements, with_marker
 
 SERVING = "entrypoints/openai/engine/serving.py"
 CHAT = "entrypoints/openai/chat_completion/serving.py"
@@ -170,8 +169,7 @@ class K3(Patch):
             module = module_of(rel)
             if module is not None and count(module, (shape,)):
                 return None
-        line = MetadataWrapper(parser, unsafe_skip_copy=True).resolve(PositionProvider)[guards[0]].start.line
         return (
-            f"{PARSER}:{line}: a forced tool choice without content returns no call (vllm#40148); "
+            f"{place(PARSER, parser, guards[0])}: a forced tool choice without content returns no call (vllm#40148); "
             f"no content/tool_calls assertion left in {PARSER}, {SERVING}, {CHAT}"
         )
