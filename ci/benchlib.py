@@ -39,10 +39,11 @@ class Measured:
     stdout: str
     stderr: str
     max_rss_mib: float  # peak resident set of the process (and the children it waited for)
+    cpu: float = 0.0  # user + system seconds of the process and every descendant it waited for
 
 
 def measured(cmd: list[str], env: dict | None = None, cwd: Path = REPO) -> Measured:
-    """One run of ``cmd``: wall time, output and its own peak RSS.
+    """One run of ``cmd``: wall time, output, its own peak RSS and its CPU time (with its children's).
 
     The RSS comes from GNU time (``/usr/bin/time -f %M``), a small process: ``wait4`` on a
     child forked from this (large) benchmark process reports at least this process's own RSS
@@ -64,7 +65,7 @@ def measured(cmd: list[str], env: dict | None = None, cwd: Path = REPO) -> Measu
             text = Path(rss.name).read_text().split()
             kib = int(text[-1]) if text and text[-1].isdigit() else kib
         return Measured(wall, proc.returncode, out.read().decode(errors="replace"),
-                        err.read().decode(errors="replace"), kib / 1024)
+                        err.read().decode(errors="replace"), kib / 1024, usage.ru_utime + usage.ru_stime)
 
 
 def median_of(cmd: list[str], runs: int, env: dict | None = None) -> float:
