@@ -25,15 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import REPO, machine, write_section
+from benchlib import machine, write_section
 
-sys.path.insert(0, str(REPO))
-from kiln.cache import cache_root  # noqa: E402
-from kiln.oci.layer import LayerBuilder  # noqa: E402
-from kiln.paths import RepoFiles  # noqa: E402
-from kiln.triton.aot import KernelSources, compile_kernel_caches, kernel_cache_files  # noqa: E402
-from kiln.triton.toolchain import toolchain_for  # noqa: E402
-from kiln.verify import patched_source  # noqa: E402
+from kiln.cache import cache_root
+from kiln.oci.layer import LayerBuilder
+from kiln.paths import RepoFiles
+from kiln.triton.aot import KernelSources, compile_kernel_caches, kernel_cache_files
+from kiln.triton.toolchain import toolchain_for
+from kiln.verify import patched_source
 
 SMS = [86, 89, 90, 120]
 

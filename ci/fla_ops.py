@@ -132,8 +132,12 @@ def load_chunk(where: Path, package: str, cuda: bool):
         _loop_variables_as_tensors()
     _first_config_only()
     _stand_ins(cuda)
-    if str(where) not in sys.path:
-        sys.path.insert(0, str(where))
+    if package not in sys.modules:  # the package from its folder, by path: sys.path stays as it was
+        folder = where / package
+        spec = importlib.util.spec_from_file_location(package, folder / "__init__.py",
+                                                      submodule_search_locations=[str(folder)])
+        sys.modules[package] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[package])
     chunk = importlib.import_module(f"{package}.chunk")
     if interpreted:
         for name, module in list(sys.modules.items()):

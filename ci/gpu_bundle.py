@@ -1,7 +1,7 @@
 """The kernel check of ``ci/gpu_check.py`` for a GPU machine that cannot reach the network.
 
     .venv/bin/python ci/gpu_check.py --bundle DIR --gpu-triton-record RECORD [--image NAME] [--pin PIN] [--sm 90]
-    python3 ci/gpu_check.py --run-bundle DIR [--json]                    # on the GPU machine
+    PYTHONPATH=. python3 ci/gpu_check.py --run-bundle DIR [--json]                    # on the GPU machine
 
 ``--bundle`` (here, with kiln installed): applies the image's selection to the pin's source, builds
 the SM's kernel cache exactly as ``build.py build`` does for an image whose Triton is described by
@@ -64,7 +64,6 @@ def _record_version(record: str) -> str | None:
 
 
 def write_bundle(args) -> int:
-    sys.path.insert(0, str(REPO))
     from kiln.cache import cache_root
     from kiln.errors import KilnError
     from kiln.paths import RepoFiles
@@ -153,7 +152,6 @@ def run_bundle(args) -> int:
                      f"for {job['triton']} ({job['libtriton_sha256'][:12]})")
     import tempfile
 
-    sys.path.insert(0, str(REPO))
     from kiln import lifeline
     from kiln.errors import Interrupted
 
@@ -299,7 +297,7 @@ def write_bench_doc(reports: list[Path]) -> int:
              "their reports:", "", "```bash",
              ".venv/bin/python ci/gpu_check.py --bundle B --gpu-triton-record RECORD --image IMAGE --pin PIN "
              "--sm 90 --kernel-block-size N",
-             "python3 ci/gpu_check.py --run-bundle B [--pn119 all|bench] --json > B.json     # on the GPU",
+             "PYTHONPATH=. python3 ci/gpu_check.py --run-bundle B [--pn119 all|bench] --json > B.json     # on the GPU",
              ".venv/bin/python ci/gpu_check.py --bench-doc B.json ...", "```", ""]
     for report in loaded:
         lines += [f"### {report['image']} on {report['pin']}, {report['gpu']} (sm_{report['sm']}), "

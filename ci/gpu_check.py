@@ -37,10 +37,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from gpu_reference import (  # ci/, beside this script
+    dequantise_k8v4,
+    print_kernel_report,
+    reference_decode,
+)
+
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO / "ci") not in sys.path:  # loaded by path (the tests), not run as a script
-    sys.path.insert(0, str(REPO / "ci"))
-from gpu_reference import dequantise_k8v4, print_kernel_report, reference_decode  # noqa: E402
 
 TOLERANCE = 2e-2  # fp8 keys and 4-bit values are quantised identically on both sides
 
@@ -59,9 +62,9 @@ def gpu_main(job_path: str) -> int:
     if major * 10 + minor != job["sm"]:
         print(f"gpu_check: this GPU is sm_{major}{minor}, the cache was built for sm_{job['sm']}", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(REPO / "kiln" / "triton"))
     import triton
-    import worker  # kiln/triton/worker.py: stand-in vLLM modules and the launch builders
+
+    from kiln.triton import worker  # stand-in vLLM modules and the launch builders
 
     compiles, hits = [], []
     triton.knobs.compilation.listener = lambda *, src, metadata, metadata_group, times, cache_hit: (
@@ -138,7 +141,6 @@ def _numerics(preset: dict, kv_preset: str, block_size: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    sys.path.insert(0, str(REPO / "ci"))
     import gpu_serve
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -191,7 +193,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def kernel_check(args) -> int:
-    sys.path.insert(0, str(REPO))
     from kiln.cache import cache_root
     from kiln.paths import RepoFiles
     from kiln.triton import aot

@@ -60,7 +60,6 @@ def compare(bundle: Path, work: Path) -> dict:
                                      "tokens": list(TOKENS)}))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
     env["TRITON_CACHE_DIR"] = str(work / "p103-triton")
-    sys.path.insert(0, str(REPO))
     from kiln import lifeline
 
     proc = lifeline.run([sys.executable, __file__, str(spec_path)], env=env)  # dies with us, SIGKILL too

@@ -70,7 +70,6 @@ def compare(bundle: Path, job: dict, work: Path, grid: bool = True) -> dict:
     spec_path.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
     env["TRITON_CACHE_DIR"] = str(work / "pn119-triton")  # its own, never the image's
-    sys.path.insert(0, str(REPO))
     from kiln import lifeline
 
     proc = lifeline.run([sys.executable, __file__, str(spec_path)], env=env)  # dies with us, SIGKILL too
@@ -111,8 +110,7 @@ def _load(root: str, sm: int):
     import importlib
     import types
 
-    sys.path.insert(0, str(REPO / "kiln" / "triton"))
-    import worker
+    from kiln.triton import worker
 
     for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
         del sys.modules[name]
@@ -132,8 +130,6 @@ def _load(root: str, sm: int):
 def _run_case(case: dict, stock, patched, device: str = "cuda") -> dict:
     """One case on ``device`` ("cpu" only under ``TRITON_INTERPRET=1``: the machinery's own test)."""
     import torch
-
-    sys.path.insert(0, str(REPO / "ci"))
     from gpu_reference import dequantise_k8v4, reference_decode
 
     cfg = stock.config.from_cache_dtype(case["kv_preset"], case["d"])

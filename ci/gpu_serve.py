@@ -185,7 +185,6 @@ def serve_env(base: dict, overlay: Path | None) -> dict:
 
 
 def _lifeline():
-    sys.path.insert(0, str(REPO))
     from kiln import lifeline  # stdlib only
 
     return lifeline
@@ -295,7 +294,6 @@ def served_section(data: dict, patched: dict, model: LocalModel) -> str:
 
 
 def record(section: str) -> None:
-    sys.path.insert(0, str(REPO / "ci"))
     import benchlib
 
     benchlib.write_section("served", section)
@@ -335,7 +333,6 @@ def run_step(args) -> int:
     import shlex
     import tempfile
 
-    sys.path.insert(0, str(REPO))
     from kiln.bench.battery import CASES
     from kiln.bench.evidence import evidence, machine_info
     from kiln.bench.run import run_battery, run_speed

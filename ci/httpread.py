@@ -33,14 +33,14 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import urljoin, urlsplit
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kiln.bench.wire import Watchdog  # noqa: E402
-from kiln.errors import KilnError  # noqa: E402
-from kiln.oci.limits import size_text  # noqa: E402
+try:  # the installed kiln (ci/ scripts run with kiln's .venv/bin/python; on a GPU machine, PYTHONPATH=.)
+    from kiln.bench.wire import Watchdog
+    from kiln.errors import KilnError
+    from kiln.oci.limits import size_text
+except ImportError as err:
+    sys.exit(f"{sys.argv[0]}: {err}: run ci/ scripts with kiln's own Python (.venv/bin/python, the README's set-up)")
 
 MAX_JSON = 64 << 20  # PyPI's /vllm/json is ~2 MB, its simple page ~1 MB, GitHub's answers far less
 MAX_REDIRECTS = 5

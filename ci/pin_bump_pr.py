@@ -42,14 +42,11 @@ import tomllib
 from pathlib import Path
 from urllib.parse import urlencode
 
+from httpread import field, get_json, of_type  # ci/httpread.py, beside this script
 from packaging.version import InvalidVersion, Version
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # ci/: httpread, also when loaded by path
-
-from httpread import field, get_json, of_type  # noqa: E402
-
-from kiln.errors import KilnError  # noqa: E402
-from kiln.oci.endpoints import RegistryConfig  # noqa: E402
+from kiln.errors import KilnError
+from kiln.oci.endpoints import RegistryConfig
 from kiln.oci.reference import parse_reference  # noqa: E402
 from kiln.oci.registry import RegistryClient  # noqa: E402
 

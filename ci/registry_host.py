@@ -31,10 +31,9 @@ from pathlib import Path
 
 import requests
 
+from kiln.lifeline import child_of
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-from kiln.lifeline import child_of  # noqa: E402
 
 VLLM_VERSION = "0.20.1"
 SITE = "usr/local/lib/python3.12/dist-packages"

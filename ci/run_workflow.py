@@ -39,8 +39,8 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from actions_expr import ExpressionError, evaluate, interpolate, to_string, truthy, with_status  # noqa: E402
+# ci/actions_expr.py, beside this script
+from actions_expr import ExpressionError, evaluate, interpolate, to_string, truthy, with_status
 
 REPO = Path(__file__).resolve().parent.parent
 SETUP_ONLY = ("actions/setup-python",)  # actions that only prepare the runner machine: stubbed

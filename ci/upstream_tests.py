@@ -54,32 +54,26 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urljoin
 
+import httpread  # ci/httpread.py, beside this script: every answer within a time and a size
 import requests
+from cpu_base import torch_cpu_index  # ci/cpu_base.py: PyTorch's CPU index, where it answers
 from packaging.version import Version
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from kiln import lifeline  # noqa: E402
-from kiln.cache import cache_dir  # noqa: E402
-from kiln.errors import Interrupted, KilnError  # noqa: E402
-from kiln.oci.digest import sha256_text  # noqa: E402
-from kiln.pinning.upstream_select import (  # noqa: E402  (the selection and the comparison: kiln's)
+from kiln import lifeline
+from kiln.cache import cache_dir
+from kiln.errors import Interrupted, KilnError
+from kiln.oci.digest import sha256_text
+from kiln.pinning.upstream_select import (  # the selection and the comparison: kiln's
     added_lines,
     compare,
     patched_files,
     select_tests,
 )
-from kiln.pins import load_pins  # noqa: E402
-from kiln.source.wheel import choose_wheel, index_url, list_release_files  # noqa: E402
-from kiln.staging import write_atomic  # noqa: E402
+from kiln.pins import load_pins
+from kiln.source.wheel import choose_wheel, index_url, list_release_files
+from kiln.staging import write_atomic
 
-sys.path.insert(0, str(ROOT / "ci"))
-import httpread  # noqa: E402  (ci/httpread.py: every answer within a time and a size)
-
-sys.path.insert(0, str(ROOT / "ci" / "cpu"))
-from base import torch_cpu_index  # noqa: E402  (ci/cpu/base.py: PyTorch's CPU index, where it answers)
-
+ROOT = Path(__file__).resolve().parent.parent
 LOCK = ROOT / "ci" / "cpu" / "requirements.lock"
 PINS = ROOT / "pins.toml"
 RUN_SECONDS = 3600  # per side; --timeout

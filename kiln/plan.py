@@ -176,7 +176,7 @@ def plan_builds(layout: Layout, since: str | None = None, include_worktree: bool
         else:
             after = _load_state(layout, _export(head, layout, Path(tmp) / "head"))
         plan = Plan(since=base.hexsha if base else None, head="worktree" if include_worktree else head.hexsha)
-        # The CPU pin's base is made by ci/cpu/base.py and pushed to ci/serve_check's own registry:
+        # The CPU pin's base is made by ci/cpu_base.py and pushed to ci/serve_check's own registry:
         # ci/serve_check builds its image; the workflow's matrix holds the GPU builds.
         everything = [(image, pin) for image in after.images.values() for pin in image.pins_of(after.pins)
                       if not pin.cpu]

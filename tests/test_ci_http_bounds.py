@@ -207,13 +207,13 @@ def upstream_tests():
 
 @pytest.fixture(scope="module")
 def cpu_lock():
-    yield _load("kiln_ci_cpu_lock_bounds", REPO / "ci" / "cpu" / "lock")
+    yield _load("kiln_ci_cpu_lock_bounds", REPO / "ci" / "cpu_lock")
     sys.modules.pop("kiln_ci_cpu_lock_bounds", None)
 
 
 @pytest.fixture(scope="module")
 def cpu_base():
-    yield _load("kiln_ci_cpu_base_bounds", REPO / "ci" / "cpu" / "base.py")
+    yield _load("kiln_ci_cpu_base_bounds", REPO / "ci" / "cpu_base.py")
     sys.modules.pop("kiln_ci_cpu_base_bounds", None)
 
 

@@ -1,4 +1,4 @@
-"""ci/cpu/base.py: its Debian step against a mirror that fails (retried, then one line saying
+"""ci/cpu_base.py: its Debian step against a mirror that fails (retried, then one line saying
 why), and its work folder safe from kiln's own clean-up of the cache it builds in.
 
 The mirror is a real HTTP server on 127.0.0.1 answering 503 to everything, and the step runs the
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def base():
-    spec = importlib.util.spec_from_file_location("kiln_ci_cpu_base", REPO / "ci" / "cpu" / "base.py")
+    spec = importlib.util.spec_from_file_location("kiln_ci_cpu_base", REPO / "ci" / "cpu_base.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -220,12 +220,13 @@ def _newer(stanza: dict, tmp: Path) -> dict:
 
 @pytest.fixture
 def recipe_copy(tmp_path):
-    """ci/cpu as a folder of its own, so a test can give the recipe another lock."""
+    """The recipe in a ci/ of its own (its locks in ci/cpu/, returned), so a test can give it another lock."""
     folder = tmp_path / "ci" / "cpu"
     folder.mkdir(parents=True)
-    for name in ("base.py", "requirements.lock", "debian-packages.lock"):
+    for name in ("requirements.lock", "debian-packages.lock"):
         (folder / name).write_bytes((REPO / "ci" / "cpu" / name).read_bytes())
-    (folder.parent / "httpread.py").write_bytes((REPO / "ci" / "httpread.py").read_bytes())  # its reads
+    for name in ("cpu_base.py", "httpread.py"):  # the recipe, and its reads beside it
+        (folder.parent / name).write_bytes((REPO / "ci" / name).read_bytes())
     return folder
 
 
@@ -257,7 +258,7 @@ def test_a_debian_update_builds_the_root_from_what_debian_serves_with_one_warnin
     _lock(recipe_copy, {n: s["Version"] for n, s in debian_today.items()})
     line = f"deb [trusted=yes] http://127.0.0.1:{server.server_port}/ bookworm main"
     try:
-        done = subprocess.run([sys.executable, str(recipe_copy / "base.py"), "--debian-only", "--json",
+        done = subprocess.run([sys.executable, str(recipe_copy.parent / "cpu_base.py"), "--debian-only", "--json",
                                "--attempts", "1", "--mirror", line], capture_output=True, text=True, timeout=900)
     finally:
         server.shutdown()
@@ -282,7 +283,7 @@ def test_a_locked_package_debian_no_longer_serves_fails_in_one_line_before_any_f
     _lock(recipe_copy, {n: s["Version"] for n, s in debian_today.items()})
     line = f"deb [trusted=yes] http://127.0.0.1:{server.server_port}/ bookworm main"
     try:
-        done = subprocess.run([sys.executable, str(recipe_copy / "base.py"), "--debian-only", "--attempts", "1",
+        done = subprocess.run([sys.executable, str(recipe_copy.parent / "cpu_base.py"), "--debian-only", "--attempts", "1",
                                "--mirror", line],
                               capture_output=True, text=True, timeout=300)
     finally:

@@ -5,7 +5,8 @@ prints; library code reports through a ``Reporter``; the import graph of ``kiln/
 between modules or between packages, and every import goes down the layers the page's table
 places each module in (``LAYERS``); no function is over ``MAX_FUNCTION_LINES``; kiln builds no
 path under ``ci/`` (an installed kiln has none), and ``ci/`` is a client of kiln's public API (no
-``tests`` import, no private kiln name).
+``tests`` import, no private kiln name, no ``sys.path`` edit: it imports the installed kiln and
+the modules beside it).
 """
 
 from __future__ import annotations
@@ -252,17 +253,43 @@ def _ci_paths(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+def _ci_python(root: Path) -> list[Path]:
+    """ci/'s Python: its ``.py`` files and its scripts without a suffix (a ``python`` shebang)."""
+    scripts = [p for p in (root / "ci").rglob("*") if p.is_file() and not p.suffix
+               and p.read_bytes()[:64].startswith(b"#!") and b"python" in p.read_bytes()[:64]]
+    return sorted([*(root / "ci").rglob("*.py"), *scripts])
+
+
+def _parented(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        for child in ast.iter_child_nodes(node):
+            child.parent = node
+    return tree
+
+
+_SYS_PATH_EDITS = {"insert", "append", "extend", "remove", "pop", "clear"}
+
+
 def _ci_offences(root: Path) -> list[str]:
     """What a ``ci/`` file under ``root`` must not do: import ``tests``, or use a private kiln name
     (``from kiln.x import _y``, ``module._y`` on a kiln module, ``import worker`` by path included)."""
     kiln_stems = {p.stem for p in (root / "kiln").rglob("*.py") if p.stem != "__init__"}
     ci_stems = {p.stem for p in (root / "ci").rglob("*.py")}
     offences = []
-    for path in sorted((root / "ci").rglob("*.py")):
+    for path in _ci_python(root):
         where = str(path.relative_to(root))
-        tree = ast.parse(path.read_text())
+        tree = _parented(ast.parse(path.read_text()))
         kiln_names: set[str] = set()
         for node in ast.walk(tree):
+            # ci/ imports the installed kiln and the modules beside it, never by editing the path
+            if isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name) \
+                    and node.value.id == "sys":
+                parent = getattr(node, "parent", None)
+                if isinstance(parent, ast.Attribute) and parent.attr in _SYS_PATH_EDITS:
+                    offences.append(f"{where}:{node.lineno} edits sys.path ({parent.attr})")
+                elif (isinstance(parent, ast.Subscript) and isinstance(parent.ctx, (ast.Store, ast.Del))) or (
+                        isinstance(parent, (ast.Assign, ast.AugAssign)) and node in getattr(parent, "targets", [parent.target])):
+                    offences.append(f"{where}:{node.lineno} edits sys.path (assignment)")
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name == "tests" or alias.name.startswith("tests."):
@@ -308,8 +335,10 @@ def test_the_ci_checks_catch_what_they_are_for(tmp_path):
     (tmp_path / "ci" / "a.py").write_text(
         "from tests.support.registry import run\nfrom kiln.triton.aot import _stage_sources\n"
         "from kiln.triton import aot\nimport worker\naot._stage_sources()\nworker._DEVICE = 'cuda'\n"
-        "aot.stage_sources()\n")
+        "aot.stage_sources()\nimport sys\nsys.path.insert(0, 'ci')\nsys.path[:0] = ['x']\nprint(sys.path[0])\n")
+    (tmp_path / "ci" / "script").write_text("#!/usr/bin/env python3\nimport sys\nsys.path.append('ci')\n")
     assert [line for line, _ in _ci_paths(tmp_path / "kiln" / "values.py")] == [2, 4]
     assert _ci_offences(tmp_path) == [
         "ci/a.py:1 imports from tests.support.registry", "ci/a.py:2 imports kiln.triton.aot._stage_sources",
-        "ci/a.py:5 uses aot._stage_sources", "ci/a.py:6 uses worker._DEVICE"]
+        "ci/a.py:5 uses aot._stage_sources", "ci/a.py:6 uses worker._DEVICE", "ci/a.py:9 edits sys.path (insert)",
+        "ci/a.py:10 edits sys.path (assignment)", "ci/script:3 edits sys.path (append)"]

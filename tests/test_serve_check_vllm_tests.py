@@ -1,4 +1,4 @@
-"""ci/cpu/image_tests.py: vLLM's tests run by each image's own Python, a regression failing serve_check.
+"""ci/cpu_image_tests.py: vLLM's tests run by each image's own Python, a regression failing serve_check.
 
 No chroot here: each "rootfs" is a folder holding a tiny ``vllm`` package under ``opt/venv``, and
 a fake runner plays the chroot (the image's Python is this one, with that folder's package on its
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("image_tests", ROOT / "ci" / "cpu" / "image_tests.py")
+_spec = importlib.util.spec_from_file_location("image_tests", ROOT / "ci" / "cpu_image_tests.py")
 image_tests = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(image_tests)
 

@@ -104,7 +104,7 @@ def resolve_platforms(pin: Pin, config: RegistryConfig, clients: dict | None = N
 def lock_pins(path: Path, names: list[str], config: RegistryConfig) -> list[LockResult]:
     """Resolve the named pins (every GPU pin when ``names`` is empty) and write the digests resolved."""
     pins = load_pins(path)
-    # The CPU pin's base is built by ci/cpu/base.py, not pulled: ci/serve_check locks it per run.
+    # The CPU pin's base is built by ci/cpu_base.py, not pulled: ci/serve_check locks it per run.
     chosen = ([get_pin(pins, name, path) for name in dict.fromkeys(names)] if names
               else [p for p in pins.values() if not p.cpu])
     clients: dict = {}

@@ -1,6 +1,6 @@
 """vLLM's own tests of the files an image patches, run by the image's Python in its rootfs.
 
-    .venv/bin/python ci/cpu/image_tests.py SPEC.json        (ci/serve_check writes SPEC and runs it)
+    .venv/bin/python ci/cpu_image_tests.py SPEC.json        (ci/serve_check writes SPEC and runs it)
 
 The live part of ``ci/upstream_tests.py`` inside ``ci/serve_check``: the serve check has unpacked
 the kiln image and its pristine base, so vLLM's CPU environment is there twice, patched and not.
@@ -36,17 +36,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "ci"))
+import requests
+import upstream_tests as upstream  # ci/upstream_tests.py, beside this script: sdist, selection, reports, verdict
+from packaging.version import Version
 
-import requests  # noqa: E402
-import upstream_tests as upstream  # noqa: E402  (ci/upstream_tests.py: sdist, selection, reports, verdict)
-from packaging.version import Version  # noqa: E402
-
-from kiln import lifeline  # noqa: E402
-from kiln.cache import cache_dir  # noqa: E402
-from kiln.errors import KilnError  # noqa: E402
+from kiln import lifeline
+from kiln.cache import cache_dir
+from kiln.errors import KilnError
 
 TESTS_DIR = "/tmp/vllm-tests"  # in each rootfs
 PYTHON = "/opt/venv/bin/python"  # the image's
@@ -173,7 +169,7 @@ def main(argv: list[str] | None = None, run_in_root: RunInRoot | None = None) ->
     argv = sys.argv[1:] if argv is None else argv
     try:
         if len(argv) != 1:
-            raise KilnError("usage: image_tests.py SPEC.json")
+            raise KilnError("usage: cpu_image_tests.py SPEC.json")
         spec = json.loads(Path(argv[0]).read_text())
         home = cache_dir() / "upstream-tests"
         home.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The CPU base image: vLLM's CPU build on a minimal Debian root, as OCI layers, no Docker Hub.
 
-    python3 ci/cpu/base.py [--registry HOST:PORT] [--repository NAME] [--cache DIR] [--json]
+    .venv/bin/python ci/cpu_base.py [--registry HOST:PORT] [--repository NAME] [--cache DIR] [--json]
                            [--mirror 'deb URL SUITE COMPONENT' ...] [--debian-only]
 
 The recipe, pinned so it rebuilds the same:
@@ -13,7 +13,7 @@ The recipe, pinned so it rebuilds the same:
    at all fails before anything is fetched, naming it; packages served at other versions than
    the lock names give one warning line (old -> new) and the build goes on. The cache entry
    records the lock's and the root's package lists; only a root that matches the lock can
-   rebuild the pinned digest (``ci/cpu/lock --debian`` refreshes lock and digest);
+   rebuild the pinned digest (``ci/cpu_lock --debian`` refreshes lock and digest);
 2. ``/opt/venv``: a venv of that Python with every wheel of ``ci/cpu/requirements.lock``
    (``pip install --no-deps --require-hashes``: each wheel is checked against its sha256, and
    nothing outside the lock is resolved; the lock leaves out torchvision/torchaudio/torchcodec,
@@ -47,12 +47,11 @@ import time
 import zlib
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # ci/: httpread (kiln's bounded reads)
-import httpread  # noqa: E402
+import httpread  # ci/httpread.py, beside this script: every answer within a time and a size
 
-HERE = Path(__file__).resolve().parent
-REQUIREMENTS_LOCK = HERE / "requirements.lock"
-DEBIAN_LOCK = HERE / "debian-packages.lock"
+LOCKS = Path(__file__).resolve().parent / "cpu"  # the recipe's locks, written by ci/cpu_lock
+REQUIREMENTS_LOCK = LOCKS / "requirements.lock"
+DEBIAN_LOCK = LOCKS / "debian-packages.lock"
 SUITE = "bookworm"
 MIRRORS = [
     f"deb http://deb.debian.org/debian {SUITE} main",
@@ -144,11 +143,11 @@ def debian_pins(lock: Path | None = None) -> dict[str, str]:
 
 
 def write_debian_lock(found: dict[str, str], lock: Path | None = None) -> None:
-    """The lock as the root has it (``ci/cpu/lock --debian``): a reviewed change, written whole."""
+    """The lock as the root has it (``ci/cpu_lock --debian``): a reviewed change, written whole."""
     target = lock or DEBIAN_LOCK
     staged = target.with_name(f".{target.name}.tmp")
-    staged.write_text("# ci/cpu/base.py's Debian root: every package, at this version.\n"
-                      "# Rewritten by `ci/cpu/lock --debian` (docs/SERVE_CHECK.md).\n"
+    staged.write_text("# ci/cpu_base.py's Debian root: every package, at this version.\n"
+                      "# Rewritten by `ci/cpu_lock --debian` (docs/SERVE_CHECK.md).\n"
                       + "".join(f"{n}={v}\n" for n, v in sorted(found.items())))
     staged.replace(target)
 
@@ -239,7 +238,7 @@ def check_served(pins: dict[str, str], served: dict[str, set[str]]) -> None:
         shown = ", ".join(f"{name}={pins[name]}" for name in gone[:8]) + (", ..." if len(gone) > 8 else "")
         raise NotServed(f"{DEBIAN_LOCK.name}: {len(gone)} locked package{'s' if len(gone) > 1 else ''} "
                           f"no longer served by the Debian mirror: {shown} (a Debian release dropped "
-                          f"{'them' if len(gone) > 1 else 'it'}: ci/cpu/lock --debian, then review the lock)")
+                          f"{'them' if len(gone) > 1 else 'it'}: ci/cpu_lock --debian, then review the lock)")
 
 
 def moved_packages(pins: dict[str, str], found: dict[str, str]) -> dict[str, list[str]]:
@@ -252,7 +251,7 @@ def moved_line(moved: dict[str, list[str]]) -> str:
     shown = ", ".join(f"{n} {old} -> {new}" for n, (old, new) in list(moved.items())[:8])
     return (f"warning: {DEBIAN_LOCK.name}: Debian serves {len(moved)} package{'s' if len(moved) > 1 else ''} "
             f"at other versions than the lock: {shown}{', ...' if len(moved) > 8 else ''}; the root is built "
-            f"from what Debian serves, so its digest is not the pinned one (ci/cpu/lock --debian refreshes both)")
+            f"from what Debian serves, so its digest is not the pinned one (ci/cpu_lock --debian refreshes both)")
 
 
 def debian_root(rootfs: Path, attempts: int = DEBIAN_ATTEMPTS, pause: float = 60.0,
@@ -364,6 +363,7 @@ def layers(rootfs: Path, work: Path, layout: Path) -> None:
              "--pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime",
              *sorted(os.listdir(source))])
         run(["umoci", "raw", "add-layer", "--image", f"{layout}:{TAG}", "--history.created", CREATED,
+             # (the recipe's name when the CPU pin's digest was locked: the history is part of the image's bytes)
              "--history.created_by", f"ci/cpu/base.py ({name})", str(archive)])
         archive.unlink()
     run(["umoci", "config", "--image", f"{layout}:{TAG}", "--created", CREATED, "--history.created", CREATED,
