@@ -269,11 +269,9 @@ def test_cpu_base_torch_index_probe_is_bounded(mode, hostile, monkeypatch, cpu_b
 
 @pytest.fixture(scope="module")
 def httpread():
-    sys.path.insert(0, str(REPO / "ci"))
-    import httpread
+    import httpread  # ci/, on the tests' path (tests/conftest.py)
 
     yield httpread
-    sys.path.remove(str(REPO / "ci"))
 
 
 @pytest.mark.reliability

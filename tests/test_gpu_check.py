@@ -19,7 +19,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "ci" / "gpu_check.py"
 spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
 gpu_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_check)
-import gpu_reference  # noqa: E402  (ci/, put on sys.path by gpu_check)
+import gpu_reference  # noqa: E402  (ci/, on the tests' path: tests/conftest.py)
 
 
 def test_dequantise_k8v4_reads_the_store_layout():
@@ -57,8 +57,7 @@ def test_gpu_side_refuses_a_machine_without_cuda(tmp_path):
 
 # -- the served-model step (ci/gpu_serve.py): everything but the GPU ------------------------------
 
-sys.path.insert(0, str(SCRIPT.parent))
-import gpu_serve  # noqa: E402  (ci/ is no package)
+import gpu_serve  # noqa: E402  (ci/, on the tests' path)
 
 REPO = SCRIPT.parent.parent
 

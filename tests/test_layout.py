@@ -255,19 +255,32 @@ def _ci_paths(path: Path) -> list[tuple[int, str]]:
 
 def _ci_python(root: Path) -> list[Path]:
     """ci/'s Python: its ``.py`` files and its scripts without a suffix (a ``python`` shebang)."""
-    scripts = [p for p in (root / "ci").rglob("*") if p.is_file() and not p.suffix
-               and p.read_bytes()[:64].startswith(b"#!") and b"python" in p.read_bytes()[:64]]
+    def python_script(path: Path) -> bool:
+        first = path.read_bytes()[:64]
+        return first.startswith(b"#!") and b"python" in first
+
+    scripts = [p for p in (root / "ci").rglob("*") if p.is_file() and not p.suffix and python_script(p)]
     return sorted([*(root / "ci").rglob("*.py"), *scripts])
 
 
-def _parented(tree: ast.AST) -> ast.AST:
-    for node in ast.walk(tree):
-        for child in ast.iter_child_nodes(node):
-            child.parent = node
-    return tree
-
-
 _SYS_PATH_EDITS = {"insert", "append", "extend", "remove", "pop", "clear"}
+
+
+def _is_sys_path(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name) \
+        and node.value.id == "sys"
+
+
+def _sys_path_edit(node: ast.AST) -> str | None:
+    """How ``node`` edits ``sys.path`` (a method call, or an assignment to it or a slice of it), else None."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _is_sys_path(node.func.value) \
+            and node.func.attr in _SYS_PATH_EDITS:
+        return node.func.attr
+    targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
+        [node.target] if isinstance(node, ast.AugAssign) else []
+    if any(_is_sys_path(t) or (isinstance(t, ast.Subscript) and _is_sys_path(t.value)) for t in targets):
+        return "assignment"
+    return None
 
 
 def _ci_offences(root: Path) -> list[str]:
@@ -278,18 +291,12 @@ def _ci_offences(root: Path) -> list[str]:
     offences = []
     for path in _ci_python(root):
         where = str(path.relative_to(root))
-        tree = _parented(ast.parse(path.read_text()))
+        tree = ast.parse(path.read_text())
         kiln_names: set[str] = set()
         for node in ast.walk(tree):
-            # ci/ imports the installed kiln and the modules beside it, never by editing the path
-            if isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name) \
-                    and node.value.id == "sys":
-                parent = getattr(node, "parent", None)
-                if isinstance(parent, ast.Attribute) and parent.attr in _SYS_PATH_EDITS:
-                    offences.append(f"{where}:{node.lineno} edits sys.path ({parent.attr})")
-                elif (isinstance(parent, ast.Subscript) and isinstance(parent.ctx, (ast.Store, ast.Del))) or (
-                        isinstance(parent, (ast.Assign, ast.AugAssign)) and node in getattr(parent, "targets", [parent.target])):
-                    offences.append(f"{where}:{node.lineno} edits sys.path (assignment)")
+            edit = _sys_path_edit(node)  # ci/ imports the installed kiln and the modules beside it
+            if edit:
+                offences.append(f"{where}:{node.lineno} edits sys.path ({edit})")
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name == "tests" or alias.name.startswith("tests."):

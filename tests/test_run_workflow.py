@@ -21,14 +21,14 @@ import jsonschema
 import pytest
 import requests
 
+# ci/, on the tests' path (tests/conftest.py)
+from actions_expr import ExpressionError, evaluate, interpolate, with_status  # noqa: E402
+from registry_login import login  # noqa: E402
+
 from kiln import paths
 from kiln.image.cachekeys import entry_tag
 from kiln.publish.values import VALUES_SCHEMA
 from kiln.publish.vllm_stack import VLLM_STACK_SCHEMA
-
-sys.path.insert(0, str(paths.REPO / "ci"))
-from actions_expr import ExpressionError, evaluate, interpolate, with_status  # noqa: E402
-from registry_login import login  # noqa: E402
 
 FIXTURE_IMAGE = """\
 # a test fixture: one pin, one SM on two platforms, one patch, no kernels (tests/test_run_workflow.py)

@@ -49,7 +49,6 @@ import hashlib
 import json
 import random
 import shutil
-import sys
 import threading
 import time
 import uuid
@@ -61,11 +60,9 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from kiln.cache import cache_root
-
-# the registry process and the wheel, shared with ci/bench_build.py (which imports no tests/)
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ci"))
-from registry_host import (  # noqa: E402,F401  (re-exported: the registry tests import them from here)
+# the registry process and the wheel, shared with ci/bench_build.py (which imports no tests/);
+# ci/ is on the tests' path (tests/conftest.py)
+from registry_host import (  # noqa: F401  (re-exported: the registry tests import them from here)
     BASE_REPO,
     SITE,
     TOOLS,
@@ -77,8 +74,10 @@ from registry_host import (  # noqa: E402,F401  (re-exported: the registry tests
     run,
     start_registry_server,
 )
-from registry_host import fetch_vllm_wheel as _fetch_vllm_wheel  # noqa: E402
-from registry_host import tar as _tar  # noqa: E402
+from registry_host import fetch_vllm_wheel as _fetch_vllm_wheel
+from registry_host import tar as _tar
+
+from kiln.cache import cache_root
 
 # A nightly build's version, as vLLM's nightly images carry one (0.20.1's files under it).
 NIGHTLY_VERSION = "0.20.2rc1.dev424+g3f5a1e173"
