@@ -18,13 +18,7 @@ import pytest
 from packaging.version import Version
 
 from kiln import paths
-
-# ci/'s scripts import the modules beside them (httpread, cpu_base, ...) as a script run from ci/
-# finds them; the tests that load a script by path give it the same folder.
-if str(paths.REPO / "ci") not in sys.path:
-    sys.path.append(str(paths.REPO / "ci"))
-
-from kiln.patch.catalog import load_catalogue  # noqa: E402
+from kiln.patch.catalog import load_catalogue
 from kiln.patch.engine import Session
 from kiln.pins import load_pins
 from kiln.source.wheel import WheelSource

@@ -48,6 +48,9 @@ from pathlib import Path
 import libcst as cst
 import pytest
 import torch
+from gpu_pn119 import (
+    Counted,  # ci/gpu_pn119.py: the same counter on the GPU (ci/ is on the path: tests/__init__.py)
+)
 from packaging.version import Version
 
 from kiln import paths
@@ -60,9 +63,6 @@ from kiln.triton.toolchain import toolchain_for
 from tests.patchsets.support import tq_interpret as tq
 from tests.patchsets.support.patchlib import patched_files
 from tests.support.registry import TOOLCHAIN_CACHE
-
-sys.path.insert(0, str(paths.REPO / "ci"))
-from gpu_pn119 import Counted  # noqa: E402  (ci/gpu_pn119.py: the same counter on the GPU)
 
 TARGET = "v1/attention/ops/triton_turboquant_decode.py"
 KERNEL = "v1/attention/ops/triton_turboquant_grouped_decode.py"

@@ -13,11 +13,9 @@ emulation), so callers use float16.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "ci"))
-import fla_ops  # noqa: E402  (ci/fla_ops.py: stdlib, torch and Triton only)
+import fla_ops  # ci/fla_ops.py: stdlib, torch and Triton only (ci/ is on the path: tests/__init__.py)
 
 OPS = "third_party/flash_linear_attention/ops"
 FILES = (
