@@ -118,7 +118,7 @@ def _greedy_body(prompt: str, max_tokens: int) -> dict:
 
 
 def serve(args) -> int:
-    from gpu_serve import Server, free_port  # ci/gpu_serve.py: the server process and its lifeline
+    from gpu_serve import Server, StepError, free_port  # ci/gpu_serve.py: a server and its lifeline
 
     from kiln.bench.battery import CASES
     from kiln.bench.client import stream_chat
@@ -152,7 +152,12 @@ def serve(args) -> int:
                                          "vllm": probe.stdout.strip(), "error": probe.stderr.strip().splitlines()[-1:]}
                 continue
             servers[label] = Server(command, env, out / f"server-{side}.log")
-            endpoints[label] = servers[label].wait_ready(min(args.ready_timeout, deadline - time.monotonic()))
+            try:
+                endpoints[label] = servers[label].wait_ready(min(args.ready_timeout, deadline - time.monotonic()))
+            except StepError as error:  # the other side still runs: one GPU run says what each side does
+                report["sides"][side] = {"command": command, "first_request_ok": False, "first_error": str(error)}
+                servers.pop(label).stop()
+                continue
             before = cache_entries(cache_dir)
             first = stream_chat(endpoints[label], _greedy_body("Hello", 16), timeout=120)
             compiled = sorted(cache_entries(cache_dir) - before)
@@ -163,7 +168,7 @@ def serve(args) -> int:
                                      "greedy": [g.content if g.ok else f"error: {g.error}" for g in greedy],
                                      "profile": [line.strip() for line in log.splitlines()
                                                                    if PROFILE_LINES.search(line)][-12:]}
-        if not args.preflight:
+        if not args.preflight and len(endpoints) == 2:
             settings = BenchSettings(runs=args.runs, warmup=1, concurrency=(1, 4))
             speed = run_speed(endpoints, settings, deadline=time.perf_counter() + max(30.0, deadline - time.monotonic() - 60))
             battery = run_battery(endpoints, CASES, 1, settings, deadline=time.perf_counter() + 50)
