@@ -6,8 +6,8 @@
 The GPU machine (Python 3.12.3, torch 2.11.0 cu130, Triton 3.6.0, no network; its packages in
 ``ci/gpu_machine_packages.txt``) has vLLM 0.20.1's torch, not vLLM. DIR gets:
 
-- ``parts/part-NNN``: one tar of the bundle cut into parts of at most ``--part-mib`` MiB (default 50:
-  a run carries 64 MiB with the checkout's ~10), and ``parts/manifest.json``: each part's sha256
+- ``parts/part-NNN``: one tar of the bundle cut into parts of at most ``--part-mib`` MiB (default 44:
+  a run carries 64 MiB with the checkout, 14.1 MiB on 2026-11-30, and ci/upstream's records grow it), and ``parts/manifest.json``: each part's sha256
   and size, the whole tar's sha256, and what the bundle holds (``bundle.json``, below);
 - ``stage/``: the bundle unpacked (what the tar holds).
 
@@ -86,11 +86,13 @@ FORMAT = 1
 
 # Files of vLLM 0.20.1's wheel the serve run on sm_90 does not load, and why (read from its code).
 OMIT_FROM_VLLM = {
-    "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": (
-        "FA2: on sm_90 fa_utils.get_flash_attn_version picks FA3 (`device_capability.major == 9 and "
-        "is_fa_version_supported(3)`, v1/attention/backends/fa_utils.py); flash_attn_interface imports "
-        "_vllm_fa2_C in a try/except (vllm_flash_attn/flash_attn_interface.py:14), so its absence only "
-        "marks FA2 unsupported. TurboQuant's prefill (turboquant_attn.py) asks for that version."),
+    "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": (
+        "FA3: with a turboquant_* KV cache, create_engine_config sets attention_config.flash_attn_version "
+        "to 2 (engine/arg_utils.py:2003-2014: 'TurboQuant is not yet compatible with FlashAttention >= 3'), "
+        "so TurboQuant's prefill calls FA2's varlen_fwd (vllm_flash_attn/flash_attn_interface.py:300); "
+        "flash_attn_interface imports _vllm_fa3_C in a try/except (:22-27), so its absence only marks FA3 "
+        "unsupported. FA2 is kept: the H200 run of 2026-11-30 left FA2 out and its first request died "
+        "in _vllm_fa2_C.varlen_fwd (docs/gpu/h200-2026-11-30-serve)"),
     "vllm/_moe_C.abi3.so": (
         "fused-MoE ops: Qwen3.6-27B and the tiny model are dense; Platform.import_kernels imports it "
         "under contextlib.suppress(ImportError) (platforms/interface.py:242)"),
@@ -514,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm", default="0.20.1", help="the pin's vLLM release (its PyPI wheel)")
     parser.add_argument("--sm", type=int, default=90)
     parser.add_argument("--python-version", default="3.12", help="the GPU machine's Python (default: %(default)s)")
-    parser.add_argument("--part-mib", type=int, default=50, help="largest part, MiB (default: %(default)s)")
+    parser.add_argument("--part-mib", type=int, default=44, help="largest part, MiB (default: %(default)s)")
     parser.add_argument("--downloads", type=Path, help="download cache (default: <kiln cache>/gpu-serve-bundle/downloads)")
     parser.add_argument("--resolve-only", action="store_true",
                         help="print which requirements are carried, met by the machine or omitted; build nothing")

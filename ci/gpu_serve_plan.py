@@ -73,11 +73,22 @@ def plan(parts: Path) -> list[dict]:
     return runs
 
 
+CARRY_LIMIT_MIB = 64  # what one device run carries: the checkout's tracked files and the carried folder
+
+
+def checkout_mib() -> float:
+    """The tracked files' size: every run carries them beside the part (the manifest's few KiB aside)."""
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    return sum((REPO / n).stat().st_size for n in names.decode().split("\0") if n and (REPO / n).is_file()) / (1 << 20)
+
+
 # -- the serve run ---------------------------------------------------------------------------------
 
 
-def scaled_args(image_args: list[str], model: Path, chat_template: Path, gpu_share: float) -> list[str]:
-    """The image's ``[serve] args`` for the tiny model: what the model or the bundle changes, and why."""
+def scaled_args(image_args: list[str], model: Path, chat_template: Path, gpu_share: float,
+                kv_cache_dtype: str | None = None) -> list[str]:
+    """The image's ``[serve] args`` for the tiny model: what the model or the bundle changes, and why.
+    ``kv_cache_dtype`` replaces the image's (the pristine side: see ``PRISTINE_KV``)."""
     args, skip = [], False
     for index, arg in enumerate(image_args):
         if skip:
@@ -91,6 +102,9 @@ def scaled_args(image_args: list[str], model: Path, chat_template: Path, gpu_sha
             skip = True
         elif arg == "--gpu-memory-utilization":  # two servers share the GPU for the A/B
             args += [arg, f"{gpu_share:.2f}"]
+            skip = True
+        elif arg == "--kv-cache-dtype" and kv_cache_dtype:
+            args += [arg, kv_cache_dtype]
             skip = True
         elif arg == "--chat-template":  # where the assembler put kiln's /opt/kiln
             args += [arg, str(chat_template)]
@@ -106,6 +120,20 @@ def scaled_args(image_args: list[str], model: Path, chat_template: Path, gpu_sha
 
 def cache_entries(root: Path) -> set[str]:
     return {p.name for p in root.iterdir() if p.is_dir()} if root.is_dir() else set()
+
+
+def kernel_names(root: Path, entries: list[str]) -> list[str]:
+    """The kernels compiled into these Triton cache entries (each holds ``<kernel>.json``; group files
+    ``__grp__*`` are not kernels): what a compile count alone does not say."""
+    return sorted({f.stem for entry in entries for f in (root / entry).glob("*.json")
+                   if not f.name.startswith("__grp__")})
+
+
+# vLLM 0.20.1 refuses a turboquant_* KV cache for a hybrid model in create_engine_config
+# (engine/arg_utils.py:1675-1680, "TurboQuant KV cache is not supported for hybrid (attention + Mamba)
+# models"), as the H200 run of 2026-11-30 showed on the pristine side; kiln's P4 lifts it. So the
+# pristine side serves what a stock user can: the model's own KV dtype.
+PRISTINE_KV = "auto"
 
 
 PROFILE_LINES = re.compile(r"(Model loading took|Available KV cache memory|GPU KV cache size|"
@@ -143,7 +171,7 @@ def serve(args) -> int:
             command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
                        "--port", str(free_port()), "--served-model-name", "kiln-check",
                        *scaled_args(bundle["kiln"]["serve_args"], model, opt_kiln / "chat-templates" / "qwen3.6.jinja",
-                                    args.gpu_share)]
+                                    args.gpu_share, args.pristine_kv_cache_dtype if side == "pristine" else None)]
             env = {**base_env, **assembled["env"][side]}
             if args.preflight:
                 probe = subprocess.run([sys.executable, "-c", "import vllm.entrypoints.openai.api_server as m, vllm;"
@@ -165,6 +193,7 @@ def serve(args) -> int:
             log = (out / f"server-{side}.log").read_text(errors="replace")
             report["sides"][side] = {"command": command, "first_request_ok": first.ok, "first_error": first.error,
                                      "triton_compiles_first_request": len(compiled), "compiled_entries": compiled,
+                                     "compiled_kernels": kernel_names(cache_dir, compiled),
                                      "greedy": [g.content if g.ok else f"error: {g.error}" for g in greedy],
                                      "profile": [line.strip() for line in log.splitlines()
                                                                    if PROFILE_LINES.search(line)][-12:]}
@@ -247,10 +276,19 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--ready-timeout", type=float, default=150.0, help="seconds for each server to answer")
     s.add_argument("--budget-s", type=float, default=SERVE_TIMEOUT_S - 30, help="the whole serve step")
     s.add_argument("--runs", type=int, default=3, help="bench runs per prompt")
+    s.add_argument("--pristine-kv-cache-dtype", default=PRISTINE_KV,
+                   help="the pristine side's KV dtype ('' keeps the image's: 0.20.1 refuses it for hybrid models)")
     s.add_argument("--preflight", action="store_true", help="no server: imports and commands only")
     args = parser.parse_args(argv)
     if args.verb == "plan":
-        print(json.dumps(plan(args.parts), indent=1))
+        runs = plan(args.parts)
+        checkout = checkout_mib()
+        over = [run for run in runs if run.get("mib", 0) + checkout > CARRY_LIMIT_MIB]
+        if over:  # the device tool would refuse the run: say so here, before a machine is held
+            print(f"gpu_serve_plan: a part of {over[0]['mib']} MiB with the checkout's {checkout:.1f} MiB is over the "
+                  f"{CARRY_LIMIT_MIB} MiB a run carries: rebuild with a smaller --part-mib", file=sys.stderr)
+            return 1
+        print(json.dumps(runs, indent=1))
         return 0
     if args.verb == "dry-run":
         done = dry_run(args.parts, args.standin, args.python)

@@ -124,15 +124,20 @@ def test_the_bundle_holds_what_the_machine_lacks_in_parts_under_the_limit(built,
         assert part.stat().st_size == entry["size"] < 60 * MIB
         assert hashlib.sha256(part.read_bytes()).hexdigest() == entry["sha256"]
     bundle = json.loads((out / "stage" / "bundle.json").read_text())
-    # vLLM's wheel: PyPI's sha256, without FA2 and the MoE ops, each omission with its reason
+    # vLLM's wheel: PyPI's sha256, without FA3 and the MoE ops, each omission with its reason
     assert bundle["vllm"]["sha256"] == VLLM_SHA256
     omitted = {o["path"]: o for o in bundle["vllm"]["omitted"]}
-    assert set(omitted) == {"vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/_moe_C.abi3.so"}
+    assert set(omitted) == {"vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so", "vllm/_moe_C.abi3.so"}
     assert all(o["reason"] and o["size"] > 10 * MIB for o in omitted.values())
     with zipfile.ZipFile(out / "stage" / "wheels" / bundle["vllm"]["repacked"]) as repacked:
         names = set(repacked.namelist())
         record = repacked.read(next(n for n in names if n.endswith(".dist-info/RECORD"))).decode()
-    assert not set(omitted) & names and "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so" in names
+        arg_utils = repacked.read("vllm/engine/arg_utils.py").decode()
+    # FA3's omission rests on this override; a pin without it would reach FA3 on sm_90
+    assert 'resolved_cache_dtype.startswith("turboquant_")' in arg_utils
+    assert "attention_config.flash_attn_version = 2" in arg_utils
+    # FA2 stays: TurboQuant forces flash_attn_version 2 (arg_utils.py:2003-2014); the H200 run needed it
+    assert not set(omitted) & names and "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" in names
     assert not any(line.split(",")[0] in omitted for line in record.splitlines())
     # the requirements: carried only when the machine lacks them (or has a version vLLM's graph refuses)
     machine = {_canon(line.split()[0]) for line in (REPO / "ci" / "gpu_machine_packages.txt").read_text().splitlines()
@@ -201,7 +206,9 @@ def test_the_plan_dry_run_carries_each_part_alone_assembles_and_both_sides_impor
     for side in ("pristine", "patched"):
         command = preflight[side]["command"]
         assert preflight[side]["imports"], preflight[side]["error"]
-        assert command[command.index("--kv-cache-dtype") + 1] == "turboquant_k8v4"
+        # pristine 0.20.1 refuses TurboQuant for a hybrid model (the H200 run saw it): it serves "auto"
+        assert command[command.index("--kv-cache-dtype") + 1] == \
+            {"pristine": "auto", "patched": "turboquant_k8v4"}[side]
         assert json.loads(command[command.index("--speculative-config") + 1])["method"] == "mtp"
         assert "--async-scheduling" in command and "--quantization" not in command
     # every module kiln patches imports on both sides: the installed file on one, kiln's on the other
@@ -270,3 +277,41 @@ def test_a_corrupt_part_is_refused_naming_it(built, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"gpu_serve_assemble: {bad}: sha256 differs from the manifest's"]
     assert not (tmp_path / "in" / name).exists()
+
+
+def test_first_request_compiles_are_named_by_kernel(tmp_path):
+    """The serve run names the kernels a first request compiled (a count alone says nothing of which);
+    Triton's group files are not kernels."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_serve_plan", PLAN)
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    for entry, files in {"A": ["_tq_decode_stage1.json", "_tq_decode_stage1.cubin", "__grp___tq_decode_stage1.json"],
+                         "B": ["chunk_fwd_kernel_o.json"], "C": ["_tq_decode_stage1.json"]}.items():
+        (tmp_path / entry).mkdir()
+        for name in files:
+            (tmp_path / entry / name).write_text("{}")
+    before = plan.cache_entries(tmp_path)
+    (tmp_path / "D").mkdir()
+    (tmp_path / "D" / "_tq_fused_store.json").write_text("{}")
+    new = sorted(plan.cache_entries(tmp_path) - before)
+    assert new == ["D"] and plan.kernel_names(tmp_path, new) == ["_tq_fused_store"]
+    assert plan.kernel_names(tmp_path, ["A", "B", "C"]) == ["_tq_decode_stage1", "chunk_fwd_kernel_o"]
+    args = plan.scaled_args(["--kv-cache-dtype", "turboquant_k8v4", "--quantization", "auto_round"],
+                            tmp_path / "m", tmp_path / "t.jinja", 0.4, "auto")
+    assert args[args.index("--kv-cache-dtype") + 1] == "auto" and "--quantization" not in args
+
+
+def test_the_plan_refuses_a_part_the_device_run_cannot_carry(tmp_path):
+    """A part that, with the checkout's tracked files, is over the 64 MiB a run carries is refused in one
+    line before any machine is held (the checkout is ~14 MiB: a 50 MiB part no longer fits)."""
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for mib, ok in ((60, False), (30, True)):
+        manifest = {"format": 1, "parts": [{"name": "part-000", "size": mib * MIB, "sha256": "0" * 64}]}
+        (parts / "manifest.json").write_text(json.dumps(manifest))
+        proc = subprocess.run([sys.executable, str(PLAN), "plan", "--parts", str(parts)], capture_output=True,
+                              text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert (proc.returncode == 0) is ok, proc.stderr
+        if not ok:
+            assert proc.stderr.count("\n") == 1 and "smaller --part-mib" in proc.stderr
