@@ -168,10 +168,13 @@ def serve(args) -> int:
     base_env.update(bundle["kiln"].get("serve_env", {}), TRITON_CACHE_DIR=str(cache_dir), VLLM_NO_USAGE_STATS="1")
     try:
         for label, side in (("B", "pristine"), ("A", "patched")):  # one at a time: each profiles memory
+            if side not in args.sides:
+                continue
             command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
                        "--port", str(free_port()), "--served-model-name", "kiln-check",
                        *scaled_args(bundle["kiln"]["serve_args"], model, opt_kiln / "chat-templates" / "qwen3.6.jinja",
-                                    args.gpu_share, args.pristine_kv_cache_dtype if side == "pristine" else None)]
+                                    args.gpu_share, args.pristine_kv_cache_dtype if side == "pristine" else None),
+                       *(["--enforce-eager"] if args.enforce_eager else [])]
             env = {**base_env, **assembled["env"][side]}
             if args.preflight:
                 probe = subprocess.run([sys.executable, "-c", "import vllm.entrypoints.openai.api_server as m, vllm;"
@@ -279,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--pristine-kv-cache-dtype", default=PRISTINE_KV,
                    help="the pristine side's KV dtype ('' keeps the image's: 0.20.1 refuses it for hybrid models)")
     s.add_argument("--preflight", action="store_true", help="no server: imports and commands only")
+    s.add_argument("--sides", nargs="+", choices=("pristine", "patched"), default=["pristine", "patched"],
+                   help="which sides to serve (the bench needs both)")
+    s.add_argument("--enforce-eager", action="store_true",
+                   help="no torch.compile, no CUDA graphs: a cold machine's server up in less GPU time "
+                        "(the image's compile mode is not what is then shown)")
     args = parser.parse_args(argv)
     if args.verb == "plan":
         runs = plan(args.parts)
