@@ -129,6 +129,21 @@ def kernel_names(root: Path, entries: list[str]) -> list[str]:
                    if not f.name.startswith("__grp__")})
 
 
+def kernel_metadata(root: Path, entries: list[str], limit: int = 64 << 10) -> dict[str, dict]:
+    """Each compiled entry's kernel metadata (Triton's ``<kernel>.json``: its options and
+    specialization), so that a first-request compile can be matched against kiln's launch plan
+    here, on the CPU: the 2026-11-30 run brought back names only, which did not tell why."""
+    found = {}
+    for entry in entries:
+        for f in sorted((root / entry).glob("*.json")):
+            if not f.name.startswith("__grp__") and f.stat().st_size <= limit:
+                try:
+                    found[entry] = json.loads(f.read_text())
+                except ValueError:
+                    found[entry] = {"unreadable": f.name}
+    return found
+
+
 # vLLM 0.20.1 refuses a turboquant_* KV cache for a hybrid model in create_engine_config
 # (engine/arg_utils.py:1675-1680, "TurboQuant KV cache is not supported for hybrid (attention + Mamba)
 # models"), as the H200 run of 2026-11-30 showed on the pristine side; kiln's P4 lifts it. So the
@@ -197,6 +212,7 @@ def serve(args) -> int:
             report["sides"][side] = {"command": command, "first_request_ok": first.ok, "first_error": first.error,
                                      "triton_compiles_first_request": len(compiled), "compiled_entries": compiled,
                                      "compiled_kernels": kernel_names(cache_dir, compiled),
+                                     "compiled_metadata": kernel_metadata(cache_dir, compiled),
                                      "greedy": [g.content if g.ok else f"error: {g.error}" for g in greedy],
                                      "profile": [line.strip() for line in log.splitlines()
                                                                    if PROFILE_LINES.search(line)][-12:]}

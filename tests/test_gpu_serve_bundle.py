@@ -297,6 +297,8 @@ def test_first_request_compiles_are_named_by_kernel(tmp_path):
     new = sorted(plan.cache_entries(tmp_path) - before)
     assert new == ["D"] and plan.kernel_names(tmp_path, new) == ["_tq_fused_store"]
     assert plan.kernel_names(tmp_path, ["A", "B", "C"]) == ["_tq_decode_stage1", "chunk_fwd_kernel_o"]
+    (tmp_path / "D" / "_tq_fused_store.json").write_text('{"num_warps": 4, "constants": {"BLOCK": 64}}')
+    assert plan.kernel_metadata(tmp_path, new) == {"D": {"num_warps": 4, "constants": {"BLOCK": 64}}}
     args = plan.scaled_args(["--kv-cache-dtype", "turboquant_k8v4", "--quantization", "auto_round"],
                             tmp_path / "m", tmp_path / "t.jinja", 0.4, "auto")
     assert args[args.index("--kv-cache-dtype") + 1] == "auto" and "--quantization" not in args
