@@ -122,25 +122,30 @@ def cache_entries(root: Path) -> set[str]:
     return {p.name for p in root.iterdir() if p.is_dir()} if root.is_dir() else set()
 
 
+def _kernel_files(root: Path, entries: list[str]):
+    """(entry, ``<kernel>.json``) of these Triton cache entries; group files ``__grp__*`` are not kernels."""
+    for entry in entries:
+        for f in sorted((root / entry).glob("*.json")):
+            if not f.name.startswith("__grp__"):
+                yield entry, f
+
+
 def kernel_names(root: Path, entries: list[str]) -> list[str]:
-    """The kernels compiled into these Triton cache entries (each holds ``<kernel>.json``; group files
-    ``__grp__*`` are not kernels): what a compile count alone does not say."""
-    return sorted({f.stem for entry in entries for f in (root / entry).glob("*.json")
-                   if not f.name.startswith("__grp__")})
+    """The kernels compiled into these entries: what a compile count alone does not say."""
+    return sorted({f.stem for _, f in _kernel_files(root, entries)})
 
 
 def kernel_metadata(root: Path, entries: list[str], limit: int = 64 << 10) -> dict[str, dict]:
-    """Each compiled entry's kernel metadata (Triton's ``<kernel>.json``: its options and
-    specialization), so that a first-request compile can be matched against kiln's launch plan
-    here, on the CPU: the 2026-11-30 run brought back names only, which did not tell why."""
+    """Each entry's kernel metadata (Triton's ``<kernel>.json``: options and target), to match a
+    first-request compile against kiln's launch plan here, on the CPU: the 2026-11-30 run brought
+    back names only."""
     found = {}
-    for entry in entries:
-        for f in sorted((root / entry).glob("*.json")):
-            if not f.name.startswith("__grp__") and f.stat().st_size <= limit:
-                try:
-                    found[entry] = json.loads(f.read_text())
-                except ValueError:
-                    found[entry] = {"unreadable": f.name}
+    for entry, f in _kernel_files(root, entries):
+        if f.stat().st_size <= limit:
+            try:
+                found[entry] = json.loads(f.read_text())
+            except ValueError:
+                found[entry] = {"unreadable": f.name}
     return found
 
 

@@ -269,7 +269,7 @@ def test_cpu_base_torch_index_probe_is_bounded(mode, hostile, monkeypatch, cpu_b
 
 @pytest.fixture(scope="module")
 def httpread():
-    import httpread  # ci/, on the tests' path (tests/conftest.py)
+    import httpread  # ci/, on the tests' path (tests/__init__.py)
 
     yield httpread
 

@@ -35,7 +35,7 @@ from tests.test_lifeline import _session
 REPO = Path(__file__).resolve().parent.parent
 GPU_CHECK = REPO / "ci" / "gpu_check.py"
 CONFIG = "model_executor/layers/quantization/turboquant/config.py"
-import gpu_p103  # noqa: E402  (ci/gpu_p103.py, on the tests' path: tests/conftest.py)
+import gpu_p103  # noqa: E402  (ci/gpu_p103.py, on the tests' path: tests/__init__.py)
 
 # P103's windowed forward: the line that carries each sequence's state into its next window
 CARRY = "        states[rows] = part_final\n"

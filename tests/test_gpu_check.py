@@ -19,7 +19,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "ci" / "gpu_check.py"
 spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
 gpu_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_check)
-import gpu_reference  # noqa: E402  (ci/, on the tests' path: tests/conftest.py)
+import gpu_reference  # noqa: E402  (ci/, on the tests' path: tests/__init__.py)
 
 
 def test_dequantise_k8v4_reads_the_store_layout():

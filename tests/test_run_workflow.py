@@ -21,7 +21,7 @@ import jsonschema
 import pytest
 import requests
 
-# ci/, on the tests' path (tests/conftest.py)
+# ci/, on the tests' path (tests/__init__.py)
 from actions_expr import ExpressionError, evaluate, interpolate, with_status  # noqa: E402
 from registry_login import login  # noqa: E402
 

@@ -9,7 +9,7 @@ import hashlib
 import io
 import zipfile
 
-import gpu_serve_bundle  # ci/, on the tests' path (tests/conftest.py)
+import gpu_serve_bundle  # ci/, on the tests' path (tests/__init__.py)
 import pytest
 
 from kiln.errors import KilnError

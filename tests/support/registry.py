@@ -61,7 +61,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 # the registry process and the wheel, shared with ci/bench_build.py (which imports no tests/);
-# ci/ is on the tests' path (tests/conftest.py)
+# ci/ is on the tests' path (tests/__init__.py)
 from registry_host import (  # noqa: F401  (re-exported: the registry tests import them from here)
     BASE_REPO,
     SITE,
