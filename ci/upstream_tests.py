@@ -3,6 +3,7 @@
     .venv/bin/python ci/upstream_tests.py [--vllm 0.32.0] [--only tests/parser] [--coverage] [--json]
                                           [--record ci/upstream/cpu-v0.32.0.json] [--timeout 3600]
                                           [--patchsets DIR] [--jobs 2] [--resume]
+                                          [--pristine-from ci/upstream/cpu-v0.32.0.json]
 
 1. The release's sdist from the index (``https://pypi.org/simple/vllm/``), checked against the
    index's sha256, cached under ``<kiln cache>/upstream-tests/``; only its ``tests/`` and
@@ -32,8 +33,16 @@ again, and the record names the folders it took (``resumed``).
 A test that passes on pristine and fails on patched is a regression: exit 1, one line naming
 them. Tests that fail (or error) on both sides are *not runnable* here (a model hub, a GPU, a
 missing optional package): recorded with their first error line, never skipped silently.
-The record (``--record``) holds the sdist, the patched files, the selected test files and every
-test's outcome on both sides. Exit 2: bad input or a step that failed (one line).
+The record (``--record``) holds the sdist, the environment, the patched files, the selected test
+files and every test's outcome on both sides. Exit 2: bad input or a step that failed (one line).
+
+``--pristine-from RECORD`` re-records after a patch change without running the pristine side
+again: the pristine source did not change, so an earlier record of the same sdist, environment
+and runner holds its outcomes. The patched side then runs only the tests that passed on
+pristine (``ci/upstream_plugin/kiln_only_tests.py``): a regression is a test that passes on
+pristine and not patched, so a test that did not pass there cannot be one. The others are
+recorded as ``unrun`` on the patched side. (vLLM's MoE tests compute bf16 references that take
+days a side on a CPU without native bf16, and fail for want of CUDA after it.)
 """
 
 from __future__ import annotations
@@ -64,6 +73,7 @@ from kiln.cache import cache_dir
 from kiln.errors import Interrupted, KilnError
 from kiln.oci.digest import sha256_text
 from kiln.pinning.upstream_select import (  # the selection and the comparison: kiln's
+    UNRUN,
     added_lines,
     compare,
     patched_files,
@@ -85,6 +95,8 @@ SDIST_MAX_BYTES = 512 << 20  # vllm's sdist is ~30 MB
 SDIST_DEADLINE = 1800.0  # seconds for the whole download (index page: 60 s)
 # the pytest plugin both sides load; its source is part of what decides a kept folder's outcomes
 PLUGIN = ROOT / "ci" / "upstream_plugin" / "kiln_gc_between_tests.py"
+# the plugin the patched side loads under --pristine-from: only the tests that passed on pristine
+ONLY_PLUGIN = ROOT / "ci" / "upstream_plugin" / "kiln_only_tests.py"
 
 
 class _Hashing:
@@ -229,7 +241,8 @@ def groups(files: list[str]) -> dict[str, list[str]]:
 
 def run_side(venv: Path, tests_root: Path, files: list[str], overlay: Path, work: Path,
              coverage: Path | None = None, timeout: int = RUN_SECONDS, kept: Path | None = None,
-             side_key: str = "", resume: bool = False, resumed: list[str] | None = None) -> dict[str, dict]:
+             side_key: str = "", resume: bool = False, resumed: list[str] | None = None,
+             only: set[str] | None = None) -> dict[str, dict]:
     """Every test's outcome on one side: each folder in one pytest process. A process that dies
     (no report written; a CPU build's missing kernel aborts the interpreter) is recorded as one
     failed entry ``<file>::<process died>`` for the test file its fatal traceback names (the
@@ -238,40 +251,68 @@ def run_side(venv: Path, tests_root: Path, files: list[str], overlay: Path, work
     ``kept``: a folder where each finished folder's outcomes are written (``side_key``: what
     decides them besides the files: the sdist, the environment, the side's source); with
     ``resume`` a folder found there is taken, not run again, and named in ``resumed``
-    (``--resume``: an hour's run killed halfway loses one folder, not the side)."""
+    (``--resume``: an hour's run killed halfway loses one folder, not the side).
+
+    ``only``: run just these tests (JUnit names); a folder holding none of them runs no process.
+    A kept run of the whole folder serves too (it holds them all)."""
     results: dict[str, dict] = {}
     deadline = time.monotonic() + timeout
     runs = 0
     for folder, names in groups(files).items():
+        wanted = None if only is None else sorted(t for t in only if test_file(t, names) is not None)
+        if wanted == []:
+            continue
         store = None
         if kept is not None:
-            key = hashlib.sha256(json.dumps([side_key, names]).encode()).hexdigest()
-            store = kept / f"{key}.json"
-            entry = read_kept(store, side_key, names) if resume else None
+            stores = [(kept_path(kept, side_key, names), None)]
+            if wanted is not None:
+                stores.insert(0, (kept_path(kept, side_key, names, wanted), wanted))
+            store = stores[0][0]
+            entry = next((found for path, subset in reversed(stores)
+                          if (found := read_kept(path, side_key, names, subset)) is not None), None) if resume else None
             if entry is not None:
                 results.update(entry)
                 if resumed is not None:
                     resumed.append(folder)
                 continue
         found: dict[str, dict] = {}
-        runs = _run_folder(venv, tests_root, names, overlay, work, coverage, deadline, found, runs)
+        runs = _run_folder(venv, tests_root, names, overlay, work, coverage, deadline, found, runs, wanted)
         results.update(found)
         if store is not None:
             # self-describing, so a kept folder committed to the repository can be checked
             # (tests/test_upstream_tests.py) without the source it was run on
-            write_atomic(store, (json.dumps({"folder": folder, "files": names, "key": side_key, "results": found},
+            entry = {"folder": folder, "files": names, "key": side_key, "results": found}
+            write_atomic(store, (json.dumps(entry | ({"only": wanted} if wanted is not None else {}),
                                             sort_keys=True, indent=0) + "\n").encode())
     return results
 
 
-def read_kept(store: Path, side_key: str, names: list[str]) -> dict[str, dict] | None:
+def kept_path(kept: Path, side_key: str, names: list[str], only: list[str] | None = None) -> Path:
+    """Where a folder's outcomes are kept: by the side's inputs, its files and, for a run of some
+    of its tests only, their names."""
+    what = [side_key, names] if only is None else [side_key, names, only]
+    return kept / f"{hashlib.sha256(json.dumps(what).encode()).hexdigest()}.json"
+
+
+def test_file(name: str, files: list[str]) -> str | None:
+    """Which of ``files`` holds the test of this JUnit name (``tests.a.test_b.TestC::test_d``, a
+    file that did not collect as ``tests/a/test_b.py``, a dead process's ``tests/a/test_b.py::<process died>``)."""
+    for file in files:
+        dotted = file.removesuffix(".py").replace("/", ".")
+        if name == file or name.startswith((f"{file}::", f"{dotted}::", f"{dotted}.")):
+            return file
+    return None
+
+
+def read_kept(store: Path, side_key: str, names: list[str], only: list[str] | None = None) -> dict[str, dict] | None:
     """A kept folder's outcomes, or None where there is none to take: no file, or one that is
     unreadable or was kept for other inputs (a hand-copied or damaged entry runs the folder again)."""
     try:
         entry = json.loads(store.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(entry, dict) or entry.get("key") != side_key or entry.get("files") != names:
+    if (not isinstance(entry, dict) or entry.get("key") != side_key or entry.get("files") != names
+            or entry.get("only") != only):
         return None
     results = entry.get("results")
     if not isinstance(results, dict) or not all(isinstance(r, dict) and isinstance(r.get("outcome"), str)
@@ -281,13 +322,20 @@ def read_kept(store: Path, side_key: str, names: list[str]) -> dict[str, dict] |
 
 
 def _run_folder(venv: Path, tests_root: Path, names: list[str], overlay: Path, work: Path,
-                coverage: Path | None, deadline: float, results: dict[str, dict], runs: int) -> int:
-    """One folder's outcomes into ``results``; returns the count of pytest processes run so far."""
-    pending = [names]
+                coverage: Path | None, deadline: float, results: dict[str, dict], runs: int,
+                only: list[str] | None = None) -> int:
+    """One folder's outcomes into ``results`` (``only``: of these tests, by JUnit name); returns the
+    count of pytest processes run so far."""
+    listed = None
+    if only is not None:
+        listed = work / f"{overlay.name}-only-{runs + 1}.json"
+        listed.write_text(json.dumps(only))
+    holding = None if only is None else {test_file(t, names) for t in only}
+    pending = [names if holding is None else [name for name in names if name in holding]]
     while pending:
         batch, runs = pending.pop(0), runs + 1
         xml = work / f"{overlay.name}-{runs}.xml"
-        ran, out, culprit = _pytest(venv, tests_root, batch, overlay, xml, coverage, deadline)
+        ran, out, culprit = _pytest(venv, tests_root, batch, overlay, xml, coverage, deadline, listed)
         if xml.is_file():
             results.update(junit_results(xml))
             continue
@@ -303,7 +351,7 @@ def _run_folder(venv: Path, tests_root: Path, names: list[str], overlay: Path, w
 
 
 def _pytest(venv: Path, tests_root: Path, files: list[str], overlay: Path, xml: Path,
-            coverage: Path | None, deadline: float) -> tuple[int, str, str | None]:
+            coverage: Path | None, deadline: float, only: Path | None = None) -> tuple[int, str, str | None]:
     """Run pytest on ``files``: its exit status, the line that says why it stopped, and the file
     of ``files`` innermost in a fatal error's traceback (faulthandler's, most recent call first)."""
     cov = []
@@ -314,11 +362,16 @@ def _pytest(venv: Path, tests_root: Path, files: list[str], overlay: Path, xml: 
                PYTHONDONTWRITEBYTECODE="1")
     if coverage:
         env["COVERAGE_FILE"] = str(coverage.with_suffix(".data"))  # not in the cached sdist
+    select = []
+    if only is not None:
+        env["KILN_ONLY_TESTS"] = str(only)
+        select = ["-p", ONLY_PLUGIN.stem]
     left = deadline - time.monotonic()
     if left <= 0:
         raise subprocess.TimeoutExpired("pytest", 0)
     # through kiln's lifeline: a pytest process dies with this script (SIGKILL too), never runs on alone
     ran = lifeline.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", PLUGIN.stem,
+                        *select,
                           "--continue-on-collection-errors",  # a file that cannot import is listed, not fatal
                           # one line per failure: formatting thousands of GPU-only failures' full
                           # tracebacks (source parsed per frame) costs more than running them
@@ -372,6 +425,47 @@ def reached(site: Path, overlay: Path, patched: dict[str, str], report: Path) ->
     return out
 
 
+def pristine_outcomes(path: Path, version: Version, sdist: str, environment: str, runner: str,
+                      selected: list[str]) -> dict[str, dict]:
+    """The pristine side's outcomes from an earlier record (``--pristine-from``), where it was made
+    on what this run would run pristine on: the release, its sdist, the environment and the runner,
+    over at least this selection. Raises KilnError naming the field that differs."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise KilnError(f"--pristine-from {path}: not a record ({err})") from err
+    if not isinstance(record, dict) or not isinstance(record.get("outcomes"), dict):
+        raise KilnError(f"--pristine-from {path}: not a record (no outcomes)")
+    expected = {"vllm": str(version), "sdist": sdist, "environment": environment, "runner": runner, "only": []}
+    found = {"vllm": record.get("vllm"), "sdist": (record.get("sdist") or {}).get("sha256"),
+             "environment": record.get("environment"), "runner": (record.get("runner") or {}).get("sha256"),
+             "only": record.get("only")}
+    for field, value in expected.items():
+        if found[field] != value:
+            raise KilnError(f"--pristine-from {path}: its {field} is {found[field]!r}, this run's {value!r}: "
+                            "its pristine outcomes are not this run's; run both sides")
+    missing = sorted(set(selected) - set(record.get("selected") or {}))
+    if missing:
+        raise KilnError(f"--pristine-from {path}: it did not run {missing[0]} (and {len(missing) - 1} more test "
+                        "files) this selection holds; run both sides")
+    why = {entry["test"]: entry["why"] for key in ("not_runnable", "skipped") for entry in record.get(key) or []}
+    outcomes = {}
+    for name, pair in record["outcomes"].items():
+        if not (isinstance(pair, list) and len(pair) == 2 and pair[0] in ("passed", "failed", "skipped", "absent")):
+            raise KilnError(f"--pristine-from {path}: the outcomes of {name} are not [pristine, patched]")
+        if pair[0] != "absent" and test_file(name, selected) is not None:
+            outcomes[name] = {"outcome": pair[0], "message": why.get(name, "")}
+    return outcomes
+
+
+def _shown(path: Path) -> str:
+    """A path as a record names it: relative to the repository where it is inside it."""
+    try:
+        return path.resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
 def cpu_pin(version: str) -> str | None:
     """The pins.toml pin of role ``cpu`` on this release, if any (its record is ``ci/upstream/<pin>.json``)."""
     return next((pin.name for pin in load_pins(PINS).values() if pin.role == "cpu" and str(pin.vllm) == version), None)
@@ -391,10 +485,12 @@ def compact(raw: dict) -> dict:
     only = " ".join(f"--only {prefix}" for prefix in raw["only"])
     pin = cpu_pin(raw["vllm"])
     record_path = f"ci/upstream/{pin}.json" if pin and not raw["only"] else "RECORD.json"
-    return {key: raw.get(key) for key in ("vllm", "sdist", "only", "patched_files", "selected", "seconds",
-                                          "kiln_lines_reached", "runner", "resumed")} | {
+    earlier = f"--pristine-from {raw['pristine_from']['record']}" if raw.get("pristine_from") else ""
+    return {key: raw.get(key) for key in ("vllm", "sdist", "environment", "only", "patched_files", "selected",
+                                          "seconds", "kiln_lines_reached", "runner", "resumed", "pristine_from")} | {
         "pin": pin,
-        "command": f".venv/bin/python ci/upstream_tests.py --vllm {raw['vllm']} {only} --record {record_path}".replace("  ", " "),
+        "command": f".venv/bin/python ci/upstream_tests.py --vllm {raw['vllm']} {only} {earlier} --record "
+                   f"{record_path}".replace("   ", " ").replace("  ", " "),
         "counts": {side: len(results) for side, results in sides.items()},
         "passed": {side: sum(v["outcome"] == "passed" for v in results.values()) for side, results in sides.items()},
         **verdict, "regression_messages": why, "outcomes": outcomes}
@@ -418,12 +514,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="take each folder's outcomes kept by an earlier run of the same inputs (the sdist, "
                              "the environment, each side's source) instead of running it again; every finished "
                              "folder is kept either way (--kept)")
+    parser.add_argument("--pristine-from", type=Path, metavar="RECORD",
+                        help="take the pristine side's outcomes from an earlier record of the same sdist, environment "
+                             "and runner, and run on the patched side only the tests that passed there (a re-record "
+                             "after a patch change)")
     parser.add_argument("--kept", type=Path, metavar="DIR",
                         help="where each finished folder's outcomes are kept (default: <kiln cache>/upstream-tests/"
                              "results); ci/upstream/kept holds those committed toward the CPU pin's record")
     args = parser.parse_args(argv)
     if args.resume and args.coverage:
         parser.error("--resume: coverage is measured in one run, not resumed")
+    if args.pristine_from and args.coverage:
+        parser.error("--pristine-from: coverage is measured over the whole selection")
     try:
         with lifeline.stop_on_signals():  # SIGTERM/SIGINT: the pytest processes killed, the temporary tree removed
             return _main(args)
@@ -448,13 +550,20 @@ def _main(args) -> int:
                     if not args.only or any(f.startswith(prefix) for prefix in args.only)}
         if not selected:
             raise KilnError(f"no test of vllm {version} imports a patched module under {', '.join(args.only)}")
+        runner = hashlib.sha256(PLUGIN.read_bytes()).hexdigest()
+        earlier = None
+        if args.pristine_from:
+            earlier = pristine_outcomes(args.pristine_from, version, tests_root.name.removeprefix("sdist-sha256-"),
+                                        venv.name, runner, list(selected))
         kept = args.kept or home / "results"
         kept.mkdir(parents=True, exist_ok=True)
         resumed: dict[str, list[str]] = {"pristine": [], "patched": []}
         remove_left_behind(home)
         with tempfile.TemporaryDirectory(dir=home, prefix=f"run-{os.getpid()}-") as tmp:
             sides, coverage, seconds = {}, None, {}
-            runner = hashlib.sha256(PLUGIN.read_bytes()).hexdigest()
+            if earlier is not None:
+                sides["pristine"] = earlier
+            only = None if earlier is None else {name for name, r in earlier.items() if r["outcome"] == "passed"}
 
             def one_side(side: str, files: dict[str, str]) -> None:
                 nonlocal coverage
@@ -472,25 +581,36 @@ def _main(args) -> int:
                                        "python": sys.version_info[:2], "runner": runner}, sort_keys=True)
                 sides[side] = run_side(venv, root, list(selected), overlay, Path(tmp), report, args.timeout,
                                        kept=None if report else kept, side_key=side_key, resume=args.resume,
-                                       resumed=resumed[side])
+                                       resumed=resumed[side], only=only if side == "patched" else None)
+                if only is not None and side == "patched":
+                    for name in earlier.keys() - only - sides[side].keys():
+                        sides[side][name] = {"outcome": UNRUN, "message": "not run patched: did not pass on pristine"}
                 seconds[side] = round(time.monotonic() - started)
                 if report is not None:
                     coverage = reached(site, overlay, patched, report)
 
             # the sides are independent processes: side by side they take one side's time on 2 cores
             with ThreadPoolExecutor(max_workers=2 if args.jobs > 1 else 1) as pool:
-                for done in [pool.submit(one_side, side, files) for side, files in (("pristine", {}), ("patched", patched))]:
+                for done in [pool.submit(one_side, side, files) for side, files in (("pristine", {}), ("patched", patched))
+                             if side not in sides]:
                     done.result()
     except (KilnError, subprocess.CalledProcessError, subprocess.TimeoutExpired, requests.RequestException,
             OSError, ET.ParseError) as err:
         print(f"error: {err}".splitlines()[0], file=sys.stderr)
         return 2
     verdict = compare(sides["pristine"], sides["patched"])
+    runners = {"plugin": PLUGIN.name, "sha256": runner}
+    if earlier is not None:
+        runners["patched_only"] = {"plugin": ONLY_PLUGIN.name, "sha256": hashlib.sha256(ONLY_PLUGIN.read_bytes()).hexdigest()}
     record = compact({"vllm": str(version), "sdist": {"file": f"vllm-{version}.tar.gz",
                                                       "sha256": tests_root.name.removeprefix("sdist-sha256-")},
+                      "environment": venv.name,
+                      "pristine_from": None if earlier is None else {
+                          "record": _shown(args.pristine_from),
+                          "sha256": hashlib.sha256(args.pristine_from.read_bytes()).hexdigest()},
                       "only": args.only, "patched_files": patched_hashes, "selected": selected,
                       "seconds": seconds, "results": sides, "kiln_lines_reached": coverage,
-                      "runner": {"plugin": PLUGIN.name, "sha256": runner},
+                      "runner": runners,
                       "resumed": {side: folders for side, folders in resumed.items() if folders} or None})
     if args.record:
         write_atomic(args.record, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())

@@ -82,8 +82,9 @@ def test_no_test_of_vllm_passes_on_pristine_and_fails_patched(pin):
     assert not regressions, (f"{path.relative_to(paths.REPO)}: {len(regressions)} of vLLM's tests pass on pristine "
                              f"{pin.vllm} and fail patched: "
                              + "; ".join(f"{t}: {record['regression_messages'].get(t, '')}" for t in regressions))
-    # the not-runnable ones are listed with why, none dropped
-    failing_both = sorted(t for t, (a, b) in record["outcomes"].items() if a == b == "failed")
+    # the not-runnable ones are listed with why, none dropped; a test that did not pass on pristine
+    # may be left unrun patched (a re-record, --pristine-from), one that passed there never is
+    failing_both = sorted(t for t, (a, b) in record["outcomes"].items() if a == "failed" and b in ("failed", "unrun"))
     assert [entry["test"] for entry in record["not_runnable"]] == failing_both
     assert all(entry["why"] for entry in record["not_runnable"])
     assert record["passed"]["patched"] == sum(b == "passed" for _, b in record["outcomes"].values())
@@ -96,7 +97,24 @@ def test_the_record_was_made_by_todays_runner(pin):
     import hashlib
 
     path, record = _record(pin)
-    plugin = paths.REPO / "ci" / "upstream_plugin" / record["runner"]["plugin"]
-    assert plugin.is_file(), f"{path}: its runner {record['runner']['plugin']} is not in ci/upstream_plugin"
-    assert record["runner"]["sha256"] == hashlib.sha256(plugin.read_bytes()).hexdigest(), (
-        f"{path} was made with another version of {plugin.name}: re-record it")
+    runners = [record["runner"]] + ([record["runner"]["patched_only"]] if "patched_only" in record["runner"] else [])
+    for runner in runners:
+        plugin = paths.REPO / "ci" / "upstream_plugin" / runner["plugin"]
+        assert plugin.is_file(), f"{path}: its runner {runner['plugin']} is not in ci/upstream_plugin"
+        assert runner["sha256"] == hashlib.sha256(plugin.read_bytes()).hexdigest(), (
+            f"{path} was made with another version of {plugin.name}: re-record it")
+    # a re-record that took its pristine side from an earlier record runs the patched side with the
+    # plugin that limits it to the tests that passed on pristine, and names that record
+    assert ("patched_only" in record["runner"]) == bool(record.get("pristine_from")), path
+
+
+@pytest.mark.parametrize("pin", CPU_PINS, ids=lambda pin: pin.name)
+def test_the_record_was_made_in_todays_cpu_environment(pin):
+    """The environment (ci/cpu/requirements.lock, every package by sha256) decides the outcomes as
+    much as the source: the record names the one it ran in (``venv-<lock sha256[:12]>``)."""
+    import hashlib
+
+    path, record = _record(pin)
+    lock = (paths.REPO / "ci" / "cpu" / "requirements.lock").read_text()
+    assert record["environment"] == f"venv-{hashlib.sha256(lock.encode()).hexdigest()[:12]}", (
+        f"{path} was made in another CPU environment than ci/cpu/requirements.lock's: re-record it")

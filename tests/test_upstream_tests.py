@@ -8,6 +8,8 @@ CPU pin (docs/UPSTREAM_TESTS.md).
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("upstream_tests", ROOT / "ci" / "upstream_tests.py")
 upstream = importlib.util.module_from_spec(_spec)
@@ -52,6 +54,12 @@ def test_a_test_passing_on_pristine_and_failing_patched_is_a_regression():
     assert verdict["passing_only_when_patched"] == ["e"]
     # a test missing on the patched side (collection broke there) is a regression too
     assert upstream.compare({"x": passed}, {})["regressions"] == ["x"]
+    # not run patched (--pristine-from): not runnable or skipped as pristine says, never a regression
+    unrun = {"outcome": upstream.UNRUN, "message": "not run patched"}
+    verdict = upstream.compare({"b": failed, "d": skipped, "x": passed}, {"b": unrun, "d": unrun, "x": unrun})
+    assert verdict["not_runnable"] == [{"test": "b", "why": "OSError: hub"}]
+    assert verdict["skipped"] == [{"test": "d", "why": "needs CUDA"}]
+    assert verdict["regressions"] == ["x"]  # one that passed pristine is run patched, or it is a regression
 
 
 def test_a_test_that_kills_its_interpreter_costs_its_folder_a_rerun_not_the_side(tmp_path):
@@ -154,7 +162,7 @@ def test_the_folders_kept_in_the_repository_were_made_by_todays_runner_and_show_
     sides: dict[str, dict[str, dict]] = {}
     for store in sorted((ROOT / "ci" / "upstream" / "kept").glob("*.json")):
         entry = json.loads(store.read_text())
-        assert store.stem == hashlib.sha256(json.dumps([entry["key"], entry["files"]]).encode()).hexdigest(), store
+        assert store == upstream.kept_path(store.parent, entry["key"], entry["files"], entry.get("only")), store
         key = json.loads(entry["key"])
         assert key["runner"] == runner, f"{store.name}: kept by another version of {upstream.PLUGIN.name}"
         assert upstream.groups(entry["files"]) == {entry["folder"]: entry["files"]}, store.name
@@ -274,3 +282,87 @@ def test_the_long_folders_are_split_by_their_subfolders_and_moe_by_file_so_a_sto
     assert upstream.groups(files) == {
         files[0]: [files[0]], files[1]: [files[1]], "tests/kernels/core": [files[2]], "tests/kernels": [files[3]],
         "tests/v1/core": [files[4]], "tests/v1": [files[5]], "tests/parser": files[6:8], "tests": [files[8]]}
+
+
+def test_a_re_record_runs_patched_only_the_tests_that_passed_on_pristine(tmp_path):
+    """Real pytest processes: ``only`` runs the named tests (the rest deselected, a folder with none
+    of them runs no process); a kept run of the whole folder serves it, a kept run of some tests is
+    filed under their names."""
+    import json
+    import sys
+
+    root = _write(tmp_path / "sdist", {
+        "tests/kernels/test_k.py": "class TestK:\n    def test_a(self):\n        pass\n\n"
+                                   "    def test_b(self):\n        raise OSError('never run')\n",
+        "tests/kernels/test_p.py": "import pytest\n\n@pytest.mark.parametrize('n', [1, 2])\ndef test_p(n):\n    assert n == 1\n",
+        "tests/v1/core/test_c.py": "def test_c():\n    raise OSError('never run')\n",
+    })
+    overlay, kept = tmp_path / "patched", tmp_path / "kept"
+    overlay.mkdir()
+    kept.mkdir()
+    files = ["tests/kernels/test_k.py", "tests/kernels/test_p.py", "tests/v1/core/test_c.py"]
+    venv = Path(sys.executable).parent.parent
+    only = {"tests.kernels.test_k.TestK::test_a", "tests.kernels.test_p::test_p[2]"}
+    results = upstream.run_side(venv, root, files, overlay, tmp_path, timeout=300, kept=kept, side_key="k", only=only)
+    assert {name: r["outcome"] for name, r in results.items()} == {
+        "tests.kernels.test_k.TestK::test_a": "passed", "tests.kernels.test_p::test_p[2]": "failed"}
+    assert sorted(p.name for p in tmp_path.glob("*.xml")) == ["patched-1.xml"]  # tests/v1/core ran nothing
+    (store,) = kept.iterdir()
+    entry = json.loads(store.read_text())
+    assert entry["only"] == sorted(only) and store == upstream.kept_path(kept, "k", files[:2], sorted(only))
+    # resumed: the run of those tests is taken; a run of the whole folder is taken before it
+    resumed: list[str] = []
+    assert upstream.run_side(venv, root, files, overlay, tmp_path, timeout=300, kept=kept, side_key="k",
+                             only=only, resume=True, resumed=resumed) == results and resumed == ["tests/kernels"]
+    whole = upstream.run_side(venv, root, files[:2], overlay, tmp_path, timeout=300, kept=kept, side_key="k")
+    assert len(whole) == 4
+    assert upstream.run_side(venv, root, files, overlay, tmp_path, timeout=300, kept=kept, side_key="k",
+                             only=only, resume=True) == whole
+    assert upstream.test_file("tests/v1/core/test_c.py::<process died>", files) == files[2]
+    assert upstream.test_file("tests.kernels.test_kk::test_a", files) is None
+
+
+def _earlier_record(tmp_path, **change):
+    import json
+
+    record = {"vllm": "0.32.0", "sdist": {"sha256": "s" * 64}, "environment": "venv-e", "runner": {"sha256": "r"},
+              "only": [], "selected": {"tests/a/test_a.py": [], "tests/b/test_b.py": []},
+              "outcomes": {"tests.a.test_a::test_1": ["passed", "passed"], "tests.a.test_a::test_2": ["failed", "failed"],
+                           "tests.b.test_b::test_3": ["skipped", "skipped"]},
+              "not_runnable": [{"test": "tests.a.test_a::test_2", "why": "OSError: hub"}],
+              "skipped": [{"test": "tests.b.test_b::test_3", "why": "needs CUDA"}]} | change
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(record))
+    return path
+
+
+def test_pristine_outcomes_come_only_from_a_record_of_the_same_sdist_environment_and_runner(tmp_path):
+    from packaging.version import Version
+
+    from kiln.errors import KilnError
+
+    args = (Version("0.32.0"), "s" * 64, "venv-e", "r")
+    selected = ["tests/a/test_a.py"]
+    outcomes = upstream.pristine_outcomes(_earlier_record(tmp_path), *args, selected)
+    assert outcomes == {"tests.a.test_a::test_1": {"outcome": "passed", "message": ""},
+                        "tests.a.test_a::test_2": {"outcome": "failed", "message": "OSError: hub"}}
+    for change, field in (({"environment": "venv-other"}, "environment"), ({"runner": {"sha256": "x"}}, "runner"),
+                          ({"sdist": {"sha256": "t" * 64}}, "sdist"), ({"vllm": "0.33.0"}, "vllm"),
+                          ({"only": ["tests/a"]}, "only")):
+        with pytest.raises(KilnError, match=f"its {field} is"):
+            upstream.pristine_outcomes(_earlier_record(tmp_path, **change), *args, selected)
+    with pytest.raises(KilnError, match="did not run tests/c/test_c.py"):
+        upstream.pristine_outcomes(_earlier_record(tmp_path), *args, [*selected, "tests/c/test_c.py"])
+    (tmp_path / "earlier.json").write_text("{")
+    with pytest.raises(KilnError, match="not a record"):
+        upstream.pristine_outcomes(tmp_path / "earlier.json", *args, selected)
+
+
+def test_the_only_plugin_names_tests_as_the_junit_report_does():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kiln_only_tests", upstream.ONLY_PLUGIN)
+    plugin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plugin)
+    assert plugin.junit_name("tests/a/test_b.py::TestC::test_d[x.py-1]") == "tests.a.test_b.TestC::test_d[x.py-1]"
+    assert plugin.junit_name("tests/a/test_b.py::test_d") == "tests.a.test_b::test_d"
