@@ -95,7 +95,7 @@ class PN367(Patch):
         "The V1 runner's profile of CUDA graph memory takes free-before minus free-after of a "
         "capture as its cost; a capture that frees memory gives a negative sample, and a negative "
         "total is added to the KV cache budget, sized past what the card holds. Clamp each "
-        "sample at 0, as vllm#44745 and 0.33.0's V2 runner do."
+        "sample at 0, as vllm#44745 does (0.33.0's V2 runner clamps its total)."
     )
     upstream_refs = ("vllm#44740", "vllm#44745")
     written_for = ">=0.20.1"
