@@ -18,9 +18,10 @@ the KV cache, which is sized past what the card holds once the real graphs are c
 What the patch does: each sample is ``max(mem_before - free_after, 0)``: a capture is never
 counted as giving memory back. Every term of the total is then at least 0, so the estimate can
 only lower the KV budget, never raise it. A capture that allocates is measured as before. The
-same clamp as vllm#44745's (open: ``mem_samples.append(max(delta, 0))``), and the one 0.33.0
-puts on its V2 runner's total (``v1/worker/gpu/cudagraph_utils.py:1009``, which also floors
-the per-graph cost, ``:1038``) and on its V1 runner's encoder sample (``gpu_model_runner.py:6374``).
+same clamp as vllm#44745's (``mem_samples.append(max(delta, 0))``; in no release of the train),
+and the one 0.33.0 puts on its V2 runner's total (``v1/worker/gpu/cudagraph_utils.py:1009``,
+which also floors the per-graph cost, ``:1038``) and on its V1 runner's encoder sample
+(``gpu_model_runner.py:6374``).
 Written anew after Genesis PN367 (which vendors vllm#44745 with a warning and a 1 MiB floor on
 the first sample); the floor is left out: the per-graph floor already keeps a total with more
 than one graph above 0, and a first sample clamped to 0 books no more than what was measured.
@@ -30,16 +31,16 @@ Which runner: 0.20.1 runs the V1 runner (``VLLM_USE_V2_MODEL_RUNNER`` defaults t
 ``VllmConfig.use_v2_model_runner`` (``config/vllm.py:731-767``) picks the V2 runner unless
 ``VLLM_USE_V2_MODEL_RUNNER=0`` or a feature V2 lacks (``:3053-3087``: suffix or custom-class
 drafters, EAGLE parallel drafting, heterogeneous-vocabulary drafts, external-launcher pipeline
-parallelism, dual-batch overlap) is asked for; the images' MTP with prefix caching is none of
-them, so they run V2 (``v1/worker/gpu/model_runner.py:1069-1073`` calls the clamped
+parallelism, some dual-batch-overlap setups) is asked for; the images' MTP with prefix caching
+is none of them, so they run V2 (``v1/worker/gpu/model_runner.py:1069-1073`` calls the clamped
 ``cudagraph_utils.profile_cudagraph_memory``). 0.33.0's V1 function still appends the raw
 sample (``gpu_model_runner.py:6349``): the patch applies there and is inert for the images,
 reached only with ``VLLM_USE_V2_MODEL_RUNNER=0`` or one of those features. On vLLM's CPU build
 it is never called: the CPU worker's own ``determine_available_memory``
 (``v1/worker/cpu_worker.py:204`` on 0.32.0) sizes the KV cache without it.
 
-Upstream: vllm#44745 (open). ``upstream`` recognises an unmarked ``mem_samples.append(max(...))``
-in the V1 function, that PR's form.
+Upstream: vllm#44745 (open when Genesis vendored it; in no release up to 0.33.0). ``upstream``
+recognises an unmarked ``mem_samples.append(max(...))`` in the V1 function, that PR's form.
 
 Verdicts: 0.20.1 APPLIES, 0.33.0 APPLIES (``gpu_model_runner.py:6006`` and ``:6349``).
 
