@@ -160,6 +160,39 @@ PROFILE_LINES = re.compile(r"(Model loading took|Available KV cache memory|GPU K
                            r"Memory profiling takes|torch peak memory|non-torch|CUDA graph|Maximum concurrency)")
 
 
+# the preflight's probe: each module imported, the file Python loaded and its sha256
+_PROBE = ("import hashlib, importlib, json, sys\nout = {}\nfor name in sys.argv[1:]:\n"
+          "    module = importlib.import_module(name)\n"
+          "    out[name] = [module.__file__, hashlib.sha256(open(module.__file__, 'rb').read()).hexdigest()]\n"
+          "print(json.dumps(out))")
+
+
+def changed_modules(opt_kiln: Path, side: str) -> list[str]:
+    """The modules of the files kiln changes that exist on ``side``: all of them patched, those it
+    did not add pristine (the audit file, /opt/kiln/manifest.json, says which were new)."""
+    audit = json.loads((opt_kiln / "manifest.json").read_text())
+    out = []
+    for path, sums in sorted(audit["files"].items()):
+        rel = path.removeprefix("/site/vllm/")
+        if rel.endswith(".py") and (side == "patched" or sums["before"] is not None):
+            out.append("vllm." + rel[:-3].replace("/", ".").removesuffix(".__init__"))
+    return out
+
+
+def preflight(env: dict[str, str], opt_kiln: Path, side: str) -> dict:
+    """One side without a server: vLLM's server entry point and every module kiln changes import,
+    and which file each came from (kiln's on the patched side, the installed one on pristine)."""
+    modules = ["vllm.entrypoints.openai.api_server", *changed_modules(opt_kiln, side)]
+    probe = subprocess.run([sys.executable, "-c", _PROBE, *modules], env=env, capture_output=True, text=True,
+                           timeout=900)
+    loaded = {}
+    if probe.returncode == 0:
+        loaded = json.loads(probe.stdout.strip().splitlines()[-1])
+    return {"imports": probe.returncode == 0, "modules": loaded,
+            "vllm": loaded.get("vllm.entrypoints.openai.api_server", [""])[0],
+            "error": probe.stderr.strip().splitlines()[-1:]}
+
+
 def _greedy_body(prompt: str, max_tokens: int) -> dict:
     return {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0.0,
             "chat_template_kwargs": {"enable_thinking": False}}
@@ -197,10 +230,7 @@ def serve(args) -> int:
                        *(["--enforce-eager"] if args.enforce_eager else [])]
             env = {**base_env, **assembled["env"][side]}
             if args.preflight:
-                probe = subprocess.run([sys.executable, "-c", "import vllm.entrypoints.openai.api_server as m, vllm;"
-                                        "print(vllm.__file__)"], env=env, capture_output=True, text=True, timeout=900)
-                report["sides"][side] = {"command": command, "imports": probe.returncode == 0,
-                                         "vllm": probe.stdout.strip(), "error": probe.stderr.strip().splitlines()[-1:]}
+                report["sides"][side] = {"command": command, **preflight(env, opt_kiln, side)}
                 continue
             servers[label] = Server(command, env, out / f"server-{side}.log")
             try:
