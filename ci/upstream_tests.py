@@ -553,6 +553,7 @@ def _main(args) -> int:
         runner = hashlib.sha256(PLUGIN.read_bytes()).hexdigest()
         earlier = None
         if args.pristine_from:
+            earlier_sha = hashlib.sha256(args.pristine_from.read_bytes()).hexdigest()  # before --record rewrites it
             earlier = pristine_outcomes(args.pristine_from, version, tests_root.name.removeprefix("sdist-sha256-"),
                                         venv.name, runner, list(selected))
         kept = args.kept or home / "results"
@@ -607,7 +608,7 @@ def _main(args) -> int:
                       "environment": venv.name,
                       "pristine_from": None if earlier is None else {
                           "record": _shown(args.pristine_from),
-                          "sha256": hashlib.sha256(args.pristine_from.read_bytes()).hexdigest()},
+                          "sha256": earlier_sha},
                       "only": args.only, "patched_files": patched_hashes, "selected": selected,
                       "seconds": seconds, "results": sides, "kiln_lines_reached": coverage,
                       "runner": runners,
