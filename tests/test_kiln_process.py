@@ -23,7 +23,8 @@ def test_the_child_answers_as_the_command_line_does_in_process(tmp_path, capsys)
     assert code == 2 and "missing.toml" in err  # the same refusal, not an import error of the child
 
 
-def test_an_offline_tests_kiln_child_is_refused_another_host_and_the_worker_hears_of_it(tmp_path):
+def test_an_offline_tests_kiln_child_is_refused_another_host_and_the_worker_hears_of_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_REGISTRY_RETRIES", "0")  # the refusal is the subject, not kiln's backoff (~8 s)
     pins = tmp_path / "pins.toml"
     pins.write_text(PINS)
     code, _, err = run_kiln("--pins", pins, "pin", "lock", "--mirror", f"docker.io={OUTSIDE}:5000", timeout=120)
