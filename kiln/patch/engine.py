@@ -14,6 +14,7 @@ Two modes:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -26,6 +27,56 @@ from kiln.patch.model import Codemod, NewFile, Patch
 from kiln.patch.outcome import BuildTarget, Outcome, Verdict
 from kiln.patch.splice import replace_node
 from kiln.source.tree import SourceTree
+
+
+class _ParsedTexts:
+    """Parsed modules by their text's sha256, shared by every ``Session`` of this process.
+
+    Parsing is most of what a patch run costs (libcst builds ~55 bytes of tree per byte of
+    source; vLLM's 7,000-line files take seconds each), and one process often patches the same
+    files again: ``verify --image`` over its pins, a build's SMs and platforms, the test suite's
+    many runs on the same pins (one worker parsed 81 distinct texts 488 times). A libcst tree is
+    immutable, so handing the same one to two sessions is safe. Bounded by the source text held
+    (``max_text`` characters, least recently used out first): the trees are ~55x that in memory.
+    """
+
+    def __init__(self, max_text: int = 8 << 20):
+        self.max_text = max_text
+        self._trees: OrderedDict[str, tuple[cst.Module, int]] = OrderedDict()
+        self._held = 0
+        self._reparsed: OrderedDict[str, None] = OrderedDict()  # texts seen to parse (no tree kept)
+
+    def parse(self, text: str) -> cst.Module:
+        """``cst.parse_module(text)``, once per text while it is held (ParserSyntaxError as libcst's)."""
+        key = sha256_text(text)
+        hit = self._trees.get(key)
+        if hit is not None:
+            self._trees.move_to_end(key)
+            return hit[0]
+        module = cst.parse_module(text)
+        if len(text) <= self.max_text:
+            self._trees[key] = (module, len(text))
+            self._held += len(text)
+            while self._held > self.max_text:
+                self._held -= self._trees.popitem(last=False)[1][1]
+        self._remember(key)
+        return module
+
+    def check_parses(self, text: str) -> None:
+        """Raise libcst's ParserSyntaxError where ``text`` does not parse; a text seen to parse is not parsed again."""
+        key = sha256_text(text)
+        if key in self._reparsed or key in self._trees:
+            return
+        cst.parse_module(text)
+        self._remember(key)
+
+    def _remember(self, key: str) -> None:
+        self._reparsed[key] = None
+        while len(self._reparsed) > 4096:
+            self._reparsed.popitem(last=False)
+
+
+PARSED = _ParsedTexts()
 
 
 class Session:
@@ -51,7 +102,7 @@ class Session:
                 self._modules[rel] = None
             else:
                 try:
-                    self._modules[rel] = cst.parse_module(self.tree.read(rel))
+                    self._modules[rel] = PARSED.parse(self.tree.read(rel))
                 except cst.ParserSyntaxError as err:
                     raise KilnError(f"{self.tree.file(rel)}: libcst cannot parse it: {err.message}") from None
         return self._modules[rel]
@@ -353,7 +404,7 @@ def _check_reparses(state: State) -> None:
         code = state.session.code(module)
         try:
             # (no codegen of the result to compare: libcst's parse reproduces its input exactly)
-            cst.parse_module(code)
+            PARSED.check_parses(code)
         except cst.ParserSyntaxError as err:
             culprits = ", ".join(state.touched_by.get(rel, []))
             raise KilnError(f"patched {rel} (by {culprits}) does not re-parse: {err.message}") from None

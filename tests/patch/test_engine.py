@@ -302,3 +302,39 @@ def test_catalogue_digest_covers_the_content_file_and_validates_its_path(tmp_pat
     _write_patch_module(tmp_path, "p1_files/missing.py", NEW_FILE_TEXT)
     with pytest.raises(KilnError, match=r"p1_add.py: P1.edits\[AddHelper\].content: .*missing.py does not exist"):
         load_catalogue(tmp_path)
+
+
+def test_a_text_is_parsed_once_per_process_and_held_within_its_bound(tmp_path, monkeypatch):
+    """Sessions over two trees holding the same file share its parsed module (a libcst tree is
+    immutable); another text is parsed; the oldest trees go once the bound is passed; a text
+    that does not parse raises every time, and one seen to parse is not parsed again."""
+    import libcst as cst
+
+    from kiln.patch.engine import _ParsedTexts
+
+    text = "class Builder:\n    support = 1\n"
+    one = Session(tree(tmp_path / "a", {"mod.py": text, "other.py": "x = 1\n"}))
+    two = Session(tree(tmp_path / "b", {"mod.py": text, "other.py": "x = 2\n"}))
+    assert one.module("mod.py") is two.module("mod.py")
+    assert one.module("other.py") is not two.module("other.py") and two.module("other.py").code == "x = 2\n"
+    parsed = _ParsedTexts(max_text=20)
+    first = parsed.parse("a = 1\n")
+    assert parsed.parse("a = 1\n") is first
+    parsed.parse("b = 22222222222222\n")  # 19 characters: with the first held, past the bound of 20
+    assert parsed.parse("a = 1\n") is not first  # parsed again
+    for _ in range(2):
+        with pytest.raises(cst.ParserSyntaxError):
+            parsed.check_parses("def (:\n")
+    calls = []
+    parsed_module = cst.parse_module
+
+    def counting(source, *args, **kwargs):
+        calls.append(source)
+        return parsed_module(source, *args, **kwargs)
+
+    monkeypatch.setattr(cst, "parse_module", counting)
+    parsed.check_parses("c = 3\n")
+    parsed.check_parses("c = 3\n")
+    parsed.check_parses("a = 1\n")  # held as a tree: known to parse
+    monkeypatch.undo()
+    assert calls == ["c = 3\n"]
