@@ -68,7 +68,8 @@ def machine_venv() -> Path:
     shutil.rmtree(venv, ignore_errors=True)  # a venv names its own path: made where it is kept, "done" last
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=300)
     # this machine's pip configuration (its mirror, /opt/wheels): where the stand-in torch is
-    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *STANDIN],
+    # --no-compile: the few modules the tests import compile as they load (pip would compile torch's thousands)
+    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile", *STANDIN],
                           capture_output=True, text=True, timeout=3000)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (venv / "done").write_text(json.dumps(STANDIN))
