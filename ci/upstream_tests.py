@@ -38,11 +38,13 @@ files and every test's outcome on both sides. Exit 2: bad input or a step that f
 
 ``--pristine-from RECORD`` re-records after a patch change without running the pristine side
 again: the pristine source did not change, so an earlier record of the same sdist, environment
-and runner holds its outcomes. The patched side then runs only the tests that passed on
-pristine (``ci/upstream_plugin/kiln_only_tests.py``): a regression is a test that passes on
-pristine and not patched, so a test that did not pass there cannot be one. The others are
-recorded as ``unrun`` on the patched side. (vLLM's MoE tests compute bf16 references that take
-days a side on a CPU without native bf16, and fail for want of CUDA after it.)
+and runner holds its outcomes. The patched side runs again only the test files the selection's
+own rule (step 4) ties to a module whose patched text changed since that record; the others keep
+the record's patched outcomes. Of those files it runs only the tests that passed on pristine
+(``ci/upstream_plugin/kiln_only_tests.py``): a regression is a test that passes on pristine and
+not patched, so a test that did not pass there cannot be one. The others are recorded as
+``unrun`` on the patched side. (Some of vLLM's CPU kernel tests take days a side on a CPU without
+native bf16 or VNNI: bf16 MoE references, oneDNN's reference int8 GEMMs.)
 """
 
 from __future__ import annotations
@@ -458,6 +460,25 @@ def pristine_outcomes(path: Path, version: Version, sdist: str, environment: str
     return outcomes
 
 
+def rerun_plan(path: Path, patched: dict[str, dict], selected: dict[str, list[str]]) -> tuple[list[str], dict[str, dict], list[str]]:
+    """Which test files a re-record runs patched, and the earlier record's patched outcomes of the
+    others: a file runs again where a module it imports (the selection's rule, ``selected``) is one
+    whose patched text differs from the earlier record's (or that either side patches alone).
+    Returns (files to run, test -> earlier patched outcome for the rest, the changed modules)."""
+    record = json.loads(path.read_text())
+    before = {rel: entry.get("sha256") for rel, entry in (record.get("patched_files") or {}).items()}
+    now = {rel: entry["sha256"] for rel, entry in patched.items()}
+    changed = sorted("vllm." + rel[:-3].replace("/", ".").removesuffix(".__init__")
+                     for rel in set(before) | set(now) if before.get(rel) != now.get(rel))
+    run = [name for name, hits in selected.items() if set(hits) & set(changed)]
+    kept_files = [name for name in selected if name not in run]
+    carried = {}
+    for name, pair in record["outcomes"].items():
+        if pair[1] != "absent" and test_file(name, kept_files) is not None:
+            carried[name] = {"outcome": pair[1], "message": record.get("regression_messages", {}).get(name, "")}
+    return run, carried, changed
+
+
 def _shown(path: Path) -> str:
     """A path as a record names it: relative to the repository where it is inside it."""
     try:
@@ -551,11 +572,12 @@ def _main(args) -> int:
         if not selected:
             raise KilnError(f"no test of vllm {version} imports a patched module under {', '.join(args.only)}")
         runner = hashlib.sha256(PLUGIN.read_bytes()).hexdigest()
-        earlier = None
+        earlier, rerun, carried, changed_modules = None, list(selected), {}, []
         if args.pristine_from:
             earlier_sha = hashlib.sha256(args.pristine_from.read_bytes()).hexdigest()  # before --record rewrites it
             earlier = pristine_outcomes(args.pristine_from, version, tests_root.name.removeprefix("sdist-sha256-"),
                                         venv.name, runner, list(selected))
+            rerun, carried, changed_modules = rerun_plan(args.pristine_from, patched_hashes, selected)
         kept = args.kept or home / "results"
         kept.mkdir(parents=True, exist_ok=True)
         resumed: dict[str, list[str]] = {"pristine": [], "patched": []}
@@ -564,7 +586,8 @@ def _main(args) -> int:
             sides, coverage, seconds = {}, None, {}
             if earlier is not None:
                 sides["pristine"] = earlier
-            only = None if earlier is None else {name for name, r in earlier.items() if r["outcome"] == "passed"}
+            only = None if earlier is None else {name for name, r in earlier.items()
+                                                 if r["outcome"] == "passed" and test_file(name, rerun) is not None}
 
             def one_side(side: str, files: dict[str, str]) -> None:
                 nonlocal coverage
@@ -580,10 +603,12 @@ def _main(args) -> int:
                 side_key = json.dumps({"sdist": tests_root.name, "venv": venv.name, "side": side,
                                        "source": {rel: sha256_text(text) for rel, text in sorted(files.items())},
                                        "python": sys.version_info[:2], "runner": runner}, sort_keys=True)
-                sides[side] = run_side(venv, root, list(selected), overlay, Path(tmp), report, args.timeout,
+                files_run = list(selected) if only is None else rerun
+                sides[side] = run_side(venv, root, files_run, overlay, Path(tmp), report, args.timeout,
                                        kept=None if report else kept, side_key=side_key, resume=args.resume,
                                        resumed=resumed[side], only=only if side == "patched" else None)
                 if only is not None and side == "patched":
+                    sides[side] |= {name: outcome for name, outcome in carried.items() if name not in sides[side]}
                     for name in earlier.keys() - only - sides[side].keys():
                         sides[side][name] = {"outcome": UNRUN, "message": "not run patched: did not pass on pristine"}
                 seconds[side] = round(time.monotonic() - started)
@@ -607,8 +632,9 @@ def _main(args) -> int:
                                                       "sha256": tests_root.name.removeprefix("sdist-sha256-")},
                       "environment": venv.name,
                       "pristine_from": None if earlier is None else {
-                          "record": _shown(args.pristine_from),
-                          "sha256": earlier_sha},
+                          "record": _shown(args.pristine_from), "sha256": earlier_sha,
+                          # the files run patched again; the others' patched outcomes are the earlier record's
+                          "changed_modules": changed_modules, "rerun_files": rerun},
                       "only": args.only, "patched_files": patched_hashes, "selected": selected,
                       "seconds": seconds, "results": sides, "kiln_lines_reached": coverage,
                       "runner": runners,

@@ -366,3 +366,23 @@ def test_the_only_plugin_names_tests_as_the_junit_report_does():
     spec.loader.exec_module(plugin)
     assert plugin.junit_name("tests/a/test_b.py::TestC::test_d[x.py-1]") == "tests.a.test_b.TestC::test_d[x.py-1]"
     assert plugin.junit_name("tests/a/test_b.py::test_d") == "tests.a.test_b::test_d"
+
+
+def test_a_re_record_runs_again_only_the_files_that_import_a_module_whose_patched_text_changed(tmp_path):
+    import json
+
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps({
+        "patched_files": {"a/x.py": {"sha256": "1"}, "b/y.py": {"sha256": "2"}, "c/gone.py": {"sha256": "3"}},
+        "outcomes": {"tests.t.test_x::t1": ["passed", "passed"], "tests.t.test_y::t2": ["passed", "failed"],
+                     "tests.t.test_y::t3": ["failed", "unrun"], "tests.t.test_z::t4": ["passed", "passed"]},
+        "regression_messages": {"tests.t.test_y::t2": "KeyError: y"}}))
+    selected = {"tests/t/test_x.py": ["vllm.a.x"], "tests/t/test_y.py": ["vllm.b.y"],
+                "tests/t/test_z.py": ["vllm.c.gone", "vllm.b.y"]}
+    now = {"a/x.py": {"sha256": "changed"}, "b/y.py": {"sha256": "2"}, "d/new.py": {"sha256": "4"}}
+    run, carried, changed = upstream.rerun_plan(path, now, selected)
+    # x's text changed, gone.py is no longer patched, new.py is newly patched
+    assert changed == ["vllm.a.x", "vllm.c.gone", "vllm.d.new"]
+    assert run == ["tests/t/test_x.py", "tests/t/test_z.py"]
+    assert carried == {"tests.t.test_y::t2": {"outcome": "failed", "message": "KeyError: y"},
+                       "tests.t.test_y::t3": {"outcome": "unrun", "message": ""}}
