@@ -297,11 +297,12 @@ def kept_path(kept: Path, side_key: str, names: list[str], only: list[str] | Non
 
 
 def test_file(name: str, files: list[str]) -> str | None:
-    """Which of ``files`` holds the test of this JUnit name (``tests.a.test_b.TestC::test_d``, a
-    file that did not collect as ``tests/a/test_b.py``, a dead process's ``tests/a/test_b.py::<process died>``)."""
+    """Which of ``files`` holds the test of this JUnit name (``tests.a.test_b.TestC::test_d``; a
+    file that did not collect, or was skipped whole, as ``tests.a.test_b`` or ``tests/a/test_b.py``;
+    a dead process's ``tests/a/test_b.py::<process died>``)."""
     for file in files:
         dotted = file.removesuffix(".py").replace("/", ".")
-        if name == file or name.startswith((f"{file}::", f"{dotted}::", f"{dotted}.")):
+        if name in (file, dotted) or name.startswith((f"{file}::", f"{dotted}::", f"{dotted}.")):
             return file
     return None
 

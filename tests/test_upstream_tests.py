@@ -319,6 +319,7 @@ def test_a_re_record_runs_patched_only_the_tests_that_passed_on_pristine(tmp_pat
     assert upstream.run_side(venv, root, files, overlay, tmp_path, timeout=300, kept=kept, side_key="k",
                              only=only, resume=True) == whole
     assert upstream.test_file("tests/v1/core/test_c.py::<process died>", files) == files[2]
+    assert upstream.test_file("tests.v1.core.test_c", files) == files[2]  # skipped or failed whole, at collection
     assert upstream.test_file("tests.kernels.test_kk::test_a", files) is None
 
 
