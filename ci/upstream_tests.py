@@ -44,7 +44,7 @@ the record's patched outcomes. Of those files it runs only the tests that passed
 (``ci/upstream_plugin/kiln_only_tests.py``): a regression is a test that passes on pristine and
 not patched, so a test that did not pass there cannot be one. The others are recorded as
 ``unrun`` on the patched side. (Some of vLLM's CPU kernel tests take days a side on a CPU without
-native bf16 or VNNI: bf16 MoE references, oneDNN's reference int8 GEMMs.)
+native bf16 or VNNI: bf16 MoE references, oneDNN's int8 GEMMs.)
 """
 
 from __future__ import annotations
