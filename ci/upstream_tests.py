@@ -548,6 +548,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--resume: coverage is measured in one run, not resumed")
     if args.pristine_from and args.coverage:
         parser.error("--pristine-from: coverage is measured over the whole selection")
+    if args.pristine_from:  # before the environment, the sdist and the patch run: a wrong path costs nothing
+        try:
+            earlier = json.loads(args.pristine_from.read_text())
+        except (OSError, ValueError) as err:
+            parser.error(f"--pristine-from {args.pristine_from}: not a record ({err})")
+        if not isinstance(earlier, dict) or not isinstance(earlier.get("outcomes"), dict):
+            parser.error(f"--pristine-from {args.pristine_from}: not a record (no outcomes)")
     try:
         with lifeline.stop_on_signals():  # SIGTERM/SIGINT: the pytest processes killed, the temporary tree removed
             return _main(args)

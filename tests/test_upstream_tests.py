@@ -387,3 +387,14 @@ def test_a_re_record_runs_again_only_the_files_that_import_a_module_whose_patche
     assert run == ["tests/t/test_x.py", "tests/t/test_z.py"]
     assert carried == {"tests.t.test_y::t2": {"outcome": "failed", "message": "KeyError: y"},
                        "tests.t.test_y::t3": {"outcome": "unrun", "message": ""}}
+
+
+def test_a_pristine_from_that_is_no_record_is_refused_before_any_work(tmp_path, capsys):
+    for path, said in ((tmp_path / "missing.json", "No such file"), (tmp_path / "list.json", "no outcomes")):
+        if path.name == "list.json":
+            path.write_text("[]")
+        with pytest.raises(SystemExit) as stop:
+            upstream.main(["--pristine-from", str(path)])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"--pristine-from {path}: not a record" in err and said in err
