@@ -170,12 +170,15 @@ _PROBE = ("import hashlib, importlib, json, sys\nout = {}\nfor name in sys.argv[
 def changed_modules(opt_kiln: Path, side: str) -> list[str]:
     """The modules of the files kiln changes that exist on ``side``: all of them patched, those it
     did not add pristine (the audit file, /opt/kiln/manifest.json, says which were new)."""
+    # imported here, as serve's own kiln imports are: plan and dry-run need none
+    from kiln.source.tree import module_name
+
     audit = json.loads((opt_kiln / "manifest.json").read_text())
     out = []
     for path, sums in sorted(audit["files"].items()):
         rel = path.removeprefix("/site/vllm/")
         if rel.endswith(".py") and (side == "patched" or sums["before"] is not None):
-            out.append("vllm." + rel[:-3].replace("/", ".").removesuffix(".__init__"))
+            out.append(module_name(rel))
     return out
 
 

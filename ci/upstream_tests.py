@@ -82,6 +82,7 @@ from kiln.pinning.upstream_select import (  # the selection and the comparison: 
     select_tests,
 )
 from kiln.pins import load_pins
+from kiln.source.tree import module_name
 from kiln.source.wheel import choose_wheel, index_url, list_release_files
 from kiln.staging import write_atomic
 
@@ -428,17 +429,23 @@ def reached(site: Path, overlay: Path, patched: dict[str, str], report: Path) ->
     return out
 
 
-def pristine_outcomes(path: Path, version: Version, sdist: str, environment: str, runner: str,
-                      selected: list[str]) -> dict[str, dict]:
-    """The pristine side's outcomes from an earlier record (``--pristine-from``), where it was made
-    on what this run would run pristine on: the release, its sdist, the environment and the runner,
-    over at least this selection. Raises KilnError naming the field that differs."""
+def read_record(path: Path) -> dict:
+    """An earlier record (``--pristine-from``), or KilnError in one line naming it."""
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise KilnError(f"--pristine-from {path}: not a record ({err})") from err
     if not isinstance(record, dict) or not isinstance(record.get("outcomes"), dict):
         raise KilnError(f"--pristine-from {path}: not a record (no outcomes)")
+    return record
+
+
+def pristine_outcomes(path: Path, version: Version, sdist: str, environment: str, runner: str,
+                      selected: list[str]) -> dict[str, dict]:
+    """The pristine side's outcomes from an earlier record (``--pristine-from``), where it was made
+    on what this run would run pristine on: the release, its sdist, the environment and the runner,
+    over at least this selection. Raises KilnError naming the field that differs."""
+    record = read_record(path)
     expected = {"vllm": str(version), "sdist": sdist, "environment": environment, "runner": runner, "only": []}
     found = {"vllm": record.get("vllm"), "sdist": (record.get("sdist") or {}).get("sha256"),
              "environment": record.get("environment"), "runner": (record.get("runner") or {}).get("sha256"),
@@ -466,11 +473,10 @@ def rerun_plan(path: Path, patched: dict[str, dict], selected: dict[str, list[st
     others: a file runs again where a module it imports (the selection's rule, ``selected``) is one
     whose patched text differs from the earlier record's (or that either side patches alone).
     Returns (files to run, test -> earlier patched outcome for the rest, the changed modules)."""
-    record = json.loads(path.read_text())
+    record = read_record(path)
     before = {rel: entry.get("sha256") for rel, entry in (record.get("patched_files") or {}).items()}
     now = {rel: entry["sha256"] for rel, entry in patched.items()}
-    changed = sorted("vllm." + rel[:-3].replace("/", ".").removesuffix(".__init__")
-                     for rel in set(before) | set(now) if before.get(rel) != now.get(rel))
+    changed = sorted(module_name(rel) for rel in set(before) | set(now) if before.get(rel) != now.get(rel))
     run = [name for name, hits in selected.items() if set(hits) & set(changed)]
     kept_files = [name for name in selected if name not in run]
     carried = {}
@@ -550,11 +556,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--pristine-from: coverage is measured over the whole selection")
     if args.pristine_from:  # before the environment, the sdist and the patch run: a wrong path costs nothing
         try:
-            earlier = json.loads(args.pristine_from.read_text())
-        except (OSError, ValueError) as err:
-            parser.error(f"--pristine-from {args.pristine_from}: not a record ({err})")
-        if not isinstance(earlier, dict) or not isinstance(earlier.get("outcomes"), dict):
-            parser.error(f"--pristine-from {args.pristine_from}: not a record (no outcomes)")
+            read_record(args.pristine_from)
+        except KilnError as err:
+            parser.error(str(err))
     try:
         with lifeline.stop_on_signals():  # SIGTERM/SIGINT: the pytest processes killed, the temporary tree removed
             return _main(args)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.source.tree import module_name
 from tests.support.registry import _ASSETS, TOOLCHAIN_CACHE, TRITON_CP312_RECORD, fetch_vllm_wheel
 
 pytestmark = pytest.mark.network
@@ -217,9 +218,7 @@ def test_the_plan_dry_run_carries_each_part_alone_assembles_and_both_sides_impor
     added = {rel for rel in changed if audit["files"][f"/site/vllm/{rel}"]["before"] is None}  # new files
     assert "v1/attention/ops/triton_turboquant_grouped_decode.py" in added  # PN119's kernel
 
-    def module(rel: str) -> str:
-        return "vllm." + rel[:-3].replace("/", ".").removesuffix(".__init__")
-
+    module = module_name
     # the preflight imported them, and said which file each came from
     seen = {side: preflight[side]["modules"] for side in ("pristine", "patched")}
     assert set(seen["patched"]) == {"vllm.entrypoints.openai.api_server", *map(module, changed)}

@@ -65,7 +65,7 @@ class _ParsedTexts:
     def check_parses(self, text: str) -> None:
         """Raise libcst's ParserSyntaxError where ``text`` does not parse; a text seen to parse is not parsed again."""
         key = sha256_text(text)
-        if key in self._reparsed or key in self._trees:
+        if key in self._reparsed:  # every text parse() parsed is remembered there too
             return
         cst.parse_module(text)
         self._remember(key)

@@ -29,6 +29,7 @@ from kiln.oci.digest import sha256_text
 from kiln.patch.catalog import load_catalogue
 from kiln.patch.engine import Session, run_selection
 from kiln.patch.model import BuildTarget
+from kiln.source.tree import module_name
 from kiln.source.wheel import WheelSource
 
 
@@ -78,7 +79,7 @@ def imported_modules(text: str, package: str) -> set[str]:
 def select_tests(tests_root: Path, patched: dict[str, str]) -> dict[str, list[str]]:
     """test file (relative to the sdist) -> the patched modules it imports, directly or through
     the helper modules of ``tests/`` (``tests/v1/core/utils.py`` builds the scheduler)."""
-    modules = {"vllm." + rel[:-3].replace("/", ".").removesuffix(".__init__") for rel in patched}
+    modules = {module_name(rel) for rel in patched}
     imports = {}
     for path in sorted((tests_root / "tests").rglob("*.py")):
         dotted = path.relative_to(tests_root).with_suffix("").as_posix().replace("/", ".")

@@ -11,6 +11,12 @@ from packaging.version import Version
 from kiln.cache import cache_root
 
 
+def module_name(rel: str) -> str:
+    """The dotted module of a file of the ``vllm`` package (``v1/worker/gpu_model_runner.py`` ->
+    ``vllm.v1.worker.gpu_model_runner``; a package's ``__init__.py`` is the package)."""
+    return "vllm." + rel.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+
+
 @dataclass(frozen=True)
 class SourceTree:
     """A read-only directory holding the ``vllm/`` package exactly as a release ships it.
