@@ -55,7 +55,6 @@ import os
 import posixpath
 import re
 import shutil
-import stat
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -95,7 +94,7 @@ class _SiteState:
 
 class VllmLayerWalk:
     def __init__(self, dest: Path, need_triton: bool = False):
-        self.dest = dest
+        self.dest = dest  # an empty directory: the walk is the only writer, so what it holds is known
         self.need_triton = need_triton
         self._decided: set[str] = set()
         self._deleted: set[str] = set()
@@ -104,6 +103,10 @@ class VllmLayerWalk:
         self._sites: dict[str, _SiteState] = {}
         self._files: dict[str, set[str]] = {}  # site -> vllm-relative files visible
         self._links: dict[str, tuple[str, str]] = {}  # symlink path under a package -> (target, layer)
+        # What ``dest`` holds, kept here rather than asked of the file system: a stat or a mkdir
+        # per entry cost as much as writing the file (~1,700 of them in vLLM 0.20.1).
+        self._dirs: set[str] = set()
+        self._regular: set[str] = set()
         self.layers: list[str] = []
 
     # -- feeding -----------------------------------------------------------------------------
@@ -185,25 +188,36 @@ class VllmLayerWalk:
             if parent in self._links:
                 raise KilnError(f"layer {label}: entry {member.name!r} is below the symlink "
                                 f"{parent!r}; refusing to write through a link")
-            if os.path.lexists(self.dest / parent) and not _is_real_dir(self.dest / parent):
+            if parent in self._regular:
                 raise KilnError(f"layer {label}: entry {member.name!r} is below {parent!r}, which is not a directory")
             parent = posixpath.dirname(parent)
 
     def _drop(self, path: str, member: tarfile.TarInfo, label: str) -> None:
         """Forget what an earlier entry of this layer put at ``path`` (a later duplicate wins)."""
         self._links.pop(path, None)
-        target = self.dest / path
-        if _is_real_dir(target):
+        if path in self._dirs:
             raise KilnError(f"layer {label}: entry {member.name!r} replaces a directory already extracted")
-        if os.path.lexists(target):
-            target.unlink()
+        if path in self._regular:
+            (self.dest / path).unlink()
+            self._regular.discard(path)
+
+    def _new_file(self, path: str):
+        """``dest/path`` created (its directories made first); never through a link (``_create``)."""
+        parent = posixpath.dirname(path)
+        if parent not in self._dirs:
+            (self.dest / parent).mkdir(parents=True, exist_ok=True)
+            while parent and parent not in self._dirs:
+                self._dirs.add(parent)
+                parent = posixpath.dirname(parent)
+        out = _create(self.dest / path)
+        self._regular.add(path)
+        return out
 
     def _extract(self, member: tarfile.TarInfo, path: str, site: str, tar: tarfile.TarFile, label: str) -> None:
         # ``path`` is relative with no ``..`` (``_normalise``); ``_check_parents`` made sure no
         # parent is a link or a file, and ``dest`` never holds a link: the write stays in ``dest``.
         self._drop(path, member, label)
         target = self.dest / path
-        target.parent.mkdir(parents=True, exist_ok=True)
         package = f"{site}/vllm"
         if member.isfile():
             if member.size > MAX_SOURCE_FILE:
@@ -211,19 +225,18 @@ class VllmLayerWalk:
                                 f"limit of {MAX_SOURCE_FILE} for a source file")
             source = tar.extractfile(member)
             assert source is not None
-            with writing(target, member.size, f"layer {label}: entry {member.name!r}"), _create(target) as out:
+            with writing(target, member.size, f"layer {label}: entry {member.name!r}"), self._new_file(path) as out:
                 shutil.copyfileobj(source, out)
         else:  # hard link: its target must be a regular file already extracted into the package
             try:
                 linked = _normalise(member.linkname, label)
             except KilnError:  # absolute or climbing: reported below, naming the link itself
                 linked = None
-            source_path = self.dest / linked if linked else None
-            if not linked or not linked.startswith(package + "/") or not _is_real_file(source_path):
+            if not linked or not linked.startswith(package + "/") or linked not in self._regular:
                 raise KilnError(f"layer {label}: hard link {member.name!r} -> {member.linkname!r} does not name "
                                 "a file extracted from the vllm package")
             with writing(target, None, f"layer {label}: hard link {member.name!r}"), \
-                    source_path.open("rb") as source, _create(target) as out:
+                    (self.dest / linked).open("rb") as source, self._new_file(path) as out:
                 shutil.copyfileobj(source, out)
 
     def _materialise_links(self, site: str) -> None:
@@ -235,13 +248,12 @@ class VllmLayerWalk:
                 resolved[path] = (self._resolve(path, package, label, linkname), label, linkname)
         for path, (target, label, linkname) in resolved.items():
             source = self.dest / target
-            if not _is_real_file(source):
+            if target not in self._regular:
                 raise KilnError(f"layer {label}: symlink {path!r} -> {linkname!r} resolves to {target!r}, "
                                 "which is not a file in the layers read")
             out_path = self.dest / path
-            out_path.parent.mkdir(parents=True, exist_ok=True)
             with writing(out_path, source.stat().st_size, f"layer {label}: symlink {path!r}"), \
-                    source.open("rb") as data, _create(out_path) as out:
+                    source.open("rb") as data, self._new_file(path) as out:
                 shutil.copyfileobj(data, out)
 
     def _resolve(self, path: str, package: str, label: str, linkname: str) -> str:
@@ -328,20 +340,6 @@ def _normalise(name: str, label: str) -> str | None:
     if ".." in parts:
         raise KilnError(f"layer {label}: entry {name!r} climbs out of the root with '..'")
     return "/".join(parts) or None
-
-
-def _is_real_dir(path: Path) -> bool:
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except FileNotFoundError:
-        return False
-
-
-def _is_real_file(path: Path | None) -> bool:
-    try:
-        return path is not None and stat.S_ISREG(os.lstat(path).st_mode)
-    except FileNotFoundError:
-        return False
 
 
 def _create(path: Path):
