@@ -14,7 +14,6 @@ import re
 import shutil
 import subprocess
 import tarfile
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 import requests
 
 from kiln import commands
-from tests.support import TEST_IMAGES
+from tests.support import TEST_IMAGES, podman_store_dir
 from tests.support.kiln_process import run_kiln
 from tests.support.registry import SITE, VLLM_VERSION
 
@@ -213,7 +212,7 @@ def _podman_cat(store: Path, image: str, *paths_in_image: str) -> subprocess.Com
 def podman_store():
     if shutil.which("podman") is None or shutil.which("runc") is None:
         pytest.fail("podman/runc not installed (run ci/test, which installs them)")
-    store = Path(tempfile.mkdtemp(prefix="kp-"))  # podman wants a runroot under 50 characters
+    store = podman_store_dir("kp-")
     yield store
     _podman(store, "system", "reset", "--force")
     shutil.rmtree(store, ignore_errors=True)

@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import tarfile
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,7 @@ from kiln.publish.context import (
     stage_context,
 )
 from kiln.staging import commit_all
-from tests.support import TEST_IMAGES
+from tests.support import TEST_IMAGES, podman_store_dir
 from tests.support.kiln_process import run_kiln
 from tests.support.registry import SITE, VLLM_VERSION, run
 
@@ -128,7 +127,7 @@ class Podman:
 def podman(registry_plain):
     if shutil.which("podman") is None or shutil.which("runc") is None:
         pytest.fail("podman/runc not installed (run ci/test, which installs them)")
-    store = Path(tempfile.mkdtemp(prefix="kd-"))  # podman wants a runroot under 50 characters
+    store = podman_store_dir("kd-")
     tool = Podman(store, registry_plain.host)
     yield tool
     tool("system", "reset", "--force")

@@ -11,20 +11,80 @@ the time, or the replacement would not reach the child.
 
 The child inherits the test's environment (monkeypatch.setenv applies: KILN_CACHE_DIR,
 DOCKER_CONFIG, KILN_PROGRESS, KILN_JOBS), its working directory and the `network` marker's
-guard (tests/support/netguard.py).
+guard (tests/support/netguard.py). It is forked from a zygote (tests/support/kiln_zygote.py:
+kiln's modules imported, no command run), not a fresh interpreter: the imports were ~1.7 s of CPU
+a child. Tests that signal or kill a build mid-way start ``build.py`` themselves
+(tests/support/build_processes.py).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import selectors
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
+from tests.support import netguard
+
 BUILD_PY = Path(__file__).resolve().parents[2] / "build.py"
+REPO = BUILD_PY.parent
+# KILN_TEST_FRESH_CHILDREN=1: every child a fresh interpreter (``python build.py``), as before the zygote
+FRESH = "KILN_TEST_FRESH_CHILDREN"
+
+
+class _Zygote:
+    """This worker's ``tests/support/kiln_zygote.py``: started on first use, once, and again if it died."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> subprocess.Popen:
+        if self.process is None or self.process.poll() is not None:
+            env = {k: v for k, v in os.environ.items() if k != netguard.ENV}  # the guard is per child
+            self.process = subprocess.Popen([sys.executable, "-m", "tests.support.kiln_zygote"], cwd=REPO, env=env,
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            if self.process.stdout.readline() != b"ready\n":
+                raise RuntimeError(f"the kiln zygote did not start (exit {self.process.wait()})")
+        return self.process
+
+    def run(self, argv: list[str], timeout: float) -> tuple[int, str, str]:
+        process = self.start()
+        with tempfile.TemporaryDirectory(prefix="kiln-child-") as work:
+            out, err = Path(work, "out"), Path(work, "err")
+            out.touch()
+            err.touch()
+            request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "out": str(out), "err": str(err)}
+            process.stdin.write(json.dumps(request).encode() + b"\n")
+            process.stdin.flush()
+            pid = int(process.stdout.readline())
+            with selectors.DefaultSelector() as wait:
+                wait.register(process.stdout, selectors.EVENT_READ)
+                if not wait.select(timeout):
+                    os.kill(pid, 9)
+                    process.stdout.readline()
+                    raise subprocess.TimeoutExpired([str(BUILD_PY), *argv], timeout)
+            code = int(process.stdout.readline())
+            return code, out.read_text(), err.read_text()
+
+
+_ZYGOTE = _Zygote()
 
 
 def run_kiln(*argv, timeout: float = 900) -> tuple[int, str, str]:
-    """``build.py *argv`` in a child interpreter: (exit code, stdout, stderr)."""
-    done = subprocess.run([sys.executable, str(BUILD_PY), *map(str, argv)], capture_output=True, text=True,
+    """``build.py *argv`` in a child process: (exit code, stdout, stderr). The child is a fork of
+    this worker's zygote (kiln imported, nothing run); when the zygote is busy (a test running
+    children from threads) or ``$KILN_TEST_FRESH_CHILDREN`` is set, a fresh interpreter."""
+    argv = [str(arg) for arg in argv]
+    if not os.environ.get(FRESH) and _ZYGOTE.lock.acquire(blocking=False):
+        try:
+            return _ZYGOTE.run(argv, timeout)
+        finally:
+            _ZYGOTE.lock.release()
+    done = subprocess.run([sys.executable, str(BUILD_PY), *argv], capture_output=True, text=True,
                           stdin=subprocess.DEVNULL, timeout=timeout)
     return done.returncode, done.stdout, done.stderr
