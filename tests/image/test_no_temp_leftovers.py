@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
-from kiln import paths
 from tests.publish.test_helm_values import IMAGE, Project
+from tests.support.kiln_process import run_kiln
 
 pytestmark = pytest.mark.registry
 
@@ -21,12 +20,10 @@ def test_build_push_leaves_the_temp_dir_empty(tmp_path, registry_plain):
     private_tmp = tmp_path / "tmp"  # this command's own: no other test writes here
     private_tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(private_tmp), KILN_PROGRESS="quiet")
-    result = subprocess.run(
-        [sys.executable, str(paths.REPO / "build.py"), "--pins", str(project.pins), "--images",
-         str(project.root / "images"), "build", "--image", IMAGE, "--pin", "v0.20.1", "--sm", "120",
-         "--mirror", registry_plain.mirror, "--repository", f"{registry_plain.host}/{project.dest}",
-         "--push", "--oci", str(tmp_path / "layout")],
-        env=env, capture_output=True, text=True, timeout=900)
+    argv = ["--pins", str(project.pins), "--images", str(project.root / "images"), "build", "--image", IMAGE,
+            "--pin", "v0.20.1", "--sm", "120", "--mirror", registry_plain.mirror,
+            "--repository", f"{registry_plain.host}/{project.dest}", "--push", "--oci", str(tmp_path / "layout")]
+    result = subprocess.CompletedProcess(argv, *run_kiln(*argv, env=env, timeout=900))
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "layout" / "index.json").is_file()  # the build did its work
     assert sorted(p.name for p in private_tmp.iterdir()) == []

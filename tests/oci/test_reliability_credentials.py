@@ -18,7 +18,6 @@ import io
 import json
 import os
 import subprocess
-import sys
 import tarfile
 import time
 import traceback
@@ -35,6 +34,7 @@ from kiln.oci.endpoints import Endpoint
 from kiln.oci.registry import RegistryClient, registry_session
 from tests.support import TEST_IMAGES
 from tests.support.faultproxy import Fault, FaultProxy
+from tests.support.kiln_process import run_kiln
 from tests.support.registry import USER, VLLM_VERSION, RegistryServer, dies_with_us, free_port, run
 from tests.support.reliability_checks import assert_cache_verified, tag_state
 
@@ -152,10 +152,10 @@ class Sandbox:
         return log.read_text().splitlines() if log.exists() else []
 
     def build(self, env: dict, pins: Path, mirror: str, *extra: str) -> subprocess.CompletedProcess:
-        argv = [sys.executable, str(ROOT / "build.py"), "--pins", str(pins), "--images", str(IMAGES),
+        argv = ["--pins", str(pins), "--images", str(IMAGES),
                 "build", "--image", "e2e-p65", "--pin", "v0.20.1", "--sm", "120", "--mirror", mirror,
                 "--oci", str(self.out / "layout"), "--docker-archive", str(self.out / "image.tar"), *extra]
-        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, cwd=self.root)
+        return subprocess.CompletedProcess(argv, *run_kiln(*argv, env=env, cwd=self.root, timeout=300))
 
     def assert_no_output(self) -> None:
         """Neither the layout nor the archive, nor a staged piece of them (outputs share ``out/``)."""

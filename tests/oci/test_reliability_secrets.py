@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ import pytest
 from tests.oci.test_reliability_credentials import find_leaks, secret_forms
 from tests.support import TEST_IMAGES
 from tests.support.faultproxy import Fault, FaultProxy
+from tests.support.kiln_process import run_kiln
 from tests.support.registry import PASSWORD, USER
 
 pytestmark = [pytest.mark.registry, pytest.mark.reliability]
@@ -44,10 +44,10 @@ def _values(tmp_path: Path, host: str) -> subprocess.CompletedProcess:
     env.update(HOME=str(tmp_path / "home"), DOCKER_CONFIG=str(tmp_path / "docker"), NO_COLOR="1",
                KILN_REGISTRY_USER=USER, KILN_REGISTRY_PASSWORD=PASSWORD, KILN_REGISTRY_RETRIES="1",
                KILN_REGISTRY_BACKOFF="0.05", KILN_CACHE_DIR=str(tmp_path / "cache"))
-    argv = [sys.executable, str(ROOT / "build.py"), "--pins", str(tmp_path / "pins.toml"), "--images", str(TEST_IMAGES),
+    argv = ["--pins", str(tmp_path / "pins.toml"), "--images", str(TEST_IMAGES),
             "values", "--image", "e2e-p65", "--pin", "v0.20.1", "--sm", "120",
             "--repository", f"{host}/test/echo", "--insecure-registry", host]
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    return subprocess.CompletedProcess(argv, *run_kiln(*argv, env=env, cwd=tmp_path, timeout=120))
 
 
 @pytest.mark.parametrize("flavour", ["basic", "token"])

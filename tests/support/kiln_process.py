@@ -52,13 +52,13 @@ class _Zygote:
                 raise RuntimeError(f"the kiln zygote did not start (exit {self.process.wait()})")
         return self.process
 
-    def run(self, argv: list[str], timeout: float) -> tuple[int, str, str]:
+    def run(self, argv: list[str], env: dict, cwd: str, timeout: float) -> tuple[int, str, str]:
         process = self.start()
         with tempfile.TemporaryDirectory(prefix="kiln-child-") as work:
             out, err = Path(work, "out"), Path(work, "err")
             out.touch()
             err.touch()
-            request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "out": str(out), "err": str(err)}
+            request = {"argv": argv, "env": env, "cwd": cwd, "out": str(out), "err": str(err)}
             process.stdin.write(json.dumps(request).encode() + b"\n")
             process.stdin.flush()
             pid = int(process.stdout.readline())
@@ -75,16 +75,19 @@ class _Zygote:
 _ZYGOTE = _Zygote()
 
 
-def run_kiln(*argv, timeout: float = 900) -> tuple[int, str, str]:
-    """``build.py *argv`` in a child process: (exit code, stdout, stderr). The child is a fork of
-    this worker's zygote (kiln imported, nothing run); when the zygote is busy (a test running
-    children from threads) or ``$KILN_TEST_FRESH_CHILDREN`` is set, a fresh interpreter."""
+def run_kiln(*argv, timeout: float = 900, env: dict | None = None, cwd=None) -> tuple[int, str, str]:
+    """``build.py *argv`` in a child process: (exit code, stdout, stderr); ``env`` replaces the
+    test's environment, ``cwd`` its working directory. The child is a fork of this worker's zygote
+    (kiln imported, nothing run); when the zygote is busy (a test running children from threads)
+    or ``$KILN_TEST_FRESH_CHILDREN`` is set, a fresh interpreter."""
     argv = [str(arg) for arg in argv]
+    env = dict(os.environ) if env is None else dict(env)
+    cwd = os.path.abspath(cwd if cwd is not None else os.getcwd())
     if not os.environ.get(FRESH) and _ZYGOTE.lock.acquire(blocking=False):
         try:
-            return _ZYGOTE.run(argv, timeout)
+            return _ZYGOTE.run(argv, env, cwd, timeout)
         finally:
             _ZYGOTE.lock.release()
     done = subprocess.run([sys.executable, str(BUILD_PY), *argv], capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=timeout)
+                          stdin=subprocess.DEVNULL, timeout=timeout, env=env, cwd=cwd)
     return done.returncode, done.stdout, done.stderr
