@@ -24,7 +24,8 @@ import signal
 import sys
 import tempfile
 
-BUILD_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "build.py")
+from tests.support.kiln_process import BUILD_PY
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -60,7 +61,7 @@ def _child(request: dict, replies: int, requests) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     tempfile.tempdir = None  # $TMPDIR is the request's
-    sys.argv = [BUILD_PY, *request["argv"]]
+    sys.argv = [str(BUILD_PY), *request["argv"]]
     guard = request["env"].get("KILN_TEST_OFFLINE")
     if guard:  # what offline_site/sitecustomize.py does at a fresh interpreter's start
         from tests.support import netguard
