@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -147,6 +148,86 @@ def test_a_work_folder_holding_anything_is_refused_and_left_alone(tmp_path, kind
                                    "(the check removes it when done)")
     assert (work / "notes.txt" if kind == "folder" else work).read_text() == "mine\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
+
+
+# Run by root in a mount namespace of its own (as serve_check runs itself): two images' roots made by
+# Roots from hand-made layers, what each root shows, and what the layers hold after a write.
+ROOTS_PROBE = """
+import hashlib, io, json, os, sys, tarfile
+from pathlib import Path
+sys.path.insert(0, os.environ["CI_DIR"])
+from importlib.machinery import SourceFileLoader
+check = SourceFileLoader("serve_check", os.path.join(os.environ["CI_DIR"], "serve_check")).load_module()
+work = Path(sys.argv[1])
+blobs = work / "oci" / "blobs" / "sha256"
+blobs.mkdir(parents=True)
+
+def layer(entries):
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w:gz") as tar:
+        for name, text in entries.items():
+            info = tarfile.TarInfo(name)
+            if text is None:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = len(text)
+                tar.addfile(info, io.BytesIO(text.encode()))
+    digest = hashlib.sha256(data.getvalue()).hexdigest()
+    (blobs / digest).write_bytes(data.getvalue())
+    return {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": f"sha256:{digest}"}
+
+base = layer({"etc": None, "etc/kept": "base", "etc/gone": "base", "cache": None, "cache/old": "base"})
+top = layer({"etc/.wh.gone": "", "cache/.wh..wh..opq": "", "cache/new": "top", "etc/kept": "top"})
+roots = check.Roots(work)
+try:
+    pristine = roots.mount("pristine", {"layers": [base]})
+    patched = roots.mount("patched", {"layers": [base, top]})
+    (patched / "etc" / "written").write_text("by the server")
+    seen = {name: sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+            for name, root in (("pristine", pristine), ("patched", patched))}
+    seen["kept"] = (patched / "etc/kept").read_text(), (pristine / "etc/kept").read_text()
+    seen["layers"] = sorted(p.name for p in (work / "layers").iterdir())
+    seen["upper"] = sorted(str(p.relative_to(work / "roots/patched/upper")) for p in (work / "roots/patched/upper").rglob("*"))
+finally:
+    roots.unmount()
+seen["after"] = sorted(str(p.relative_to(patched)) for p in patched.rglob("*"))
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.reliability
+def test_roots_stack_the_layers_with_their_whiteouts_and_keep_a_servers_writes_in_its_own_root(tmp_path):
+    """serve_check's roots (docs/SERVE_CHECK.md, step 4): each layer extracted once, shared by the
+    roots that hold it; a whiteout hides a lower file, an opaque folder hides the lower folder's
+    content; what a root's server writes lands in that root's upper folder, never in a layer."""
+    assert os.geteuid() == 0 and shutil.which("unshare"), "needs root and unshare"
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-c", ROOTS_PROBE,
+                           str(tmp_path / "work")], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CI_DIR": str(REPO / "ci")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout)
+    assert seen["pristine"] == ["cache", "cache/old", "etc", "etc/gone", "etc/kept"]
+    assert seen["patched"] == ["cache", "cache/new", "etc", "etc/kept", "etc/written"]
+    assert seen["kept"] == ["top", "base"]
+    assert len(seen["layers"]) == 2  # the base's layer once, for both roots
+    assert seen["upper"] == ["etc", "etc/written"]
+    assert seen["after"] == []  # unmounted: the root's mount point is empty again
+    for layer in (tmp_path / "work" / "layers").iterdir():
+        assert not (layer / "etc" / "written").exists()
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("mark", [":", ","])
+def test_a_work_folder_overlayfs_cannot_name_is_refused_in_one_line(tmp_path, mark):
+    assert os.geteuid() == 0 and not tools_missing(), f"serve_check needs root and {tools_missing()}"
+    work = tmp_path / f"a{mark}b"
+    done = subprocess.run([sys.executable, str(REPO / "ci" / "serve_check"), "--work", str(work)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip() == (f"error: serve_check: work: --work {work}: a path with ':' or ',' cannot "
+                                   "hold an overlay's layers")
+    assert not work.exists()
 
 
 BROKEN_PATCH = '''\
