@@ -89,7 +89,7 @@ def test_a_child_past_its_timeout_is_killed_and_the_next_child_runs(tmp_path):
 
 def test_a_zygote_that_died_is_started_again():
     assert run_kiln("--version")[0] == 0
-    kiln_process._ZYGOTE.process.kill()
-    kiln_process._ZYGOTE.process.wait()
+    kiln_process._ZYGOTES["kiln"].process.kill()
+    kiln_process._ZYGOTES["kiln"].process.wait()
     code, out, _ = run_kiln("--version")
     assert code == 0 and out.startswith("kiln ")

@@ -37,28 +37,32 @@ FRESH = "KILN_TEST_FRESH_CHILDREN"
 
 
 class _Zygote:
-    """This worker's ``tests/support/kiln_zygote.py``: started on first use, once, and again if it died."""
+    """This worker's ``tests/support/kiln_zygote.py`` of one kind: started on first use, once, and
+    again if it died."""
 
-    def __init__(self):
+    def __init__(self, kind: str):
+        self.kind = kind
         self.lock = threading.Lock()
         self.process: subprocess.Popen | None = None
 
     def start(self) -> subprocess.Popen:
         if self.process is None or self.process.poll() is not None:
             env = {k: v for k, v in os.environ.items() if k != netguard.ENV}  # the guard is per child
-            self.process = subprocess.Popen([sys.executable, "-m", "tests.support.kiln_zygote"], cwd=REPO, env=env,
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            self.process = subprocess.Popen([sys.executable, "-m", "tests.support.kiln_zygote", self.kind], cwd=REPO,
+                                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             if self.process.stdout.readline() != b"ready\n":
-                raise RuntimeError(f"the kiln zygote did not start (exit {self.process.wait()})")
+                raise RuntimeError(f"the {self.kind} zygote did not start (exit {self.process.wait()})")
         return self.process
 
-    def run(self, argv: list[str], env: dict, cwd: str, timeout: float) -> tuple[int, str, str]:
+    def run(self, what: dict, env: dict, cwd: str, timeout: float, argv: list[str]) -> tuple[int, str, str]:
+        """A forked child for the request ``what`` (kiln_zygote's argv or call): its exit code,
+        stdout and stderr; ``argv`` names it in a TimeoutExpired."""
         process = self.start()
         with tempfile.TemporaryDirectory(prefix="kiln-child-") as work:
             out, err = Path(work, "out"), Path(work, "err")
             out.touch()
             err.touch()
-            request = {"argv": argv, "env": env, "cwd": cwd, "out": str(out), "err": str(err)}
+            request = {**what, "env": env, "cwd": cwd, "out": str(out), "err": str(err)}
             process.stdin.write(json.dumps(request).encode() + b"\n")
             process.stdin.flush()
             pid = int(process.stdout.readline())
@@ -67,12 +71,37 @@ class _Zygote:
                 if not wait.select(timeout):
                     os.kill(pid, 9)
                     process.stdout.readline()
-                    raise subprocess.TimeoutExpired([str(BUILD_PY), *argv], timeout)
+                    raise subprocess.TimeoutExpired(argv, timeout)
             code = int(process.stdout.readline())
             return code, out.read_text(), err.read_text()
 
+    def forked(self, what: dict, env: dict, cwd: str, timeout: float, argv: list[str]) -> tuple[int, str, str] | None:
+        """``run``, unless this zygote is busy (a test running children from threads) or
+        ``$KILN_TEST_FRESH_CHILDREN`` is set: then None, and the caller starts a fresh interpreter."""
+        if os.environ.get(FRESH) or not self.lock.acquire(blocking=False):
+            return None
+        try:
+            return self.run(what, env, cwd, timeout, argv)
+        finally:
+            self.lock.release()
 
-_ZYGOTE = _Zygote()
+
+_ZYGOTES = {kind: _Zygote(kind) for kind in ("kiln", "in-child")}
+
+
+def run_forked(kind: str, what: dict, argv: list[str], timeout: float, env: dict | None = None,
+               cwd=None) -> tuple[int, str, str]:
+    """A child of this worker's ``kind`` zygote for ``what``, else (zygote busy, or
+    ``$KILN_TEST_FRESH_CHILDREN``) ``argv`` run by a fresh interpreter: (exit code, stdout, stderr).
+    ``env`` replaces the test's environment, ``cwd`` its working directory."""
+    env = dict(os.environ) if env is None else dict(env)
+    cwd = os.path.abspath(cwd if cwd is not None else os.getcwd())
+    done = _ZYGOTES[kind].forked(what, env, cwd, timeout, argv)
+    if done is not None:
+        return done
+    fresh = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout, env=env,
+                           cwd=cwd)
+    return fresh.returncode, fresh.stdout, fresh.stderr
 
 
 def run_kiln(*argv, timeout: float = 900, env: dict | None = None, cwd=None) -> tuple[int, str, str]:
@@ -81,13 +110,4 @@ def run_kiln(*argv, timeout: float = 900, env: dict | None = None, cwd=None) -> 
     (kiln imported, nothing run); when the zygote is busy (a test running children from threads)
     or ``$KILN_TEST_FRESH_CHILDREN`` is set, a fresh interpreter."""
     argv = [str(arg) for arg in argv]
-    env = dict(os.environ) if env is None else dict(env)
-    cwd = os.path.abspath(cwd if cwd is not None else os.getcwd())
-    if not os.environ.get(FRESH) and _ZYGOTE.lock.acquire(blocking=False):
-        try:
-            return _ZYGOTE.run(argv, env, cwd, timeout)
-        finally:
-            _ZYGOTE.lock.release()
-    done = subprocess.run([sys.executable, str(BUILD_PY), *argv], capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=timeout, env=env, cwd=cwd)
-    return done.returncode, done.stdout, done.stderr
+    return run_forked("kiln", {"argv": argv}, [sys.executable, str(BUILD_PY), *argv], timeout, env, cwd)

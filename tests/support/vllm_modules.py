@@ -209,31 +209,33 @@ class VllmModules(importlib.abc.MetaPathFinder):
 
 
 def in_child(test):
-    """Run ``test`` in a fresh Python process: the real vLLM modules it imports, and whatever they
+    """Run ``test`` in a process of its own: the real vLLM modules it imports, and whatever they
     do to the globals of torch, Triton or the import system, stay there (run in the suite's own
-    process, they once broke a later test's Triton-interpreted kernel). A fresh interpreter, not a
-    fork: a fork of a process with other threads (pytest-xdist's worker has its channel's) can
-    inherit a lock held mid-operation and hang (seen: a forked PN520 case waiting on a futex for 47
-    minutes). Its arguments are JSON values, and ``trees``, which the child makes itself (the
-    conftest fixture's own recipe: the release wheels in kiln's cache). A failure comes back as the
-    child's traceback."""
+    process, they once broke a later test's Triton-interpreted kernel). Not a fork of the worker:
+    a fork of a process with other threads (pytest-xdist's worker has its channel's) can inherit a
+    lock held mid-operation and hang (seen: a forked PN520 case waiting on a futex for 47 minutes).
+    The child is a fork of a single-threaded zygote that imported torch and nothing ran
+    (tests/support/kiln_zygote.py, ``in-child``: ~4 s of CPU a child less), or a fresh
+    interpreter when that zygote is busy or ``$KILN_TEST_FRESH_CHILDREN`` is set. Its arguments
+    are JSON values, and ``trees``, which the child makes itself (the conftest fixture's own
+    recipe: the release wheels in kiln's cache). A failure comes back as the child's traceback."""
 
     @functools.wraps(test)
     def run(*args, **kwargs):
         import json
-        import subprocess
 
         import pytest
 
+        from tests.support.kiln_process import REPO, run_forked
+
         assert not args, "in_child takes keyword arguments (pytest passes fixtures and params so)"
         values = {name: value for name, value in kwargs.items() if name != "trees"}
-        call = json.dumps({"module": test.__module__, "name": test.__name__, "kwargs": values,
-                           "trees": "trees" in kwargs})
-        repo = Path(__file__).resolve().parents[2]
-        result = subprocess.run([sys.executable, "-m", "tests.support.vllm_modules", call], cwd=repo,
-                                capture_output=True, text=True, timeout=900)
-        if result.returncode != 0:
-            pytest.fail(f"in a child process (exit {result.returncode}):\n{result.stderr[-8000:]}", pytrace=False)
+        call = {"module": test.__module__, "name": test.__name__, "kwargs": values, "trees": "trees" in kwargs}
+        code, _, err = run_forked("in-child", {"call": call},
+                                  [sys.executable, "-m", "tests.support.vllm_modules", json.dumps(call)], 900,
+                                  cwd=REPO)
+        if code != 0:
+            pytest.fail(f"in a child process (exit {code}):\n{err[-8000:]}", pytrace=False)
 
     return run
 
