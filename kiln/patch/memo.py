@@ -39,7 +39,7 @@ from kiln.pausepoint import pause_point
 from kiln.source.tree import SourceTree
 from kiln.staging import write_atomic
 
-_ENGINE_FILES = ("anchor.py", "catalog.py", "engine.py", "model.py", "shapes.py", "splice.py")
+_ENGINE_FILES = ("anchor.py", "catalog.py", "codegen.py", "engine.py", "model.py", "shapes.py", "splice.py")
 
 
 @cache

@@ -2,6 +2,7 @@
 
 Public API:
     replace_node(module, old, new, scope=None) -> Module
+    replace_traced(module, old, new, scope=None) -> (Module, Splice | None)
 
 A statement is spliced in along its chain of blocks; anything smaller is replaced within the
 statement that holds it (its anchor's ``scope``); only without one is the whole module
@@ -11,7 +12,18 @@ edit of a 7,000-line file cheap: a full-tree transform visits every expression n
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import libcst as cst
+
+
+@dataclass(frozen=True)
+class Splice:
+    """A statement of a block (the module's body or an indented block's) replaced by statements:
+    the code around it is unchanged (``kiln.patch.codegen`` splices the text the same way)."""
+
+    old: cst.BaseStatement
+    new: tuple[cst.BaseStatement, ...]
 
 
 class _Replace(cst.CSTTransformer):
@@ -27,49 +39,91 @@ class _Replace(cst.CSTTransformer):
         return updated_node
 
 
-def _splice(items, old, new):
-    """``items`` with ``old`` replaced (recursing into compound statements), or None."""
-    for index, item in enumerate(items):
-        if item is old:
-            if isinstance(new, cst.FlattenSentinel):
-                replacement = list(new.nodes)
-            elif isinstance(new, cst.RemovalSentinel):
-                replacement = []
-            else:
-                replacement = [new]
-            return [*items[:index], *replacement, *items[index + 1 :]]
-        if isinstance(item, cst.CSTNode):
-            rebuilt = _rebuild(item, old, new)
-            if rebuilt is not None:
-                return [*items[:index], rebuilt, *items[index + 1 :]]
-    return None
+def _replacement(new) -> list:
+    if isinstance(new, cst.FlattenSentinel):
+        return list(new.nodes)
+    if isinstance(new, cst.RemovalSentinel):
+        return []
+    return [new]
 
 
-def _rebuild(node: cst.CSTNode, old: cst.CSTNode, new) -> cst.CSTNode | None:
-    """``node`` with the statement ``old`` replaced, walking statement blocks only; or None.
+class _Rebuild:
+    """``node`` with the statement ``old`` replaced, walking statement blocks only (None where
+    ``old`` is not under it); ``listed`` says whether it was an item of a list (a body, not a
+    single child such as an ``elif``)."""
 
-    Rebuilding only the chain of blocks from the module down to the statement is what keeps
-    an edit of a 7,000-line file cheap: a full-tree transform visits every expression node.
-    """
-    for attr in ("body", "orelse", "handlers", "finalbody"):
-        value = getattr(node, attr, None)
-        if value is None:
-            continue
-        if isinstance(value, cst.BaseSuite):
-            items = _splice(value.body, old, new)
-            if items is not None:
-                return node.with_changes(**{attr: value.with_changes(body=items)})
-        elif isinstance(value, (list, tuple)):
-            items = _splice(value, old, new)
-            if items is not None:
-                return node.with_changes(**{attr: items})
-        elif isinstance(value, cst.CSTNode):
-            if value is old and isinstance(new, cst.CSTNode):
-                return node.with_changes(**{attr: new})
-            rebuilt = _rebuild(value, old, new)
-            if rebuilt is not None:
-                return node.with_changes(**{attr: rebuilt})
-    return None
+    def __init__(self, old: cst.CSTNode, new):
+        self.old, self.new, self.listed = old, new, False
+
+    def splice(self, items):
+        """``items`` with ``old`` replaced (recursing into compound statements), or None."""
+        for index, item in enumerate(items):
+            if item is self.old:
+                self.listed = True
+                return [*items[:index], *_replacement(self.new), *items[index + 1:]]
+            if isinstance(item, cst.CSTNode):
+                rebuilt = self.rebuild(item)
+                if rebuilt is not None:
+                    return [*items[:index], rebuilt, *items[index + 1:]]
+        return None
+
+    def rebuild(self, node: cst.CSTNode) -> cst.CSTNode | None:
+        for attr in ("body", "orelse", "handlers", "finalbody"):
+            value = getattr(node, attr, None)
+            if value is None:
+                continue
+            if isinstance(value, cst.BaseSuite):
+                items = self.splice(value.body)
+                if items is not None:
+                    return node.with_changes(**{attr: value.with_changes(body=items)})
+            elif isinstance(value, (list, tuple)):
+                items = self.splice(value)
+                if items is not None:
+                    return node.with_changes(**{attr: items})
+            elif isinstance(value, cst.CSTNode):
+                if value is self.old and isinstance(self.new, cst.CSTNode):
+                    return node.with_changes(**{attr: self.new})
+                rebuilt = self.rebuild(value)
+                if rebuilt is not None:
+                    return node.with_changes(**{attr: rebuilt})
+        return None
+
+    def traced(self) -> Splice | None:
+        """The splice, when a statement was replaced by statements in a list: a list holding a
+        statement is a module's or an indented block's body (a one-line suite holds small
+        statements, a ``try`` its handlers)."""
+        statements = tuple(_replacement(self.new))
+        if self.listed and isinstance(self.old, cst.BaseStatement) and \
+                all(isinstance(s, cst.BaseStatement) for s in statements):
+            return Splice(self.old, statements)
+        return None
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _holder(scope: cst.CSTNode, old: cst.CSTNode) -> cst.CSTNode:
+    """The innermost statement under ``scope`` that holds ``old`` (``scope`` itself when none
+    does, or when ``old`` is not there): transforming it, not all of ``scope`` (a class of
+    hundreds of lines), is what an expression's edit costs. Found by reading the nodes' fields,
+    which builds nothing (a libcst visit rebuilds every node it passes)."""
+    stack: list[tuple[cst.CSTNode, cst.CSTNode]] = [(scope, scope)]  # (node, innermost statement holding it)
+    while stack:
+        node, holder = stack.pop()
+        if node is old:
+            return holder
+        if isinstance(node, cst.BaseStatement):
+            holder = node
+        names = _FIELDS.get(type(node))
+        if names is None:
+            names = _FIELDS[type(node)] = tuple(f.name for f in fields(node))
+        for name in names:
+            value = getattr(node, name)
+            if isinstance(value, cst.CSTNode):
+                stack.append((value, holder))
+            elif isinstance(value, (list, tuple)):
+                stack.extend((item, holder) for item in value if isinstance(item, cst.CSTNode))
+    return scope
 
 
 def _transform(root: cst.CSTNode, old: cst.CSTNode, new) -> cst.CSTNode:
@@ -87,12 +141,21 @@ def replace_node(module: cst.Module, old: cst.CSTNode, new, scope: cst.CSTNode |
     replaced by a transform of its ``scope`` (the statement its anchor was found in), which is
     then spliced in; only without a usable scope is the whole module transformed.
     """
-    rebuilt = _rebuild(module, old, new)
+    return replace_traced(module, old, new, scope)[0]
+
+
+def replace_traced(module: cst.Module, old: cst.CSTNode, new,
+                   scope: cst.CSTNode | None = None) -> tuple[cst.Module, Splice | None]:
+    """``replace_node``, and the statement of a block it replaced with what (None: another kind
+    of replacement, or the whole module transformed)."""
+    direct = _Rebuild(old, new)
+    rebuilt = direct.rebuild(module)
     if rebuilt is not None:
-        return rebuilt
+        return rebuilt, direct.traced()
     if scope is not None and scope is not module:
-        new_scope = _transform(scope, old, new)
-        rebuilt = _rebuild(module, scope, new_scope)
+        scope = _holder(scope, old)
+        around = _Rebuild(scope, _transform(scope, old, new))
+        rebuilt = around.rebuild(module)
         if rebuilt is not None:
-            return rebuilt
-    return _transform(module, old, new)
+            return rebuilt, around.traced()
+    return _transform(module, old, new), None
