@@ -12,7 +12,10 @@ while those processes run, then signalled. kiln promises:
   stage beside it, no temporary cache entry, no tag; Ctrl-C (SIGINT to the process group) the
   same with exit 130;
 - the next run completes and leaves no staging behind (cache ``.tmp-*``, ``.<out>.kiln-*``, the
-  Triton sources staged under ``/tmp/kiln-triton`` by the killed build).
+  Triton sources staged under ``/tmp/kiln-triton`` by the killed build). The loaded cases held
+  at the same pause as an unloaded SIGKILL case leave what it leaves, and that case runs the next
+  build on it, so they stop after the count (a rerun is ~5 s of CI's time); ``kernels-loaded``,
+  killed while ``ptxas`` writes, runs it.
 
 Base: the fixture image with Triton 3.6.0's metadata; the image (``e2e-kill``) has four
 independent patch groups (so they run in forked workers) and a small kernel cache for sm_120.
@@ -203,6 +206,8 @@ def test_killed_build_leaves_no_process_and_the_next_run_no_staging(workspace, t
     else:
         assert build.returncode == -signal.SIGKILL
     assert tag_digest(workspace.registry, dest, f"cu130-sm{SM}-{PIN}") is None  # every point is before the PUT
+    if loaded and point != "kernels":
+        return  # (the next run after a SIGKILL at this pause: the unloaded case's)
 
     again = finish(workspace.start(cache, out, dest))
     assert tag_digest(workspace.registry, dest, again["tag"]) == again["manifest_digest"]
