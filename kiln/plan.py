@@ -244,7 +244,9 @@ def _changed_paths(repo: git.Repo, base: git.Commit, include_worktree: bool) -> 
         paths.update(p for p in (diff.a_path, diff.b_path) if p)
     if include_worktree:
         paths.update(repo.untracked_files)
-    return sorted(paths)
+    # Python's bytecode cache (an import of a patch module writes patchsets/<family>/__pycache__)
+    # is never an input, whether or not the checkout's .gitignore names it
+    return sorted(p for p in paths if "__pycache__" not in PurePosixPath(p).parts and not p.endswith((".pyc", ".pyo")))
 
 
 def _pin_inputs(pin: Pin | None) -> Pin | None:

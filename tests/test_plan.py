@@ -264,6 +264,9 @@ def test_worktree_changes_count_only_when_asked(project, capsys):
     project, base = project
     project.append(_module("P64"), "\n# not committed\n")
     project.write("images/untracked.toml", GDN.replace('"gdn"', '"untracked"'))
+    # Python's bytecode cache beside another family's patch (this project has no .gitignore): not an input
+    gdn_module = Path(_module("P103"))
+    project.write(str(gdn_module.parent / "__pycache__" / f"{gdn_module.stem}.cpython-311.pyc"), "bytecode")
     assert project.rebuilds(capsys, base) == []  # HEAD == base
     assert project.rebuilds(capsys, base, "--include-worktree") == qwen() + [("untracked", "v0.20.1", 89, "v0.20.1-sm89")]
 

@@ -137,7 +137,10 @@ def work(tmp_path, monkeypatch) -> Path:
 
 
 def snapshot(work: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(work)): p.read_bytes() for p in sorted(work.rglob("*")) if p.is_file()}
+    """Every file under ``work`` but Python's bytecode cache (this process imports the patch modules
+    from ``work/patchsets``, and Python may cache them there: not a file kiln writes)."""
+    return {str(p.relative_to(work)): p.read_bytes() for p in sorted(work.rglob("*"))
+            if p.is_file() and "__pycache__" not in p.relative_to(work).parts}
 
 
 def bump(capsys, work: Path, *extra: str) -> tuple[int, str, str]:
