@@ -260,7 +260,10 @@ def debian_root(rootfs: Path, attempts: int = DEBIAN_ATTEMPTS, pause: float = 60
     """The Debian root in ``rootfs``; its packages compared with the lock: ``{"lock": {...},
     "root": {...}, "moved": {name: [locked, built]}}``."""
     pins = debian_pins(lock)
-    env = dict(os.environ, SOURCE_DATE_EPOCH=SOURCE_DATE_EPOCH)
+    # PYTHONDONTWRITEBYTECODE=1 whatever the caller's: Debian's own Python tools (py3compile) run in
+    # the maintainer scripts, and with it unset their imports cache debpython's bytecode first, in
+    # other bytes than py3compile writes (five .pyc files: another Debian layer, another digest)
+    env = dict(os.environ, SOURCE_DATE_EPOCH=SOURCE_DATE_EPOCH, PYTHONDONTWRITEBYTECODE="1")
     # The packages asked for by name: the version is whatever Debian serves today (the archive
     # keeps no other); what the root got is compared with the lock below.
     # not --quiet: it hides apt's own errors, and mmdebstrap's output is only shown on failure
