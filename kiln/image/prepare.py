@@ -15,7 +15,7 @@ hold it (``ImageSource``) when an entry misses; run the image's patch selection 
 reuse what ``kiln.patch.memo`` remembers of it (a patch whose verdict blocks a build stops it
 here, naming the patch: ``patch_source``); decide the patched-source layer, the audit file
 (``audit_layer``) and, when the definition declares kernels, the Triton cache layer (compiled
-beside the patching when no selected patch touches the files the kernels are compiled from:
+beside the rest of the patching once the patches of the files the kernels compile from are done:
 ``kernels_of``); decide the labels. With ``cache_from`` (``kiln.image.regcache``), a verified
 ``patched`` entry replaces the patching and a ``kernels`` entry the compiling; when both hit,
 the base's manifest and config are read, none of its layers. The patched-source layer is
@@ -193,7 +193,7 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
     base_model = to_oci(ImageModel.from_base(base.manifest(), base.config_bytes()))
 
     # 3. patch (a selection patched before on exactly this source, code and target is reused),
-    # with the Triton kernels compiling beside it when no selected patch touches their sources
+    # with the Triton kernels compiling beside it once the files they read are patched
     runtime_env = {**image_env(base.config()), **definition.serve_env}
     wheels = RegistryWheels([(RegistryClient(config.endpoint(loc.registry), stats=stats, budget=source.client.budget),
                               loc.repository) for loc in cache_from], keep_wheels, reporter)
@@ -203,18 +203,18 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
                                   f"{definition.path}: model.kernels", definition.name, reporter,
                                   leave_out_unusable_kernels, wheels, inputs.platform)
 
-    selected = inputs.catalogue.closure(list(definition.patches))
-    beside = bool(kernels) and not any(reads_source(kernels, rel) for pid in selected
-                                       for rel in inputs.catalogue.get(pid).targets)
-    early = []  # the kernels' future, once the patching has forked its processes
+    def reads(rel: str) -> bool:  # a file the kernels compile from
+        return bool(kernels) and reads_source(kernels, rel)
 
-    def start_kernels() -> None:
-        if beside and cached.kernels_hit is None:  # reads only files no patch changes
+    early = []  # (the files handed, the kernels' future), once the patching has forked its processes
+
+    def start_kernels(changed: dict[str, str]) -> None:  # the patched text of every file they read
+        if kernels and cached.kernels_hit is None:
             with uninterrupted():  # a signal inside submit could start a thread the pool never joins
-                early.append(pool.submit(kernel_layer, {}))
+                early.append((changed, pool.submit(kernel_layer, changed)))
 
     with ThreadPoolExecutor(max_workers=1) as pool:
-        patching = patch_source(inputs, cached, base_ref, cache, clock, start_kernels, shared)
+        patching = patch_source(inputs, cached, base_ref, cache, clock, start_kernels, reads, shared)
         cached.patched.fields = {
             "vllm_version": patching.vllm_version, "site_dir": patching.site_dir,
             "outcomes": [o.to_json() for o in patching.outcomes.values()], "applied": patching.applied,
@@ -223,10 +223,15 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
         cached.patched.contents = [patching.layer]
 
         # 4. what kiln's layers hold, and the image's labels
-        def compiled():  # (when it compiled beside the patching: the wait for it)
-            return early[0].result() if early else kernel_layer(patching.changed)
+        def compiled():  # the compile begun beside the patching (the wait for it), if it read the final text
+            if early:
+                handed, future = early[0]
+                if handed == {rel: text for rel, text in patching.changed.items() if reads(rel)}:
+                    return future.result(), True
+                future.exception()  # (a group read another's output, and the text changed: its wait, no result)
+            return kernel_layer(patching.changed), False
 
-        kernel_layers, env, triton, mounts = kernels_of(inputs, cached, compiled, beside, clock)
+        kernel_layers, env, triton, mounts = kernels_of(inputs, cached, compiled, clock)
         layers = [audit_layer(inputs, base_ref, resolved, patching), *kernel_layers]
     labels = image_labels(inputs, base_ref, resolved, patching.applied, patching.vllm_version)
     unsigned_use(cached.uses, cached.hits, reporter)
@@ -257,9 +262,10 @@ class Patching:
 
 
 def patch_source(inputs: BuildInputs, cached: CacheLookup, base_ref: ImageReference, cache: Path, clock: Clock,
-                 forked, shared: dict | None = None) -> Patching:
-    """The image's patch selection run on the pristine source (``forked``: called once the patching
-    has forked its processes), or the ``patched`` entry's result, or the run of another platform
+                 forked, first, shared: dict | None = None) -> Patching:
+    """The image's patch selection run on the pristine source (``forked``: called with the patched
+    text of the files ``first`` accepts once the patching has forked its processes and patched
+    those: ``kiln.patch.memo.patched_selection``), or the ``patched`` entry's result, or the run of another platform
     of the tag on the same source (``shared``: source key -> (platform, Patching), this one's
     added); a verdict that blocks a build stops it."""
     hit = cached.patched_hit
@@ -272,17 +278,17 @@ def patch_source(inputs: BuildInputs, cached: CacheLookup, base_ref: ImageRefere
     if source_key in shared:  # the same pristine files, selection and target: the same result, byte for byte
         cached.patched.shared, patching = shared[source_key]
         return patching
-    patching = _patched(inputs, cached, base_ref, cache, clock, forked)
+    patching = _patched(inputs, cached, base_ref, cache, clock, forked, first)
     shared[source_key] = (inputs.platform, patching)
     return patching
 
 
 def _patched(inputs: BuildInputs, cached: CacheLookup, base_ref: ImageReference, cache: Path, clock: Clock,
-             forked) -> Patching:
+             forked, first) -> Patching:
     found, pin = cached.found, inputs.pin
     tree = found.tree
     result = patched_selection(inputs.catalogue, tree, inputs.target(), list(inputs.definition.patches),
-                               cache, forked=forked)
+                               cache, forked, first)
     for outcome in result.outcomes.values():
         if outcome.verdict.blocks_build:
             raise KilnError(
@@ -311,10 +317,10 @@ def audit_layer(inputs: BuildInputs, base_ref: ImageReference, resolved: str, pa
         created_by=f"kiln bake {definition.name} {pin.name} sm{sm}: {','.join(patching.applied) or 'no patch'}")
 
 
-def kernels_of(inputs: BuildInputs, cached: CacheLookup, compiled, beside: bool, clock: Clock):
+def kernels_of(inputs: BuildInputs, cached: CacheLookup, compiled, clock: Clock):
     """The Triton kernel cache layers (none or one), the config Env and summary they come with, and
     where a reused layer is mounted from: the ``kernels`` entry's, else ``compiled()``'s (the
-    compile, or the wait for it when it ran beside the patching)."""
+    compile, or the wait for it when it ran beside the patching, and which)."""
     definition, sm, hit = inputs.definition, inputs.sm, cached.kernels_hit
     layers: list[LayerContents] = []
     env: dict[str, str] = {}
@@ -328,7 +334,7 @@ def kernels_of(inputs: BuildInputs, cached: CacheLookup, compiled, beside: bool,
             mounts[hit.record["layers"][0]["digest"]] = cached.kernels.location
     elif definition.model.kernels:  # the ahead-of-time Triton kernel cache, one layer per SM
         # (when it compiled beside the patching, this lap is only the wait for it)
-        done = compiled()
+        done, beside = compiled()
         if done is None:  # the image could not use it, and the build was told to leave it out
             triton = {"sm": sm, "left_out": True, "keyed_for_image": False}
         else:
@@ -340,13 +346,13 @@ def kernels_of(inputs: BuildInputs, cached: CacheLookup, compiled, beside: bool,
     return layers, env, triton, mounts
 
 
-def patched_selection(catalogue, tree, target, selection: list[str], cache: Path, forked):
+def patched_selection(catalogue, tree, target, selection: list[str], cache: Path, forked, first):
     """``kiln.patch.memo.patched_selection`` with the memo in ``cache``, imported only when a build
     patches: the patching imports libcst (0.3 s), which a build served from its cache goes without."""
     from kiln.patch.memo import SelectionMemo
     from kiln.patch.memo import patched_selection as run
 
-    return run(catalogue, tree, target, selection, SelectionMemo(cache), forked=forked)
+    return run(catalogue, tree, target, selection, SelectionMemo(cache), forked=forked, first=first)
 
 
 def image_labels(inputs: BuildInputs, base_ref: ImageReference, resolved: str, applied: list[str],

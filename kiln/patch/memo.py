@@ -5,7 +5,8 @@ Public API:
     VerdictMemo(root=None)       one patch's verdict (``verify``, ``pin bump``, the train)
     SelectionMemo(root=None)     a selection's outcomes and patched files, per independent group
     independent_groups(catalogue, order) -> list[list[str]]
-    patched_selection(catalogue, tree, target, ids, memo=None, jobs=None) -> PatchedSelection
+    patched_selection(catalogue, tree, target, ids, memo=None, jobs=None, forked=None, first=None)
+        -> PatchedSelection
     engine_digest()              the engine's code + libcst version, part of every key
 
 Key = the source tree's content address + the sha256 of each patch module (and of everything
@@ -176,25 +177,45 @@ def independent_groups(catalogue: Catalogue, order: list[str]) -> list[list[str]
 
 def patched_selection(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, ids: list[str],
                       memo: SelectionMemo | None = None, jobs: int | None = None,
-                      forked: Callable[[], None] | None = None) -> PatchedSelection:
+                      forked: Callable[[dict[str, str]], None] | None = None,
+                      first: Callable[[str], bool] | None = None) -> PatchedSelection:
     """``run_selection`` on ``tree``, reusing what ``memo`` remembers for exactly these inputs.
 
     Groups the memo lacks run in up to ``jobs`` processes (default: ``KILN_JOBS``, else the core
-    count: ``kiln.jobs``), the largest first: they share nothing, and parsing and rewriting are CPU-bound. ``forked`` is
-    called once no more processes will be forked (work the caller runs in a thread beside the
-    patching starts then: forking a process that runs other threads can deadlock the child).
+    count: ``kiln.jobs``), the largest first: they share nothing, and parsing and rewriting are CPU-bound.
+
+    ``forked`` is called once, with the patched text of the files ``first`` accepts (a build: the
+    files its Triton kernels compile from), as soon as every group targeting one of them is done
+    and no more processes will be forked: the caller starts work beside the rest of the patching
+    then (a thread: forking a process that runs other threads can deadlock the child). Those
+    groups run before the others. The text it is handed is what the selection's result holds,
+    unless a group read another's output and the whole selection ran again (rare: the caller
+    compares).
     """
-    forked = forked or (lambda: None)
+    forked = forked or (lambda changed: None)
+    first = first or (lambda rel: False)
     order = catalogue.closure(ids)
     if memo is None:
-        forked()
-        return _whole(catalogue, tree, target, ids, order)
+        if not any(first(rel) for pid in order for rel in catalogue.get(pid).targets):
+            forked({})
+            return _whole(catalogue, tree, target, ids, order)
+        result = _whole(catalogue, tree, target, ids, order)
+        forked({rel: text for rel, text in result.changed.items() if first(rel)})
+        return result
     groups = independent_groups(catalogue, order)
     keys = [memo.key(tree, catalogue, target, group) for group in groups]
     found = [memo.get(key) for key in keys]
     missing = [i for i, entry in enumerate(found) if entry is None]
-    for i, entry in zip(missing, _run_groups(catalogue, tree, target, [groups[i] for i in missing], jobs, forked),
-                        strict=True):
+    leading = {i for i, group in enumerate(groups) if any(first(rel) for pid in group for rel in catalogue.get(pid).targets)}
+
+    def lead_done(done: dict[int, _Group]) -> None:  # every leading group's result is in ``found`` or ``done``
+        texts = {rel: text for i in leading for rel, text in (done.get(i) or found[i]).changed.items()}
+        forked({rel: text for rel, text in texts.items() if first(rel)})
+
+    ran = _run_groups(catalogue, tree, target, [groups[i] for i in missing], jobs,
+                      [missing.index(i) for i in leading if i in missing],
+                      lambda done: lead_done({missing[j]: group for j, group in done.items()}))
+    for i, entry in zip(missing, ran, strict=True):
         memo.put(keys[i], entry)
         found[i] = entry
     changed = {rel: text for group in found for rel, text in group.changed.items()}
@@ -217,19 +238,22 @@ def _run_group(group: list[str]) -> _Group:
 
 
 def _run_groups(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, groups: list[list[str]],
-                jobs: int | None, forked: Callable[[], None]) -> list[_Group]:
+                jobs: int | None, leading: list[int], lead_done: Callable[[dict[int, _Group]], None]) -> list[_Group]:
+    """Every group's result, in order; ``leading`` (indices) run first, and ``lead_done`` gets their
+    results once they are done and every worker has been forked."""
     global _FORKED
     _FORKED = (catalogue, tree, target)
     workers = worker_count(len(groups), jobs)
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        forked()
-        return [_run_group(group) for group in groups]
+        done = {i: _run_group(groups[i]) for i in leading}
+        lead_done(done)
+        return [done[i] if i in done else _run_group(group) for i, group in enumerate(groups)]
 
     def size(group: list[str]) -> int:  # parsing dominates: the biggest files first
         files = {t for pid in group for t in catalogue.get(pid).targets}
         return sum((tree.package / rel).stat().st_size for rel in files if (tree.package / rel).is_file())
 
-    by_size = sorted(range(len(groups)), key=lambda i: -size(groups[i]))
+    by_size = sorted(range(len(groups)), key=lambda i: (i not in leading, -size(groups[i])))
     others = set(multiprocessing.active_children())
     # each worker dies with this process (a killed build leaves none behind: kiln.lifeline)
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
@@ -238,7 +262,7 @@ def _run_groups(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, gro
         with uninterrupted():  # a signal inside submit could leave a worker the pool does not know
             futures = {i: pool.submit(_run_group, groups[i]) for i in by_size}
         # (with "fork", the pool starts all its workers at the first submit, before its own thread)
-        forked()
+        lead_done({i: futures[i].result() for i in leading})
         results = [futures[i].result() for i in range(len(groups))]
     except BaseException:  # an error, or Interrupted: the running groups are not waited for
         for process in set(multiprocessing.active_children()) - others:

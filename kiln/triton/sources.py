@@ -47,8 +47,9 @@ def _kernel_dirs(preset: KernelPreset) -> list[str]:
 
 
 def reads_source(preset: KernelPreset, rel: str) -> bool:
-    """Whether the compile of ``preset`` reads vLLM's ``rel`` (a patch to it changes the kernels)."""
-    return rel == _CONFIG_FILE or any(rel.startswith(directory + "/") for directory in _kernel_dirs(preset))
+    """Whether the compile of ``preset`` reads vLLM's ``rel`` (a patch to it changes the kernels;
+    ``_version.py`` decides the launch plan's layout)."""
+    return rel in (_CONFIG_FILE, "_version.py") or any(rel.startswith(directory + "/") for directory in _kernel_dirs(preset))
 
 
 def stage_sources(preset: KernelPreset, sources: KernelSources) -> tuple[Path, str]:

@@ -144,6 +144,8 @@ def test_shipped_definition_builds_bit_reproducibly(tmp_path, registry_plain, re
         assert (work / f"cache/triton/toolchains/triton-{triton}/triton/__init__.py").is_file()
         for part in result["platforms"].values():
             assert part["triton"]["compiled"] > 0 and not part["triton"]["from_cache"]
+        # the first platform's kernels compiled beside the patching, from the patched text they read
+        assert next(iter(result["platforms"].values()))["triton"]["beside_patching"] is True
         results.append(result)
         layers.append(_layers(work / "out"))
     one, two = results[0], results[-1]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -118,9 +120,60 @@ def test_forked_is_called_once_when_no_more_processes_will_fork(tmp_path, catalo
     for run in ("cold", "warm"):
         seen: list[int] = []
         patched_selection(catalogue, tree_0201, target, ids, memo, jobs=jobs,
-                          forked=lambda seen=seen: seen.append(len(multiprocessing.active_children())))
+                          forked=lambda changed, seen=seen: seen.append(len(multiprocessing.active_children())))
         assert len(seen) == 1, run
         if run == "cold" and jobs == 2:
             assert seen == [2]  # both workers (all the pool will ever fork) exist before the hook ran
         else:
             assert seen == [0]  # nothing forks: patched in this process, or all from the memo
+
+
+_ORDER_LOG: Path | None = None  # where _logged_run_group notes each group it ran
+_RUN_GROUP = memo_module._run_group
+
+
+def _logged_run_group(group: list[str]):  # module level: the pool pickles it by name
+    result = _RUN_GROUP(group)
+    with _ORDER_LOG.open("a") as handle:
+        handle.write(f"done {','.join(group)}\n")
+    return result
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_the_groups_of_the_first_files_run_first_and_hand_their_final_text(tmp_path, monkeypatch, catalogue,
+                                                                           tree_0201, shipped, whole, jobs):
+    """A build's kernels compile from what PN119 writes: its group runs first, and ``forked`` gets
+    those files' patched text (exactly the result's) as soon as it is done, before the rest."""
+    ids, target = shipped
+    kernel_dir = "v1/attention/ops/"
+    lead = next(g for g in independent_groups(catalogue, catalogue.closure(ids))
+                if any(t.startswith(kernel_dir) for pid in g for t in catalogue.get(pid).targets))
+    log = tmp_path / "order.log"  # appended to by the forked workers too
+    monkeypatch.setattr(sys.modules[__name__], "_ORDER_LOG", log)
+
+    def forked(changed):
+        handed.append(changed)
+        with log.open("a") as handle:
+            handle.write("forked\n")
+
+    monkeypatch.setattr(memo_module, "_run_group", _logged_run_group)
+    handed: list[dict] = []
+    result = patched_selection(catalogue, tree_0201, target, ids, SelectionMemo(tmp_path / "cache"), jobs=jobs,
+                               forked=forked, first=lambda rel: rel.startswith(kernel_dir))
+    _same(result, whole)
+    expected = {rel: text for rel, text in whole.changed_text().items() if rel.startswith(kernel_dir)}
+    assert expected and handed == [expected]  # PN119's two files, as the whole selection writes them
+    order = log.read_text().splitlines()
+    assert len(order) == len(independent_groups(catalogue, catalogue.closure(ids))) + 1
+    assert order.index(f"done {','.join(lead)}") < order.index("forked")
+    if jobs == 1:  # in this process: the leading group, the hook, then every other group
+        assert order[:2] == [f"done {','.join(lead)}", "forked"]
+
+
+def test_without_a_memo_the_first_files_are_handed_after_the_whole_run(catalogue, tree_0201, shipped, whole):
+    ids, target = shipped
+    handed: list[dict] = []
+    patched_selection(catalogue, tree_0201, target, ids, forked=handed.append,
+                      first=lambda rel: rel.startswith("v1/attention/ops/"))
+    assert handed == [{rel: text for rel, text in whole.changed_text().items()
+                       if rel.startswith("v1/attention/ops/")}]
