@@ -77,7 +77,10 @@ def peak_child_rss_mib() -> float:
 
 
 def machine() -> str:
-    return f"{os.cpu_count()} cores, Python {platform.python_version()}, {platform.machine()}"
+    # Python's bytecode cache: a fresh install writes it (pip compiles, or the first run does); a
+    # machine that sets PYTHONDONTWRITEBYTECODE compiles every module it imports in every process
+    bytecode = "not written (PYTHONDONTWRITEBYTECODE set)" if os.environ.get("PYTHONDONTWRITEBYTECODE") else "written"
+    return f"{os.cpu_count()} cores, Python {platform.python_version()}, {platform.machine()}, bytecode {bytecode}"
 
 
 def write_section(name: str, body: str) -> None:
