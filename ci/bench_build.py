@@ -382,8 +382,8 @@ median of 3 (one thread; rapidgzip also with 2); kiln uses isal, ISA-L (`kiln/so
 {inflate_rows}
 
 Cold and first-ever builds compile the kernels for sm_{SM} (the first-ever build also fetches
-the toolchain, {first_json['triton'].get('triton_wheel', '?')}) beside the patching (no patch of the
-shipped selection touches a file the kernels compile from), so the "triton" column is the wait
+the toolchain, {first_json['triton'].get('triton_wheel', '?')}) beside the patching (started once the
+patches of the files they compile from are done, those first), so the "triton" column is the wait
 for the compile after the patching ended, not its whole time. Warm rebuild: base metadata and the vLLM tree come
 from the cache, the patched selection from the selection memo (`kiln/patch/memo.py`), the kernel
 cache from its entry, and the push finds every blob present. Edited: only P65's group of patches
