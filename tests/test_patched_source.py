@@ -40,7 +40,7 @@ def test_the_default_pin_s_patched_source_is_what_a_build_patches(catalogue, tre
     assert got.inputs.pin == pin and got.inputs.sm == 120 and got.tree is tree
     # what prepare_build runs on the base's tree (its memo in the build's cache)
     built = patched_selection(catalogue, tree, definition.target(pin, 120), list(definition.patches),
-                              tmp_path / "cache", forked=lambda: None)
+                              tmp_path / "cache")
     assert got.changed == built.changed_text() and got.changed
     assert {pid: o.verdict for pid, o in got.outcomes.items()} == {pid: o.verdict for pid, o in built.outcomes.items()}
     assert got.applied == sorted(pid for pid, o in built.outcomes.items() if o.verdict.name == "APPLIES")

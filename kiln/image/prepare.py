@@ -203,18 +203,9 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
                                   f"{definition.path}: model.kernels", definition.name, reporter,
                                   leave_out_unusable_kernels, wheels, inputs.platform)
 
-    def reads(rel: str) -> bool:  # a file the kernels compile from
-        return bool(kernels) and reads_source(kernels, rel)
-
-    early = []  # (the files handed, the kernels' future), once the patching has forked its processes
-
-    def start_kernels(changed: dict[str, str]) -> None:  # the patched text of every file they read
-        if kernels and cached.kernels_hit is None:
-            with uninterrupted():  # a signal inside submit could start a thread the pool never joins
-                early.append((changed, pool.submit(kernel_layer, changed)))
-
     with ThreadPoolExecutor(max_workers=1) as pool:
-        patching = patch_source(inputs, cached, base_ref, cache, clock, start_kernels, reads, shared)
+        compile = _KernelCompile(kernels, kernel_layer, pool, bool(kernels) and cached.kernels_hit is None)
+        patching = patch_source(inputs, cached, base_ref, cache, clock, compile.start, compile.reads, shared)
         cached.patched.fields = {
             "vllm_version": patching.vllm_version, "site_dir": patching.site_dir,
             "outcomes": [o.to_json() for o in patching.outcomes.values()], "applied": patching.applied,
@@ -223,15 +214,8 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
         cached.patched.contents = [patching.layer]
 
         # 4. what kiln's layers hold, and the image's labels
-        def compiled():  # the compile begun beside the patching (the wait for it), if it read the final text
-            if early:
-                handed, future = early[0]
-                if handed == {rel: text for rel, text in patching.changed.items() if reads(rel)}:
-                    return future.result(), True
-                future.exception()  # (a group read another's output, and the text changed: its wait, no result)
-            return kernel_layer(patching.changed), False
-
-        kernel_layers, env, triton, mounts = kernels_of(inputs, cached, compiled, clock)
+        kernel_layers, env, triton, mounts = kernels_of(inputs, cached, lambda: compile.result(patching.changed),
+                                                        clock)
         layers = [audit_layer(inputs, base_ref, resolved, patching), *kernel_layers]
     labels = image_labels(inputs, base_ref, resolved, patching.applied, patching.vllm_version)
     unsigned_use(cached.uses, cached.hits, reporter)
@@ -242,6 +226,35 @@ def prepare_build(inputs: BuildInputs, registry_config: RegistryConfig | None = 
         vllm_version=patching.vllm_version, site_dir=patching.site_dir, base_manifest_digest=base.manifest().digest,
         cache=cached.uses, cache_mounts=mounts, wheels=wheels,
     )
+
+
+class _KernelCompile:
+    """A build's Triton kernel compile (``compile_layer(changed)``, in ``pool``'s thread when begun
+    early): begun beside the patching once it is handed the patched text of every file the
+    kernels read (``start``: the patching's ``forked`` hook, with ``reads`` its ``first``), else
+    run after it (``result``). ``wanted``: the build compiles (kernels declared, no cache entry)."""
+
+    def __init__(self, preset, compile_layer, pool: ThreadPoolExecutor, wanted: bool):
+        self.preset, self.compile_layer, self.pool, self.wanted = preset, compile_layer, pool, wanted
+        self.early = None  # (the files handed, the compile's future)
+
+    def reads(self, rel: str) -> bool:  # a file the kernels compile from
+        return bool(self.preset) and reads_source(self.preset, rel)
+
+    def start(self, changed: dict[str, str]) -> None:
+        if self.wanted:
+            with uninterrupted():  # a signal inside submit could start a thread the pool never joins
+                self.early = (changed, self.pool.submit(self.compile_layer, changed))
+
+    def result(self, changed: dict[str, str]):
+        """The layer (or None: left out) for the patching's final ``changed`` files, and whether it
+        was compiled beside the patching (the wait for it): only if it was handed their final text."""
+        if self.early:
+            handed, future = self.early
+            if handed == {rel: text for rel, text in changed.items() if self.reads(rel)}:
+                return future.result(), True
+            future.exception()  # a group read another's output and the text changed: its wait, no result
+        return self.compile_layer(changed), False
 
 
 @dataclass(frozen=True)
@@ -346,7 +359,7 @@ def kernels_of(inputs: BuildInputs, cached: CacheLookup, compiled, clock: Clock)
     return layers, env, triton, mounts
 
 
-def patched_selection(catalogue, tree, target, selection: list[str], cache: Path, forked, first):
+def patched_selection(catalogue, tree, target, selection: list[str], cache: Path, forked=None, first=None):
     """``kiln.patch.memo.patched_selection`` with the memo in ``cache``, imported only when a build
     patches: the patching imports libcst (0.3 s), which a build served from its cache goes without."""
     from kiln.patch.memo import SelectionMemo

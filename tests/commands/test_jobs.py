@@ -48,5 +48,5 @@ def test_the_patch_step_forks_as_many_workers_as_kiln_jobs_says(monkeypatch, tmp
     monkeypatch.setenv("KILN_JOBS", setting)
     seen: list[int] = []
     patched_selection(catalogue, tree_0201, definition.target(pins["v0.20.1"], 120), list(definition.patches),
-                      SelectionMemo(tmp_path / "cache"), forked=lambda: seen.append(len(multiprocessing.active_children())))
+                      SelectionMemo(tmp_path / "cache"), forked=lambda changed: seen.append(len(multiprocessing.active_children())))
     assert seen == [forked]
