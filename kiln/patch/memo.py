@@ -194,27 +194,29 @@ def patched_selection(catalogue: Catalogue, tree: SourceTree, target: BuildTarge
     """
     forked = forked or (lambda changed: None)
     first = first or (lambda rel: False)
+
+    def leads(group: list[str]) -> bool:  # a group that patches a file ``first`` accepts
+        return any(first(rel) for pid in group for rel in catalogue.get(pid).targets)
+
+    def hand(results) -> None:  # the leading groups' results: their files ``first`` accepts, to ``forked``
+        forked({rel: text for group in results for rel, text in group.changed.items() if first(rel)})
+
     order = catalogue.closure(ids)
     if memo is None:
-        if not any(first(rel) for pid in order for rel in catalogue.get(pid).targets):
+        if not leads(order):
             forked({})
             return _whole(catalogue, tree, target, ids, order)
         result = _whole(catalogue, tree, target, ids, order)
-        forked({rel: text for rel, text in result.changed.items() if first(rel)})
+        hand([result])
         return result
     groups = independent_groups(catalogue, order)
     keys = [memo.key(tree, catalogue, target, group) for group in groups]
     found = [memo.get(key) for key in keys]
     missing = [i for i, entry in enumerate(found) if entry is None]
-    leading = {i for i, group in enumerate(groups) if any(first(rel) for pid in group for rel in catalogue.get(pid).targets)}
-
-    def lead_done(done: dict[int, _Group]) -> None:  # every leading group's result is in ``found`` or ``done``
-        texts = {rel: text for i in leading for rel, text in (done.get(i) or found[i]).changed.items()}
-        forked({rel: text for rel, text in texts.items() if first(rel)})
-
-    ran = _run_groups(catalogue, tree, target, [groups[i] for i in missing], jobs,
-                      [missing.index(i) for i in leading if i in missing],
-                      lambda done: lead_done({missing[j]: group for j, group in done.items()}))
+    remembered = [entry for i, entry in enumerate(found) if entry is not None and leads(groups[i])]
+    todo = [groups[i] for i in missing]
+    ran = _run_groups(catalogue, tree, target, todo, jobs, [j for j, group in enumerate(todo) if leads(group)],
+                      lambda done: hand(remembered + done))
     for i, entry in zip(missing, ran, strict=True):
         memo.put(keys[i], entry)
         found[i] = entry
@@ -238,7 +240,7 @@ def _run_group(group: list[str]) -> _Group:
 
 
 def _run_groups(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, groups: list[list[str]],
-                jobs: int | None, leading: list[int], lead_done: Callable[[dict[int, _Group]], None]) -> list[_Group]:
+                jobs: int | None, leading: list[int], lead_done: Callable[[list[_Group]], None]) -> list[_Group]:
     """Every group's result, in order; ``leading`` (indices) run first, and ``lead_done`` gets their
     results once they are done and every worker has been forked."""
     global _FORKED
@@ -246,7 +248,7 @@ def _run_groups(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, gro
     workers = worker_count(len(groups), jobs)
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         done = {i: _run_group(groups[i]) for i in leading}
-        lead_done(done)
+        lead_done(list(done.values()))
         return [done[i] if i in done else _run_group(group) for i, group in enumerate(groups)]
 
     def size(group: list[str]) -> int:  # parsing dominates: the biggest files first
@@ -262,7 +264,7 @@ def _run_groups(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, gro
         with uninterrupted():  # a signal inside submit could leave a worker the pool does not know
             futures = {i: pool.submit(_run_group, groups[i]) for i in by_size}
         # (with "fork", the pool starts all its workers at the first submit, before its own thread)
-        lead_done({i: futures[i].result() for i in leading})
+        lead_done([futures[i].result() for i in leading])
         results = [futures[i].result() for i in range(len(groups))]
     except BaseException:  # an error, or Interrupted: the running groups are not waited for
         for process in set(multiprocessing.active_children()) - others:
