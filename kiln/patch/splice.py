@@ -12,18 +12,23 @@ edit of a 7,000-line file cheap: a full-tree transform visits every expression n
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import libcst as cst
+
+from kiln.patch.anchor import child_nodes
 
 
 @dataclass(frozen=True)
 class Splice:
     """A statement of a block (the module's body or an indented block's) replaced by statements:
-    the code around it is unchanged (``kiln.patch.codegen`` splices the text the same way)."""
+    the code around it is unchanged (``kiln.patch.codegen`` splices the text the same way).
+    ``indent`` is the indentation libcst writes the block's statements at (one string per
+    enclosing indented block)."""
 
     old: cst.BaseStatement
     new: tuple[cst.BaseStatement, ...]
+    indent: tuple[str, ...]
 
 
 class _Replace(cst.CSTTransformer):
@@ -52,38 +57,44 @@ class _Rebuild:
     ``old`` is not under it); ``listed`` says whether it was an item of a list (a body, not a
     single child such as an ``elif``)."""
 
-    def __init__(self, old: cst.CSTNode, new):
+    def __init__(self, old: cst.CSTNode, new, default_indent: str):
         self.old, self.new, self.listed = old, new, False
+        self.default_indent = default_indent
+        self.indent: tuple[str, ...] = ()  # where ``old`` was found
 
-    def splice(self, items):
-        """``items`` with ``old`` replaced (recursing into compound statements), or None."""
+    def splice(self, items, indent: tuple[str, ...]):
+        """``items`` (written at ``indent``) with ``old`` replaced (recursing into compound
+        statements), or None."""
         for index, item in enumerate(items):
             if item is self.old:
-                self.listed = True
+                self.listed, self.indent = True, indent
                 return [*items[:index], *_replacement(self.new), *items[index + 1:]]
             if isinstance(item, cst.CSTNode):
-                rebuilt = self.rebuild(item)
+                rebuilt = self.rebuild(item, indent)
                 if rebuilt is not None:
                     return [*items[:index], rebuilt, *items[index + 1:]]
         return None
 
-    def rebuild(self, node: cst.CSTNode) -> cst.CSTNode | None:
+    def rebuild(self, node: cst.CSTNode, indent: tuple[str, ...] = ()) -> cst.CSTNode | None:
         for attr in ("body", "orelse", "handlers", "finalbody"):
             value = getattr(node, attr, None)
             if value is None:
                 continue
             if isinstance(value, cst.BaseSuite):
-                items = self.splice(value.body)
+                inner = indent  # (a one-line suite holds small statements, written on its line)
+                if isinstance(value, cst.IndentedBlock):  # as libcst's code generation indents it
+                    inner = (*indent, self.default_indent if value.indent is None else value.indent)
+                items = self.splice(value.body, inner)
                 if items is not None:
                     return node.with_changes(**{attr: value.with_changes(body=items)})
             elif isinstance(value, (list, tuple)):
-                items = self.splice(value)
+                items = self.splice(value, indent)
                 if items is not None:
                     return node.with_changes(**{attr: items})
             elif isinstance(value, cst.CSTNode):
                 if value is self.old and isinstance(self.new, cst.CSTNode):
                     return node.with_changes(**{attr: self.new})
-                rebuilt = self.rebuild(value)
+                rebuilt = self.rebuild(value, indent)
                 if rebuilt is not None:
                     return node.with_changes(**{attr: rebuilt})
         return None
@@ -95,11 +106,8 @@ class _Rebuild:
         statements = tuple(_replacement(self.new))
         if self.listed and isinstance(self.old, cst.BaseStatement) and \
                 all(isinstance(s, cst.BaseStatement) for s in statements):
-            return Splice(self.old, statements)
+            return Splice(self.old, statements, self.indent)
         return None
-
-
-_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 def _holder(scope: cst.CSTNode, old: cst.CSTNode) -> cst.CSTNode:
@@ -114,15 +122,7 @@ def _holder(scope: cst.CSTNode, old: cst.CSTNode) -> cst.CSTNode:
             return holder
         if isinstance(node, cst.BaseStatement):
             holder = node
-        names = _FIELDS.get(type(node))
-        if names is None:
-            names = _FIELDS[type(node)] = tuple(f.name for f in fields(node))
-        for name in names:
-            value = getattr(node, name)
-            if isinstance(value, cst.CSTNode):
-                stack.append((value, holder))
-            elif isinstance(value, (list, tuple)):
-                stack.extend((item, holder) for item in value if isinstance(item, cst.CSTNode))
+        stack.extend((child, holder) for child in child_nodes(node))
     return scope
 
 
@@ -148,13 +148,13 @@ def replace_traced(module: cst.Module, old: cst.CSTNode, new,
                    scope: cst.CSTNode | None = None) -> tuple[cst.Module, Splice | None]:
     """``replace_node``, and the statement of a block it replaced with what (None: another kind
     of replacement, or the whole module transformed)."""
-    direct = _Rebuild(old, new)
+    direct = _Rebuild(old, new, module.default_indent)
     rebuilt = direct.rebuild(module)
     if rebuilt is not None:
         return rebuilt, direct.traced()
     if scope is not None and scope is not module:
         scope = _holder(scope, old)
-        around = _Rebuild(scope, _transform(scope, old, new))
+        around = _Rebuild(scope, _transform(scope, old, new), module.default_indent)
         rebuilt = around.rebuild(module)
         if rebuilt is not None:
             return rebuilt, around.traced()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+import libcst as cst
 import libcst.matchers as m
 import pytest
 from packaging.version import Version
@@ -338,3 +339,27 @@ def test_a_text_is_parsed_once_per_process_and_held_within_its_bound(tmp_path, m
     parsed.check_parses("a = 1\n")  # held as a tree: known to parse
     monkeypatch.undo()
     assert calls == ["c = 3\n"]
+
+
+def test_a_selection_reparses_only_the_texts_no_splice_vouched_for(tmp_path, monkeypatch):
+    """What a selection writes must parse back; a text spliced from a parsed one with new
+    statements that parse alone is known to (``kiln.patch.codegen``), so only the others are
+    parsed again: here the file a full-module transform wrote."""
+    from kiln.patch import engine
+
+    class RenameInElif(Codemod):  # an elif is no statement of a block: libcst writes the module
+        target = "other.py"
+        anchor = (m.If(test=m.Name("b")),)
+        patched = (m.If(test=m.Name("c")),)
+
+        def rewrite(self, node):
+            return node.with_changes(test=cst.Name("c"))
+
+    files = {**BASE, "other.py": "if a:\n    x = 1\nelif b:\n    x = 2\n"}
+    cat = catalogue(patch("P1", (AddHelper,)), patch("P2", (RenameInElif,)))
+    reparsed = []
+    check = engine.PARSED.check_parses
+    monkeypatch.setattr(engine.PARSED, "check_parses", lambda text: (reparsed.append(text), check(text)))
+    result = run_selection(cat, Session(tree(tmp_path, files)), TARGET, ["P1", "P2"])
+    assert {o.verdict for o in result.outcomes.values()} == {Verdict.APPLIES}
+    assert reparsed == [result.changed_text()["other.py"]] and "elif c:" in reparsed[0]
