@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import libcst as cst
 import libcst.matchers as m
@@ -48,12 +48,59 @@ def _walk_statements(root: cst.CSTNode):
             stack.extend(reversed(_child_statements(node)))
 
 
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def child_nodes(node: cst.CSTNode) -> list[cst.CSTNode]:
+    """The nodes ``node``'s fields hold (the children a libcst visit passes, not in source
+    order), read from the fields: a libcst visit rebuilds every node it passes, which is most
+    of what ``m.findall`` costs on a large file."""
+    names = _FIELDS.get(type(node))
+    if names is None:
+        names = _FIELDS[type(node)] = tuple(f.name for f in fields(node))
+    out: list[cst.CSTNode] = []
+    for name in names:
+        value = getattr(node, name)
+        if isinstance(value, cst.CSTNode):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(item for item in value if isinstance(item, cst.CSTNode))
+    return out
+
+
+def _kind(matcher: m.BaseMatcherNode) -> str | None:
+    """The node class a matcher of one node type matches (libcst's first test, by class name),
+    None for the others (``OneOf``, ``MatchIfTrue``, ...)."""
+    name = matcher.__class__.__name__
+    node_class = getattr(cst, name, None)
+    return name if isinstance(node_class, type) and issubclass(node_class, cst.CSTNode) else None
+
+
+def _matching(root: cst.CSTNode, matcher: m.BaseMatcherNode) -> list[cst.CSTNode]:
+    """The nodes under ``root`` matching ``matcher``, in no particular order."""
+    kind = _kind(matcher)
+    found: list[cst.CSTNode] = []
+    stack = child_nodes(root)
+    while stack:
+        node = stack.pop()
+        if (kind is None or node.__class__.__name__ == kind) and m.matches(node, matcher):
+            found.append(node)
+        stack.extend(child_nodes(node))
+    return found
+
+
 def find(root: cst.CSTNode, matcher: m.BaseMatcherNode) -> list[cst.CSTNode]:
     """All nodes under ``root`` (not ``root`` itself) matching ``matcher``, in source order."""
     if isinstance(matcher, _STATEMENT_MATCHERS):
         # libcst's own first test, made here without its call overhead: most statements fail it
         kind = matcher.__class__.__name__
         return [n for n in _walk_statements(root) if n.__class__.__name__ == kind and m.matches(n, matcher)]
+    if isinstance(matcher, m.BaseMatcherNode):
+        found = _matching(root, matcher)
+        if len(found) <= 1:
+            return found
+    # libcst's visit: for source order, where there is an order to give; and for a predicate
+    # (``MatchIfTrue``, ``DoesNotMatch``), which ``m.matches`` refuses at the top and findall takes
     return [n for n in m.findall(root, matcher) if n is not root]
 
 
@@ -118,17 +165,27 @@ def resolve(module: cst.Module, anchor: Anchor) -> AnchorResult:
 
 def reach(module: cst.CSTNode, anchor: Anchor) -> list[cst.CSTNode]:
     """Every node the full anchor path reaches, in source order ([] if a level finds nothing)."""
-    scopes: list[cst.CSTNode] = [module]
-    for matcher in anchor:
-        scopes = [node for scope in scopes for node in find(scope, matcher)]
-        if not scopes:
-            return []
-    return scopes
+    return _reach(module, anchor, find)
 
 
 def count(module: cst.Module, anchor: Anchor) -> int:
     """How many nodes the full anchor path reaches (0 if any level finds nothing)."""
-    return len(reach(module, anchor))
+    return len(_reach(module, anchor, _find_unordered))
+
+
+def _find_unordered(root: cst.CSTNode, matcher: m.BaseMatcherNode) -> list[cst.CSTNode]:
+    if isinstance(matcher, _STATEMENT_MATCHERS) or not isinstance(matcher, m.BaseMatcherNode):
+        return find(root, matcher)
+    return _matching(root, matcher)
+
+
+def _reach(module: cst.CSTNode, anchor: Anchor, find_in) -> list[cst.CSTNode]:
+    scopes: list[cst.CSTNode] = [module]
+    for matcher in anchor:
+        scopes = [node for scope in scopes for node in find_in(scope, matcher)]
+        if not scopes:
+            return []
+    return scopes
 
 
 class _Reached(Exception):
