@@ -12,6 +12,7 @@ import hashlib
 import io
 import struct
 import tarfile
+import zlib
 
 import pytest
 
@@ -167,3 +168,47 @@ def test_the_decompressed_bytes_must_be_the_diff_id(mode):
         _members(io.BytesIO(blob), mode, wrong)
     assert str(err.value) == (f"test layer decompresses to {_sha(raw)}, not to its diff_id {wrong} in the image "
                               "config (rootfs.diff_ids): the layer or the config is corrupt")
+
+
+class _Endless(io.RawIOBase):
+    """A gzip layer that never ends: a first member, then zeros compressed on the fly."""
+
+    def __init__(self):
+        self._gzip = zlib.compressobj(6, zlib.DEFLATED, 31)
+        self._first = _tar({"first.py": b"x"})[:1024]  # its header and data block
+
+    def read(self, size: int = -1) -> bytes:
+        data, self._first = self._first or b"\0" * (1 << 20), b""
+        return self._gzip.compress(data) + self._gzip.flush(zlib.Z_SYNC_FLUSH)
+
+
+class _Failing(io.RawIOBase):
+    """Stored bytes that stop with the connection's error part-way."""
+
+    def __init__(self, data: bytes, at: int):
+        self._data, self._at = io.BytesIO(data), at
+
+    def read(self, size: int = -1) -> bytes:
+        if self._data.tell() >= self._at:
+            raise ConnectionResetError("connection reset by peer")
+        return self._data.read(min(size, self._at - self._data.tell()))
+
+
+def _threads() -> set[str]:
+    import threading
+    return {t.name for t in threading.enumerate() if t.name.startswith("kiln-layer-")}
+
+
+def test_the_fetch_and_inflate_threads_end_with_the_block_and_hand_on_their_errors():
+    """A layer is fetched and inflated in two threads while the caller parses the tar: a caller
+    that stops part-way (its own error) leaves neither behind, and the fetch's error reaches the
+    caller, in one line naming the layer."""
+    with pytest.raises(RuntimeError, match="the caller's"):
+        with open_tar(_Endless(), "r|gz", "test layer", Budget()) as tar:
+            assert next(iter(tar)).name == "first.py"
+            raise RuntimeError("the caller's")
+    assert not _threads()
+    blob = gzip.compress(_tar(FILES), mtime=0)
+    with pytest.raises(KilnError, match=r"^test layer is not a readable tar \(connection reset by peer\)$"):
+        _members(_Failing(blob, len(blob) // 2), "r|gz")
+    assert not _threads()
