@@ -14,11 +14,12 @@ SITE = "usr/local/lib/python3.12/dist-packages"
 META = b"Metadata-Version: 2.1\nName: vllm\nVersion: 0.20.1\n"
 
 
-def layer(entries: dict) -> tarfile.TarFile:
-    """A stream-mode tar: values are bytes (file), ("sym", target), ("link", target) or None (dir)."""
+def layer(entries: dict | list) -> tarfile.TarFile:
+    """A stream-mode tar: values are bytes (file), ("sym", target), ("link", target) or None (dir);
+    a list of (name, value) pairs may name an entry twice."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, value in entries.items():
+        for name, value in (entries.items() if isinstance(entries, dict) else entries):
             info = tarfile.TarInfo(name)
             if value is None:
                 info.type = tarfile.DIRTYPE
@@ -277,3 +278,30 @@ def test_a_whited_out_triton_is_not_found_below(tmp_path):
     assert not walk.complete  # every layer is read: the only Triton is deleted above
     found = walk.result()
     assert found.triton_version is None and found.triton_record is None
+
+
+def test_files_are_written_beside_the_reading_and_all_there_when_the_layer_is(tmp_path):
+    """The files are written by a thread while the tar is read: when ``add_layer`` returns every
+    one is on disk, in the layer's order (a later duplicate replaces the earlier one, a hard link
+    copies what was written before it); a write that fails is raised by ``add_layer``, and no
+    write thread outlives it."""
+    import threading
+
+    files = {f"m{i}.py": f"# module {i}\n".encode() * i for i in range(200)}
+    entries = [*install(files).items(), (f"{SITE}/vllm/m7.py", b"the later m7"),
+               (f"{SITE}/vllm/hard.py", ("link", f"{SITE}/vllm/m9.py"))]
+    walk = VllmLayerWalk(tmp_path / "a")
+    walk.add_layer(layer(entries), "install")
+    package = tmp_path / "a" / SITE / "vllm"
+    assert (package / "m7.py").read_bytes() == b"the later m7"
+    assert (package / "hard.py").read_bytes() == files["m9.py"]
+    assert all((package / rel).read_bytes() == data for rel, data in files.items() if rel != "m7.py")
+    assert not [t for t in threading.enumerate() if t.name.startswith("kiln-layer-write")]
+    # a file already there (the walk is meant to be the only writer): O_EXCL refuses it
+    taken = tmp_path / "b" / SITE / "vllm" / "m150.py"
+    taken.parent.mkdir(parents=True)
+    taken.write_bytes(b"someone else's")
+    with pytest.raises(FileExistsError):
+        VllmLayerWalk(tmp_path / "b").add_layer(layer(install(files)), "install")
+    assert taken.read_bytes() == b"someone else's"
+    assert not [t for t in threading.enumerate() if t.name.startswith("kiln-layer-write")]
