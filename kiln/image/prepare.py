@@ -241,10 +241,12 @@ class _KernelCompile:
     def reads(self, rel: str) -> bool:  # a file the kernels compile from
         return bool(self.preset) and reads_source(self.preset, rel)
 
-    def start(self, changed: dict[str, str]) -> None:
+    def start(self, changed: dict[str, str]) -> bool:
+        """Begun (the patch processes then make way for it: ``kiln.patch.memo.YIELD_NICE``)?"""
         if self.wanted:
             with uninterrupted():  # a signal inside submit could start a thread the pool never joins
                 self.early = (changed, self.pool.submit(self.compile_layer, changed))
+        return self.wanted
 
     def result(self, changed: dict[str, str]):
         """The layer (or None: left out) for the patching's final ``changed`` files, and whether it

@@ -177,7 +177,7 @@ def independent_groups(catalogue: Catalogue, order: list[str]) -> list[list[str]
 
 def patched_selection(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, ids: list[str],
                       memo: SelectionMemo | None = None, jobs: int | None = None,
-                      forked: Callable[[dict[str, str]], None] | None = None,
+                      forked: Callable[[dict[str, str]], bool | None] | None = None,
                       first: Callable[[str], bool] | None = None) -> PatchedSelection:
     """``run_selection`` on ``tree``, reusing what ``memo`` remembers for exactly these inputs.
 
@@ -190,16 +190,17 @@ def patched_selection(catalogue: Catalogue, tree: SourceTree, target: BuildTarge
     then (a thread: forking a process that runs other threads can deadlock the child). Those
     groups run before the others. The text it is handed is what the selection's result holds,
     unless a group read another's output and the whole selection ran again (rare: the caller
-    compares).
+    compares). When it returns True (work was started), the patch processes make way for that
+    work (``YIELD_NICE``).
     """
-    forked = forked or (lambda changed: None)
+    forked = forked or (lambda changed: False)
     first = first or (lambda rel: False)
 
     def leads(group: list[str]) -> bool:  # a group that patches a file ``first`` accepts
         return any(first(rel) for pid in group for rel in catalogue.get(pid).targets)
 
-    def hand(results) -> None:  # the leading groups' results: their files ``first`` accepts, to ``forked``
-        forked({rel: text for group in results for rel, text in group.changed.items() if first(rel)})
+    def hand(results) -> bool:  # the leading groups' results: their files ``first`` accepts, to ``forked``
+        return bool(forked({rel: text for group in results for rel, text in group.changed.items() if first(rel)}))
 
     order = catalogue.closure(ids)
     if memo is None:
@@ -239,10 +240,20 @@ def _run_group(group: list[str]) -> _Group:
     return _Group(list(result.outcomes.values()), result.changed_text(), frozenset(session.reads))
 
 
+# The niceness of the patch processes while work the caller started beside them runs (a build:
+# its Triton kernel compile, one chain of about 4 s of CPU on the shipped image: compile, then a
+# fresh process's check). Three processes on two cores gave that chain 2/3 of a core: it ended
+# after the patching, which then waited for it with a core idle. At nice 3 (CFS weight 526
+# against 1024) the chain gets about a core and the patch processes the rest; the cold build of
+# the shipped image went from 9.6 to 8.5 s here (docs/BENCHMARKS.md). More (nice 10) starved the
+# patching instead.
+YIELD_NICE = 3
+
+
 def _run_groups(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, groups: list[list[str]],
-                jobs: int | None, leading: list[int], lead_done: Callable[[list[_Group]], None]) -> list[_Group]:
+                jobs: int | None, leading: list[int], lead_done: Callable[[list[_Group]], bool]) -> list[_Group]:
     """Every group's result, in order; ``leading`` (indices) run first, and ``lead_done`` gets their
-    results once they are done and every worker has been forked."""
+    results once they are done and every worker has been forked (True: the workers then yield)."""
     global _FORKED
     _FORKED = (catalogue, tree, target)
     workers = worker_count(len(groups), jobs)
@@ -264,7 +275,8 @@ def _run_groups(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, gro
         with uninterrupted():  # a signal inside submit could leave a worker the pool does not know
             futures = {i: pool.submit(_run_group, groups[i]) for i in by_size}
         # (with "fork", the pool starts all its workers at the first submit, before its own thread)
-        lead_done([futures[i].result() for i in leading])
+        if lead_done([futures[i].result() for i in leading]):
+            _make_way(set(multiprocessing.active_children()) - others)
         results = [futures[i].result() for i in range(len(groups))]
     except BaseException:  # an error, or Interrupted: the running groups are not waited for
         for process in set(multiprocessing.active_children()) - others:
@@ -273,6 +285,15 @@ def _run_groups(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, gro
         raise
     pool.shutdown(wait=True)
     return results
+
+
+def _make_way(workers) -> None:
+    """The pool's ``workers`` lowered to ``YIELD_NICE`` (a process may lower its children's priority)."""
+    for worker in workers:
+        try:
+            os.setpriority(os.PRIO_PROCESS, worker.pid, max(os.getpriority(os.PRIO_PROCESS, worker.pid), YIELD_NICE))
+        except (ProcessLookupError, PermissionError):  # gone already; or a system that refuses: as it was
+            pass
 
 
 def _whole(catalogue: Catalogue, tree: SourceTree, target: BuildTarget, ids: list[str],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -135,7 +136,7 @@ _RUN_GROUP = memo_module._run_group
 def _logged_run_group(group: list[str]):  # module level: the pool pickles it by name
     result = _RUN_GROUP(group)
     with _ORDER_LOG.open("a") as handle:
-        handle.write(f"done {','.join(group)}\n")
+        handle.write(f"done {','.join(group)} nice {os.getpriority(os.PRIO_PROCESS, 0)}\n")
     return result
 
 
@@ -165,9 +166,34 @@ def test_the_groups_of_the_first_files_run_first_and_hand_their_final_text(tmp_p
     assert expected and handed == [expected]  # PN119's two files, as the whole selection writes them
     order = log.read_text().splitlines()
     assert len(order) == len(independent_groups(catalogue, catalogue.closure(ids))) + 1
-    assert order.index(f"done {','.join(lead)}") < order.index("forked")
+    done_lead = next(i for i, line in enumerate(order) if line.startswith(f"done {','.join(lead)} "))
+    assert done_lead < order.index("forked")
     if jobs == 1:  # in this process: the leading group, the hook, then every other group
-        assert order[:2] == [f"done {','.join(lead)}", "forked"]
+        assert order.index("forked") == 1 and done_lead == 0
+
+
+@pytest.mark.parametrize("started", [True, False])
+def test_the_patch_processes_make_way_for_work_started_beside_them(tmp_path, monkeypatch, catalogue, tree_0201,
+                                                                   shipped, started):
+    """``forked`` returning True (a build: its kernel compile began) lowers the patch processes'
+    priority to ``YIELD_NICE`` for the rest of the patching; returning False leaves it as it was."""
+    ids, target = shipped
+    log = tmp_path / "order.log"
+    monkeypatch.setattr(sys.modules[__name__], "_ORDER_LOG", log)
+    monkeypatch.setattr(memo_module, "_run_group", _logged_run_group)
+
+    def forked(changed):
+        with log.open("a") as handle:
+            handle.write("forked\n")
+        return started
+
+    patched_selection(catalogue, tree_0201, target, ids, SelectionMemo(tmp_path / "cache"), jobs=2, forked=forked,
+                      first=lambda rel: rel.startswith("v1/attention/ops/"))
+    order = log.read_text().splitlines()
+    after = [int(line.rsplit(" ", 1)[1]) for line in order[order.index("forked") + 1:]]
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert after and set(after) == ({max(base, memo_module.YIELD_NICE)} if started else {base})
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # (this process is left as it was)
 
 
 def test_without_a_memo_the_first_files_are_handed_after_the_whole_run(catalogue, tree_0201, shipped, whole):
