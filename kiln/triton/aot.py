@@ -89,8 +89,11 @@ class SmCache:
 
 
 def _worker_env(cache_dir: Path, home: Path, runtime_env: dict[str, str], binary_only: bool) -> dict[str, str]:
+    # TMPDIR: Triton writes each kernel's PTX and ptxas log to temporary files that it removes
+    # only once ptxas is done; a build killed meanwhile left them in /tmp. Under ``home`` they are
+    # in the cache's fill directory, removed with it (``kiln.cache.install_dir``).
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "TRITON_HOME": str(home),
-           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "LC_ALL": "C.UTF-8"}
+           "TMPDIR": str(home), "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "LC_ALL": "C.UTF-8"}
     env.update(runtime_env)
     env["TRITON_CACHE_DIR"] = str(cache_dir)
     if binary_only:

@@ -169,6 +169,7 @@ def workspace(tmp_path_factory, registry_plain) -> KillWorkspace:
                          ids=[f"{p}-{s}" for p, s in CASES] + [f"{p}-{s}-loaded" for p, s in LOADED_CASES])
 def test_killed_build_leaves_no_process_and_the_next_run_no_staging(workspace, tmp_path, point, signame, loaded):
     signum = SIGNALS[signame]
+    started = time.time()
     load = cpu_hogs() if loaded else nullcontext()
     cache, out = tmp_path / "cache", tmp_path / "out"
     dest = f"test/kill-{point}-{signame.lower()}{'-loaded' if loaded else ''}"  # (each case its own tag)
@@ -212,5 +213,7 @@ def test_killed_build_leaves_no_process_and_the_next_run_no_staging(workspace, t
     again = finish(workspace.start(cache, out, dest))
     assert tag_digest(workspace.registry, dest, again["tag"]) == again["manifest_digest"]
     check_cache(cache)  # every entry verified, no .tmp-* left anywhere in the cache
+    # Triton's temporary PTX and ptxas log of a kernel being assembled: in the fill, never in /tmp
+    assert [p for p in Path("/tmp").glob("tmp*.ptx") if p.stat().st_mtime >= started] == []
     assert [p.name for p in tmp_path.iterdir() if ".kiln-" in p.name] == []
     assert stages_of(build.pid, STAGE) == []  # the Triton sources it was staging
