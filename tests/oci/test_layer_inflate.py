@@ -200,15 +200,19 @@ def _threads() -> set[str]:
 
 
 def test_the_fetch_and_inflate_threads_end_with_the_block_and_hand_on_their_errors():
-    """A layer is fetched and inflated in two threads while the caller parses the tar: a caller
-    that stops part-way (its own error) leaves neither behind, and the fetch's error reaches the
-    caller, in one line naming the layer."""
+    """A layer is fetched, inflated and hashed in threads while the caller parses the tar: a
+    caller that stops part-way (its own error) leaves none behind, and the fetch's error reaches
+    the caller, in one line naming the layer."""
     with pytest.raises(RuntimeError, match="the caller's"):
         with open_tar(_Endless(), "r|gz", "test layer", Budget()) as tar:
             assert next(iter(tar)).name == "first.py"
             raise RuntimeError("the caller's")
     assert not _threads()
-    blob = gzip.compress(_tar(FILES), mtime=0)
-    with pytest.raises(KilnError, match=r"^test layer is not a readable tar \(connection reset by peer\)$"):
-        _members(_Failing(blob, len(blob) // 2), "r|gz")
+    raw = _tar(FILES)
+    blob = gzip.compress(raw, mtime=0)
+    for diff_id in (None, _sha(raw)):  # (with a diff_id, the bytes are hashed in a third thread)
+        with pytest.raises(KilnError, match=r"^test layer is not a readable tar \(connection reset by peer\)$"):
+            _members(_Failing(blob, len(blob) // 2), "r|gz", diff_id)
+        assert not _threads()
+    assert _members(io.BytesIO(blob), "r|gz", _sha(raw)) == FILES
     assert not _threads()
