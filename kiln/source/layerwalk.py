@@ -378,7 +378,7 @@ class _Writes:
         self._held += size
 
     def __exit__(self, kind, error, trace) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True, cancel_futures=kind is not None)  # (after an error: none begun)
         if kind is None:
             for done, _ in self._pending:
                 done.result()
