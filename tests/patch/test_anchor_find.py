@@ -56,7 +56,7 @@ def _findall(root: cst.CSTNode, matcher) -> list[cst.CSTNode]:
 
 
 def _same(found: list[cst.CSTNode], expected: list[cst.CSTNode]) -> bool:
-    return len(found) == len(expected) and all(a is b for a, b in zip(found, expected))
+    return len(found) == len(expected) and all(a is b for a, b in zip(found, expected, strict=True))
 
 
 @pytest.mark.parametrize("matcher", MATCHERS, ids=lambda matcher: type(matcher).__name__)
