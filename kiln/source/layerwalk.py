@@ -51,19 +51,16 @@ layer replaces the earlier one, as tar extraction does.
 from __future__ import annotations
 
 import email.parser
-import os
 import posixpath
 import re
-import shutil
 import tarfile
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from packaging.version import InvalidVersion, Version
 
 from kiln.errors import KilnError, writing
+from kiln.source.writes import OrderedWrites, copy_of, create_new
 
 _SITE = re.compile(r"^(?P<site>(?:[^/]+/)*lib/python3(?:\.\d+)?/(?:dist|site)-packages)/(?P<rest>.+)$")
 _VLLM_META = re.compile(r"^vllm-[^/]+\.dist-info/(METADATA|RECORD)$")
@@ -110,12 +107,12 @@ class VllmLayerWalk:
         self._dirs: set[str] = set()
         self._regular: set[str] = set()
         self.layers: list[str] = []
-        self._writes: _Writes | None = None  # while a layer is added, or the links written
+        self._writes: OrderedWrites | None = None  # while a layer is added, or the links written
 
     # -- feeding -----------------------------------------------------------------------------
 
     def add_layer(self, tar: tarfile.TarFile, label: str) -> None:
-        with _Writes() as self._writes:  # done (or failed) when the layer is
+        with OrderedWrites() as self._writes:  # done (or failed) when the layer is
             self._add_layer(tar, label)
 
     def _add_layer(self, tar: tarfile.TarFile, label: str) -> None:
@@ -210,7 +207,7 @@ class VllmLayerWalk:
 
     def _new_file(self, path: str, size: int | None, what: str, fill) -> None:
         """``dest/path`` created (its directories made first) and filled by ``fill(out)``, in the
-        writer's thread; never through a link (``_create``). ``size``/``what``: for a full disk's error."""
+        writer's thread; never through a link (``create_new``). ``size``/``what``: for a full disk's error."""
         parent = posixpath.dirname(path)
         made = None
         if parent not in self._dirs:
@@ -225,7 +222,7 @@ class VllmLayerWalk:
             with writing(target, size, what):
                 if made is not None:
                     made.mkdir(parents=True, exist_ok=True)
-                with _create(target) as out:
+                with create_new(target) as out:
                     fill(out)
 
         self._writes.submit(write, size or 0)
@@ -251,7 +248,7 @@ class VllmLayerWalk:
             if not linked or not linked.startswith(package + "/") or linked not in self._regular:
                 raise KilnError(f"layer {label}: hard link {member.name!r} -> {member.linkname!r} does not name "
                                 "a file extracted from the vllm package")
-            self._new_file(path, None, f"layer {label}: hard link {member.name!r}", _copy_of(self.dest / linked))
+            self._new_file(path, None, f"layer {label}: hard link {member.name!r}", copy_of(self.dest / linked))
 
     def _materialise_links(self, site: str) -> None:
         """Write each ``.py`` symlink of the package as a copy of the file it resolves to."""
@@ -265,7 +262,7 @@ class VllmLayerWalk:
             if target not in self._regular:
                 raise KilnError(f"layer {label}: symlink {path!r} -> {linkname!r} resolves to {target!r}, "
                                 "which is not a file in the layers read")
-            self._new_file(path, source.stat().st_size, f"layer {label}: symlink {path!r}", _copy_of(source))
+            self._new_file(path, source.stat().st_size, f"layer {label}: symlink {path!r}", copy_of(source))
 
     def _resolve(self, path: str, package: str, label: str, linkname: str) -> str:
         """Where the symlink at ``path`` leads, following links, never leaving ``package``."""
@@ -331,7 +328,7 @@ class VllmLayerWalk:
             site = with_init[0]
             if not self._sites[site].metadata:
                 raise KilnError(f"/{site}/vllm has no vllm-*.dist-info/METADATA; cannot tell the installed vLLM version")
-        with _Writes() as self._writes:
+        with OrderedWrites() as self._writes:
             self._materialise_links(site)
         state = self._sites[site]
         name, (_, metadata) = sorted(state.metadata.items())[0]
@@ -352,48 +349,6 @@ def _normalise(name: str, label: str) -> str | None:
     if ".." in parts:
         raise KilnError(f"layer {label}: entry {name!r} climbs out of the root with '..'")
     return "/".join(parts) or None
-
-
-class _Writes:
-    """The walk's writes to ``dest``, in order, in one thread beside the tar's reading (creating
-    a file costs as much as parsing its entry: ~0.35 ms each on a VM's ext4, 1,700 of them for
-    vLLM). At most ``limit`` bytes wait to be written. Leaving the block waits for every write;
-    the first that failed is raised then (or earlier, at a later ``submit``), unless another
-    error is already on its way."""
-
-    def __init__(self, limit: int = 64 << 20):
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-layer-write")
-        self._pending: deque[tuple[Future, int]] = deque()
-        self._held, self._limit = 0, limit
-
-    def __enter__(self) -> _Writes:
-        return self
-
-    def submit(self, write, size: int = 0) -> None:
-        while self._pending and (self._pending[0][0].done() or self._held + size > self._limit):
-            done, held = self._pending.popleft()
-            self._held -= held
-            done.result()
-        self._pending.append((self._pool.submit(write), size))
-        self._held += size
-
-    def __exit__(self, kind, error, trace) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=kind is not None)  # (after an error: none begun)
-        if kind is None:
-            for done, _ in self._pending:
-                done.result()
-
-
-def _copy_of(source: Path):
-    def fill(out) -> None:
-        with source.open("rb") as data:
-            shutil.copyfileobj(data, out)
-    return fill
-
-
-def _create(path: Path):
-    """A new regular file at ``path``; fails rather than follow a link or reuse a file."""
-    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "wb")
 
 
 _KINDS = {tarfile.CHRTYPE: "character device", tarfile.BLKTYPE: "block device", tarfile.FIFOTYPE: "FIFO"}
