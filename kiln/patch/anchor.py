@@ -91,13 +91,17 @@ def _matching(root: cst.CSTNode, matcher: m.BaseMatcherNode) -> list[cst.CSTNode
 
 def find(root: cst.CSTNode, matcher: m.BaseMatcherNode) -> list[cst.CSTNode]:
     """All nodes under ``root`` (not ``root`` itself) matching ``matcher``, in source order."""
+    return _find(root, matcher, ordered=True)
+
+
+def _find(root: cst.CSTNode, matcher: m.BaseMatcherNode, ordered: bool) -> list[cst.CSTNode]:
     if isinstance(matcher, _STATEMENT_MATCHERS):
         # libcst's own first test, made here without its call overhead: most statements fail it
         kind = matcher.__class__.__name__
         return [n for n in _walk_statements(root) if n.__class__.__name__ == kind and m.matches(n, matcher)]
     if isinstance(matcher, m.BaseMatcherNode):
         found = _matching(root, matcher)
-        if len(found) <= 1:
+        if not ordered or len(found) <= 1:
             return found
     # libcst's visit: for source order, where there is an order to give; and for a predicate
     # (``MatchIfTrue``, ``DoesNotMatch``), which ``m.matches`` refuses at the top and findall takes
@@ -165,24 +169,18 @@ def resolve(module: cst.Module, anchor: Anchor) -> AnchorResult:
 
 def reach(module: cst.CSTNode, anchor: Anchor) -> list[cst.CSTNode]:
     """Every node the full anchor path reaches, in source order ([] if a level finds nothing)."""
-    return _reach(module, anchor, find)
+    return _reach(module, anchor, ordered=True)
 
 
 def count(module: cst.Module, anchor: Anchor) -> int:
     """How many nodes the full anchor path reaches (0 if any level finds nothing)."""
-    return len(_reach(module, anchor, _find_unordered))
+    return len(_reach(module, anchor, ordered=False))
 
 
-def _find_unordered(root: cst.CSTNode, matcher: m.BaseMatcherNode) -> list[cst.CSTNode]:
-    if isinstance(matcher, _STATEMENT_MATCHERS) or not isinstance(matcher, m.BaseMatcherNode):
-        return find(root, matcher)
-    return _matching(root, matcher)
-
-
-def _reach(module: cst.CSTNode, anchor: Anchor, find_in) -> list[cst.CSTNode]:
+def _reach(module: cst.CSTNode, anchor: Anchor, ordered: bool) -> list[cst.CSTNode]:
     scopes: list[cst.CSTNode] = [module]
     for matcher in anchor:
-        scopes = [node for scope in scopes for node in find_in(scope, matcher)]
+        scopes = [node for scope in scopes for node in _find(scope, matcher, ordered)]
         if not scopes:
             return []
     return scopes

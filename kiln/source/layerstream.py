@@ -203,13 +203,8 @@ class _Hashing:
             self._sha256.update(data)
 
     def update(self, data: bytes) -> None:
-        while True:
-            try:
-                self._queue.put(data, timeout=_POLL)
-                return
-            except queue.Full:
-                if self._stop.is_set():
-                    raise _Stopped() from None
+        if not _offer(self._queue, data, self._stop):
+            raise _Stopped()
 
     def hexdigest(self) -> str:
         self.update(None)
@@ -242,6 +237,17 @@ class _Advancing:
 
 class _Stopped(Exception):
     """The reading side closed the stream while a thread still waited on it."""
+
+
+def _offer(into: queue.Queue, item, stop: threading.Event) -> bool:
+    """``item`` put in ``into`` once it has room; False (not put) once ``stop`` is set."""
+    while not stop.is_set():
+        try:
+            into.put(item, timeout=_POLL)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 class _Ahead:
@@ -289,12 +295,7 @@ class _Ahead:
             self._put(err)
 
     def _put(self, item) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+        _offer(self._queue, item, self._stop)  # (once the stream is closed, nobody reads it)
 
     def _next(self):
         """The next item from the thread; meanwhile the deadline is checked and a stall reported."""
